@@ -1,0 +1,34 @@
+/* Run-time ISA detection. AVX-512 needs both the CPU bit (cpuid leaf 7, EBX bit 16)
+ * and the OS enabling the opmask and ZMM state in XCR0 (bits 1, 2, 5, 6, 7); a CPU can
+ * report the former without the latter (e.g. under some hypervisors), so both are read. */
+#include "ttile_runtime.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+
+static uint64_t read_xcr0(void)
+{
+    uint32_t eax, edx;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((uint64_t)edx << 32) | eax;
+}
+
+int ttile_cpu_has_avx512f(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        return 0;
+    const unsigned osxsave = 1u << 27, fma = 1u << 12;
+    if ((ecx & osxsave) == 0 || (ecx & fma) == 0)
+        return 0;
+    const uint64_t zmm_state = (1u << 1) | (1u << 2) | (1u << 5) | (1u << 6) | (1u << 7);
+    if ((read_xcr0() & zmm_state) != zmm_state)
+        return 0;
+    if (__get_cpuid_max(0, 0) < 7)
+        return 0;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    return (ebx >> 16) & 1u;
+}
+#else
+int ttile_cpu_has_avx512f(void) { return 0; }
+#endif

@@ -1,0 +1,108 @@
+/* Generic AVX-512 convolution: runtime shapes, any stride and padding, K tails masked.
+ *
+ * The fallback for shapes with no tuned kernel. It uses one fixed register block of
+ * WB outputs along w by KV vectors of 16 along k (12 x 2 accumulators + 2 weight
+ * vectors + 1 broadcast = 27 zmm registers, no spills). Padding is handled without
+ * copying the input: an out-of-range input pixel is read from a zero row instead.
+ * K that is not a multiple of 16 uses masked loads and stores, never a padded copy. */
+#include <immintrin.h>
+#include <stdlib.h>
+#include "ttile_runtime.h"
+
+#define WB 12
+
+static inline __attribute__((always_inline)) void
+conv_block(const ttile_conv_shape *sh, const float *x_n, const float *w, float *y_row,
+           int64_t oh, int64_t ow0, const int nw, const int kv, int64_t k0,
+           __mmask16 m0, __mmask16 m1, const float *zeros)
+{
+    const int64_t H = sh->h, W = sh->w, C = sh->c, K = sh->k, R = sh->r, S = sh->s;
+    __m512 acc0[WB], acc1[WB];
+    for (int j = 0; j < nw; j++) {
+        acc0[j] = _mm512_setzero_ps();
+        acc1[j] = _mm512_setzero_ps();
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t ih = oh * sh->stride_h + r - sh->pad_top;
+        if (ih < 0 || ih >= H)
+            continue;
+        const float *x_row = x_n + ih * W * C;
+        for (int64_t s = 0; s < S; s++) {
+            const float *xp[WB];
+            for (int j = 0; j < nw; j++) {
+                const int64_t iw = (ow0 + j) * sh->stride_w + s - sh->pad_left;
+                xp[j] = (iw >= 0 && iw < W) ? x_row + iw * C : zeros;
+            }
+            const float *wp = w + (r * S + s) * C * K + k0;
+            for (int64_t c = 0; c < C; c++) {
+                const __m512 w0 = _mm512_maskz_loadu_ps(m0, wp + c * K);
+                const __m512 w1 = kv > 1 ? _mm512_maskz_loadu_ps(m1, wp + c * K + 16)
+                                         : _mm512_setzero_ps();
+                for (int j = 0; j < nw; j++) {
+                    const __m512 b = _mm512_set1_ps(xp[j][c]);
+                    acc0[j] = _mm512_fmadd_ps(b, w0, acc0[j]);
+                    if (kv > 1)
+                        acc1[j] = _mm512_fmadd_ps(b, w1, acc1[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < nw; j++) {
+        float *yp = y_row + (ow0 + j) * K + k0;
+        _mm512_mask_storeu_ps(yp, m0, acc0[j]);
+        if (kv > 1)
+            _mm512_mask_storeu_ps(yp + 16, m1, acc1[j]);
+    }
+}
+
+static inline __mmask16 tail_mask(int64_t remaining)
+{
+    if (remaining >= 16)
+        return (__mmask16)0xFFFF;
+    if (remaining <= 0)
+        return (__mmask16)0;
+    return (__mmask16)((1u << remaining) - 1u);
+}
+
+/* One call per (width, vector count) pair so that every block is fully unrolled. */
+#define BLOCK_CASE(NW)                                                                 \
+    case NW:                                                                           \
+        if (kv == 2)                                                                   \
+            conv_block(sh, x_n, w, y_row, oh, ow0, NW, 2, k0, m0, m1, zeros);          \
+        else                                                                           \
+            conv_block(sh, x_n, w, y_row, oh, ow0, NW, 1, k0, m0, m1, zeros);          \
+        break;
+
+void ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
+                               float *y, int nthreads)
+{
+    const int64_t N = sh->n, K = sh->k, HO = sh->ho, WO = sh->wo;
+    const int64_t kchunks = (K + 31) / 32;
+    /* A row of zeros stands in for input pixels in the padding. */
+    float *zeros = calloc((size_t)sh->c + 16, sizeof(float));
+    if (zeros == NULL)
+        abort();
+
+#pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t oh = 0; oh < HO; oh++) {
+            for (int64_t kc = 0; kc < kchunks; kc++) {
+                const float *x_n = x + n * sh->h * sh->w * sh->c;
+                float *y_row = y + (n * HO + oh) * WO * K;
+                const int64_t k0 = kc * 32;
+                const int kv = K - k0 > 16 ? 2 : 1;
+                const __mmask16 m0 = tail_mask(K - k0), m1 = tail_mask(K - k0 - 16);
+                for (int64_t ow0 = 0; ow0 < WO; ow0 += WB) {
+                    const int64_t left = WO - ow0;
+                    const int nw = left < WB ? (int)left : WB;
+                    switch (nw) {
+                        BLOCK_CASE(12) BLOCK_CASE(11) BLOCK_CASE(10) BLOCK_CASE(9)
+                        BLOCK_CASE(8) BLOCK_CASE(7) BLOCK_CASE(6) BLOCK_CASE(5)
+                        BLOCK_CASE(4) BLOCK_CASE(3) BLOCK_CASE(2) BLOCK_CASE(1)
+                    }
+                }
+            }
+        }
+    }
+    free(zeros);
+}

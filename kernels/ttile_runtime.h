@@ -1,0 +1,35 @@
+/* Hand-written runtime support shared by the extension and generated kernels.
+ *
+ * Tensor layouts are the kernels' native ones:
+ *   input  x[N][H][W][C]     (NHWC)
+ *   weight w[R][S][C][K]     (RSCK: k contiguous, the vectorized dimension)
+ *   output y[N][Ho][Wo][K]   (NHWC)
+ * All offsets are computed in int64_t so tensors larger than 2^31 elements index correctly.
+ */
+#ifndef TTILE_RUNTIME_H
+#define TTILE_RUNTIME_H
+
+#include <stdint.h>
+
+typedef struct {
+    int64_t n, h, w, c;        /* input extents */
+    int64_t k, r, s;           /* weight extents (besides c) */
+    int64_t ho, wo;            /* output extents */
+    int64_t stride_h, stride_w;
+    int64_t pad_top, pad_left; /* bottom/right padding is implied by ho, wo */
+} ttile_conv_shape;
+
+/* 1 when the CPU and the OS (XCR0 state) both support AVX-512F, else 0. */
+int ttile_cpu_has_avx512f(void);
+
+/* Generic kernels: runtime shapes, any stride and padding, correct for every shape. */
+void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
+                                 const float *w, float *y, int nthreads);
+void ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
+                               const float *w, float *y, int nthreads);
+
+/* FMA-throughput microbenchmark: runs `iterations` rounds of 24 independent 16-lane
+ * FMA chains on the calling thread and returns the seconds taken. */
+double ttile_fma_peak_avx512(int64_t iterations);
+
+#endif

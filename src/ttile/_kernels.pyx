@@ -1,0 +1,107 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Compiled kernels of ttile: CPU detection, the generic convolution, the FMA benchmark.
+
+Every entry point re-checks dtype, contiguity and shapes at C level before it touches a
+pointer, so a caller that bypasses ``ttile.conv2d`` gets an exception, never a misread.
+"""
+from libc.stdint cimport int64_t
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "ttile_runtime.h" nogil:
+    ctypedef struct ttile_conv_shape:
+        int64_t n, h, w, c
+        int64_t k, r, s
+        int64_t ho, wo
+        int64_t stride_h, stride_w
+        int64_t pad_top, pad_left
+    int ttile_cpu_has_avx512f()
+    void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
+                                     const float *w, float *y, int nthreads)
+    void ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
+                                   const float *w, float *y, int nthreads)
+    double ttile_fma_peak_avx512(int64_t iterations)
+
+ISA_PORTABLE = 0
+ISA_AVX512F = 1
+
+
+def cpu_has_avx512f():
+    """True when both the CPU and the OS support AVX-512F."""
+    return ttile_cpu_has_avx512f() == 1
+
+
+cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if cnp.PyArray_NDIM(a) != 4:
+        raise ValueError(f"{name} must have 4 dimensions, got {cnp.PyArray_NDIM(a)}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a):
+        raise ValueError(f"{name} must be C-contiguous and aligned")
+    return 0
+
+
+def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
+                        int64_t stride_h, int64_t stride_w,
+                        int64_t pad_top, int64_t pad_left, int nthreads, int isa):
+    """Run the generic kernel on x (N,H,W,C), w (R,S,C,K) into y (N,Ho,Wo,K).
+
+    ``isa`` is ISA_PORTABLE or ISA_AVX512F; asking for AVX-512F on a CPU without it
+    raises instead of faulting.
+    """
+    _check_f32_c4(x, "x")
+    _check_f32_c4(w, "w")
+    _check_f32_c4(y, "y")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
+    cdef ttile_conv_shape shape
+    shape.n = xs[0]; shape.h = xs[1]; shape.w = xs[2]; shape.c = xs[3]
+    shape.r = ws[0]; shape.s = ws[1]; shape.k = ws[3]
+    shape.ho = ys[1]; shape.wo = ys[2]
+    shape.stride_h = stride_h; shape.stride_w = stride_w
+    shape.pad_top = pad_top; shape.pad_left = pad_left
+    if ws[2] != shape.c:
+        raise ValueError(f"weights have {ws[2]} input channels, input has {shape.c}")
+    if ys[0] != shape.n or ys[3] != shape.k:
+        raise ValueError("output shape does not match input batch and weight channels")
+    if stride_h < 1 or stride_w < 1 or pad_top < 0 or pad_left < 0 or nthreads < 1:
+        raise ValueError("strides and thread count must be >= 1, padding >= 0")
+    if shape.n * shape.h * shape.w * shape.c * shape.k * shape.r * shape.s == 0:
+        raise ValueError("zero-size dimension")
+    if (shape.ho - 1) * stride_h - pad_top + shape.r > shape.h + pad_top + shape.r \
+            or (shape.wo - 1) * stride_w - pad_left + shape.s > shape.w + pad_left + shape.s:
+        raise ValueError("output extent too large for the input and padding")
+    if shape.ho < 1 or shape.wo < 1:
+        raise ValueError("empty output")
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    if isa == ISA_AVX512F:
+        if ttile_cpu_has_avx512f() != 1:
+            raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+        with nogil:
+            ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads)
+    elif isa == ISA_PORTABLE:
+        with nogil:
+            ttile_conv_generic_portable(&shape, xp, wp, yp, nthreads)
+    else:
+        raise ValueError(f"unknown isa {isa}")
+
+
+def fma_peak_seconds(int64_t iterations):
+    """Seconds for ``iterations`` rounds of 24 independent 16-lane FMAs on this thread.
+
+    Each round is 24 * 16 * 2 = 768 floating-point operations.
+    """
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the FMA peak benchmark needs AVX-512F")
+    if iterations < 1:
+        raise ValueError("iterations must be >= 1")
+    cdef double t
+    with nogil:
+        t = ttile_fma_peak_avx512(iterations)
+    return t

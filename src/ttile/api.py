@@ -1,0 +1,210 @@
+"""``ttile.conv2d``: argument checking, layout handling and kernel dispatch.
+
+The semantics are those of ``torch.nn.functional.conv2d`` with bias=None, dilation=1,
+groups=1. Everything a caller can get wrong is caught here with a ValueError or
+TypeError that names the problem, before any pointer reaches C.
+
+Kept free of heavy imports: this is the hot path of every call.
+"""
+from __future__ import annotations
+
+import operator
+import os
+from typing import Union
+
+import numpy as np
+
+from . import _kernels
+from .spec import ConvSpec
+
+IntPair = Union[int, tuple[int, int]]
+
+#: Which generic kernel serves calls: "auto" (AVX-512F when the CPU has it), "avx512f"
+#: or "portable". Change it with :func:`set_isa`.
+_HAS_AVX512F = _kernels.cpu_has_avx512f()
+_isa = "auto"
+
+
+def has_avx512f() -> bool:
+    """True when this CPU and OS can run the AVX-512F kernels."""
+    return _HAS_AVX512F
+
+
+def set_isa(isa: str) -> str:
+    """Choose the kernel family: "auto", "avx512f" or "portable"; returns the previous.
+
+    For tests and debugging. Asking for "avx512f" on a CPU without it raises instead of
+    crashing later.
+    """
+    global _isa
+    if isa not in ("auto", "avx512f", "portable"):
+        raise ValueError(f"isa must be 'auto', 'avx512f' or 'portable', got {isa!r}")
+    if isa == "avx512f" and not _HAS_AVX512F:
+        raise ValueError("this CPU (or OS) does not support AVX-512F")
+    previous, _isa = _isa, isa
+    return previous
+
+
+def get_isa() -> str:
+    """The kernel family calls use now: "avx512f" or "portable"."""
+    if _isa == "auto":
+        return "avx512f" if _HAS_AVX512F else "portable"
+    return _isa
+
+
+def _default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _memory_limit_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _as_pair(value, name: str, minimum: int) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+        items = tuple(value)
+    else:
+        items = (value, value)
+    pair = []
+    for item in items:
+        if isinstance(item, (bool, np.bool_)):
+            raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+        try:
+            number = operator.index(item)
+        except TypeError:
+            raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+        if number < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+        pair.append(number)
+    return pair[0], pair[1]
+
+
+def _as_float32(array, name: str) -> np.ndarray:
+    """A C-contiguous, aligned float32 view or copy of ``array``; refuses what is not real."""
+    if not isinstance(array, np.ndarray):
+        try:
+            array = np.asarray(array)
+        except Exception as exc:  # e.g. ragged nested lists
+            raise TypeError(f"{name} cannot be read as an array: {exc}") from None
+    kind = array.dtype.kind
+    if kind == "b":
+        raise TypeError(f"{name} has dtype bool; convolution needs a real numeric dtype")
+    if kind == "c":
+        raise TypeError(f"{name} has complex dtype {array.dtype}; only real inputs are supported")
+    if kind not in "fiu":
+        raise TypeError(f"{name} has dtype {array.dtype}; expected float32 (float16, float64 "
+                        f"and integer arrays are converted to float32)")
+    return np.require(array, dtype=np.float32, requirements=("C", "A"))
+
+
+def _padding(padding, r: int, s: int, stride: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) for torch's padding argument."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return 0, 0, 0, 0
+        if padding == "same":
+            if stride != (1, 1):
+                raise ValueError("padding='same' is not supported for strided convolutions "
+                                 "(as in torch); pass explicit padding instead")
+            top, left = (r - 1) // 2, (s - 1) // 2
+            return top, r - 1 - top, left, s - 1 - left
+        raise ValueError(f"padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
+    ph, pw = _as_pair(padding, "padding", 0)
+    return ph, ph, pw, pw
+
+
+def _threads(threads) -> int:
+    if threads is None:
+        return _default_threads()
+    if isinstance(threads, (bool, np.bool_)):
+        raise TypeError(f"threads must be a positive int or None, got {threads!r}")
+    try:
+        count = operator.index(threads)
+    except TypeError:
+        raise TypeError(f"threads must be a positive int or None, got {threads!r}") from None
+    if count < 1:
+        raise ValueError(f"threads must be >= 1, got {count}")
+    return count
+
+
+def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPair = 1,
+              padding: Union[IntPair, str] = 0, layout: str = "NCHW") -> ConvSpec:
+    """The ConvSpec of a conv2d call, checking ranks, channels and sizes."""
+    if layout not in ("NCHW", "NHWC"):
+        raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+    if len(x_shape) != 4:
+        raise ValueError(f"input must have 4 dimensions ({layout}), got {len(x_shape)}: "
+                         f"shape {tuple(x_shape)}")
+    if len(w_shape) != 4:
+        expected = "(K, C, R, S)" if layout == "NCHW" else "(R, S, C, K)"
+        raise ValueError(f"weights must have 4 dimensions {expected}, got {len(w_shape)}: "
+                         f"shape {tuple(w_shape)}")
+    if layout == "NCHW":
+        n, c, h, w = x_shape
+        k, wc, r, s = w_shape
+    else:
+        n, h, w, c = x_shape
+        r, s, wc, k = w_shape
+    if 0 in x_shape or 0 in w_shape:
+        raise ValueError(f"zero-size dimension: input {tuple(x_shape)}, weights {tuple(w_shape)}")
+    if wc != c:
+        raise ValueError(f"channel mismatch: input has {c} channels, weights expect {wc}")
+    sh, sw = _as_pair(stride, "stride", 1)
+    pt, pb, pl, pr = _padding(padding, r, s, (sh, sw))
+    if h + pt + pb < r or w + pl + pr < s:
+        raise ValueError(f"kernel {r}x{s} is larger than the padded input "
+                         f"{h + pt + pb}x{w + pl + pr}")
+    return ConvSpec(n=n, k=k, c=c, h=h, w=w, r=r, s=s, stride_h=sh, stride_w=sw,
+                    pad_top=pt, pad_bottom=pb, pad_left=pl, pad_right=pr)
+
+
+def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
+           layout: str = "NCHW", threads: int | None = None) -> np.ndarray:
+    """2D convolution with the semantics of ``torch.nn.functional.conv2d`` (no bias).
+
+    Args:
+        x: input, (N, C, H, W) for layout "NCHW" or (N, H, W, C) for "NHWC".
+        w: weights, (K, C, R, S) for "NCHW" or (R, S, C, K) for "NHWC".
+        stride: int or (sh, sw), >= 1.
+        padding: int, (ph, pw), "same" (stride 1 only; the odd extra row/column goes to
+            the bottom/right, as in torch) or "valid".
+        layout: "NCHW" (default) or "NHWC", the kernels' native layout: NHWC runs with
+            no transposition.
+        threads: number of threads, default all CPUs this process may use.
+
+    Returns:
+        float32 output, (N, K, Ho, Wo) for "NCHW", (N, Ho, Wo, K) for "NHWC".
+        float16, float64 and integer inputs are converted to float32.
+
+    Raises:
+        ValueError: wrong ranks or channels, zero sizes, bad stride/padding/threads,
+            kernel larger than the padded input, output too large for memory.
+        TypeError: non-numeric, bool or complex data; non-integer stride or padding.
+    """
+    x_arr = _as_float32(x, "input")
+    w_arr = _as_float32(w, "weights")
+    spec = make_spec(x_arr.shape, w_arr.shape, stride, padding, layout)
+    nthreads = _threads(threads)
+    out_bytes = 4 * spec.n * spec.k * spec.ho * spec.wo
+    if out_bytes > _memory_limit_bytes():
+        raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
+                         f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
+
+    if layout == "NCHW":
+        x_arr = np.ascontiguousarray(x_arr.transpose(0, 2, 3, 1))
+        w_arr = np.ascontiguousarray(w_arr.transpose(2, 3, 1, 0))
+    y = np.empty((spec.n, spec.ho, spec.wo, spec.k), dtype=np.float32)
+    isa = _kernels.ISA_AVX512F if get_isa() == "avx512f" else _kernels.ISA_PORTABLE
+    _kernels.conv2d_generic_nhwc(x_arr, w_arr, y, spec.stride_h, spec.stride_w,
+                                 spec.pad_top, spec.pad_left, nthreads, isa)
+    if layout == "NCHW":
+        return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
+    return y

@@ -1,0 +1,108 @@
+"""Compile generated kernels with the system C compiler and load them.
+
+Used by the tests and the generator to run a kernel straight from its source, and the
+base the run-time tuner will build on. Many kernels go into one shared object per call
+to :func:`build` so the compiler starts once per batch, not once per kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .codegen import KERNEL_CFLAGS, KernelSource
+
+_FLOAT_P = ctypes.POINTER(ctypes.c_float)
+
+
+class BuildError(RuntimeError):
+    """The C compiler rejected a generated source; ``log`` holds its messages."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(f"{message}\n{log}")
+        self.log = log
+
+
+def find_compiler() -> str | None:
+    """The C compiler to use: $CC if set, else cc, gcc or clang on PATH."""
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    for candidate in candidates:
+        path = shutil.which(candidate)
+        if path:
+            return path
+    return None
+
+
+@dataclass(frozen=True)
+class BuiltLibrary:
+    """A loaded shared object holding compiled kernels, callable on numpy arrays."""
+
+    path: Path
+    handle: ctypes.CDLL
+
+    def run(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
+            nthreads: int = 1) -> None:
+        """Run ``kernel`` on native-layout arrays, checking shapes against its spec."""
+        spec = kernel.spec
+        expected = {"x": (spec.n, spec.h, spec.w, spec.c), "w": (spec.r, spec.s, spec.c, spec.k),
+                    "y": (spec.n, spec.ho, spec.wo, spec.k)}
+        for label, array in (("x", x), ("w", w), ("y", y)):
+            if array.dtype != np.float32 or not array.flags.c_contiguous:
+                raise ValueError(f"{label} must be a C-contiguous float32 array")
+            if array.shape != expected[label]:
+                raise ValueError(f"{label} has shape {array.shape}, kernel expects "
+                                 f"{expected[label]}")
+        if not y.flags.writeable:
+            raise ValueError("y must be writeable")
+        fn = getattr(self.handle, kernel.name)
+        fn.restype = None
+        fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int]
+        fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P), y.ctypes.data_as(_FLOAT_P),
+           int(nthreads))
+
+
+def build(kernels: list[KernelSource], workdir: Path | None = None,
+          extra_flags: tuple[str, ...] = ()) -> BuiltLibrary:
+    """Compile ``kernels`` into one shared object and load it.
+
+    The object is named by the hash of its sources and flags, so rebuilding the same
+    kernels reuses it.
+    """
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found (set CC or put cc/gcc/clang on PATH)", "")
+    source = "\n".join(k.code for k in kernels)
+    flags = (*KERNEL_CFLAGS, *extra_flags)
+    digest = hashlib.sha1((compiler + "|" + " ".join(flags) + "|" + source).encode()).hexdigest()
+    workdir = Path(workdir or Path(tempfile.gettempdir()) / f"ttile-build-{os.getuid()}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    lib_path = workdir / f"kernels_{digest[:16]}.so"
+    if not lib_path.exists():
+        c_path = workdir / f"kernels_{digest[:16]}.c"
+        c_path.write_text(source)
+        tmp_path = workdir / f".{lib_path.name}.{os.getpid()}.tmp"
+        proc = subprocess.run([compiler, *flags, "-shared", "-o", str(tmp_path), str(c_path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"compiling {c_path} failed", proc.stderr)
+        os.replace(tmp_path, lib_path)  # atomic: a concurrent builder sees all or nothing
+    return BuiltLibrary(lib_path, ctypes.CDLL(str(lib_path)))
+
+
+def assembly(kernel: KernelSource, extra_flags: tuple[str, ...] = ()) -> str:
+    """The compiler's assembly for ``kernel`` (to inspect register use)."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found", "")
+    proc = subprocess.run([compiler, *KERNEL_CFLAGS, *extra_flags, "-S", "-o", "-", "-x", "c", "-"],
+                          input=kernel.code, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError("compiling to assembly failed", proc.stderr)
+    return proc.stdout

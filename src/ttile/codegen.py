@@ -1,0 +1,389 @@
+"""Code generation (TTile paper, section 6): Scheme + ConvSpec -> C with AVX-512 intrinsics.
+
+The generator walks the lowered scheme tree (:func:`ttile.scheme.lower`) and builds the
+code innermost-out in one pass: each loop wraps the code of its sub-scheme, which refers
+to the index of its dimension by a name the loop defines as ``inner = outer + i * step``.
+Nothing is re-analysed afterwards, so what the scheme says is what the C does.
+
+Where the generated code goes beyond a literal reading of the scheme, it is to keep the
+microkernel at full speed without copying tensors:
+
+* **Accumulators in registers.** The block's accumulators are loaded (or zeroed) before
+  the innermost band of reduction loops (c, r, s) above the block and stored after it,
+  not on every iteration. They are zeroed rather than loaded when that band covers the
+  whole reduction; otherwise the output is cleared once at entry and accumulated into.
+* **Zero padding without a padded copy.** Around the innermost band of c/k loops the
+  code checks whether the block reads only inside the input. If so (the common,
+  interior case) it addresses x from one base pointer with constant offsets. If not, it
+  builds one pointer per unrolled input pixel, pointing either into x or at a static row
+  of zeros, so the reduction loop stays branch-free. The check is omitted when the
+  problem has no padding in that direction.
+* **K tails by masks.** When K is not a multiple of 16, the k vectors of the block get
+  AVX-512 masks: weights are loaded with ``maskz_loadu`` and outputs stored with
+  ``mask_storeu``; tensors are never padded.
+* **Canonical operation order in the block.** Within the unrolled block, the weight
+  vectors of one (c, r, s) step are loaded once and each broadcast input feeds all k
+  vectors (an outer product). The order of the U specifiers changes only the numbering,
+  not the register use: ``accumulators + k vectors + 1`` registers are live, the budget
+  :class:`ttile.scheme.Block` checks.
+* **Parallel band.** Consecutive parallel loops (``PT``/``PR``) become one
+  ``#pragma omp parallel for collapse(m)`` whose thread count is a kernel argument.
+
+The generated function is
+``void NAME(const float *x, const float *w, float *y, int nthreads)`` over the native
+layouts x[N][H][W][C], w[R][S][C][K], y[N][Ho][Wo][K], with every size a constant.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+from .scheme import Block, Loop, Node, Scheme, Seq, lower
+from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+
+GENERATOR_VERSION = 1
+
+#: Flags generated kernels are compiled with. Only AVX-512F (+FMA, implied by every
+#: AVX-512F CPU) is assumed, so a kernel runs on any AVX-512 x86-64 machine.
+KERNEL_CFLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-fno-math-errno", "-fPIC")
+
+_SPATIAL = ("n", "h", "w", "r", "s")  # dimensions that move the input pixel
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """A generated C translation unit defining one kernel function ``name``."""
+
+    name: str
+    spec: ConvSpec
+    scheme: Scheme
+    code: str
+
+
+def kernel_name(scheme: Scheme, spec: ConvSpec) -> str:
+    """``ttile_f32_conv2d_<hash>__avx512f``: one grammar for every generated kernel."""
+    digest = hashlib.sha1(f"{GENERATOR_VERSION}|{spec.key()}|{scheme}".encode()).hexdigest()
+    return f"ttile_f32_conv2d_{digest[:12]}__avx512f"
+
+
+@dataclass
+class _Code:
+    """C lines plus the names the code expects its enclosing code to define, per dim."""
+
+    lines: list[str]
+    names: dict[str, str]
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["    " + line if line else line for line in lines]
+
+
+class _Generator:
+    def __init__(self, spec: ConvSpec, name: str):
+        self.spec = spec
+        self.name = name
+        self.counter = itertools.count()
+        self.k_tail = spec.k % VECTOR_LANES != 0
+        self.row_guard = spec.needs_row_guard()
+        self.col_guard = spec.needs_col_guard()
+        self.uses_zeros = False
+        self.clears_output = False
+        self.totals = spec.iteration_extents()
+
+    def fresh(self, prefix: str) -> str:
+        return f"{prefix}{next(self.counter)}"
+
+    # -- loops ---------------------------------------------------------------------
+
+    def wrap_loop(self, loop: Loop, *inners: _Code) -> list[_Code]:
+        """Wrap each of ``inners`` (codes sharing their names) in the same loop header."""
+        counter, outer = self.fresh("i"), self.fresh(loop.dim)
+        wrapped = []
+        for inner in inners:
+            names = dict(inner.names)
+            names[loop.dim] = outer
+            lines = [f"for (int {counter} = 0; {counter} < {loop.count}; {counter}++) {{",
+                     f"    const int {inner.names[loop.dim]} = {outer} + {counter} * {loop.step};",
+                     *_indent(inner.lines),
+                     "}"]
+            wrapped.append(_Code(lines, names))
+        return wrapped
+
+    def wrap_parallel_band(self, band: list[Loop], inner: _Code) -> _Code:
+        """Collapse consecutive parallel loops (outermost first) into one OpenMP loop."""
+        names = dict(inner.names)
+        counters, definitions = [], []
+        for loop in reversed(band):  # innermost first: rename outward
+            counter, outer = self.fresh("i"), self.fresh(loop.dim)
+            counters.append((counter, loop.count))
+            definitions.append(
+                f"const int {names[loop.dim]} = {outer} + {counter} * {loop.step};")
+            names[loop.dim] = outer
+        counters.reverse()
+        definitions.reverse()
+        lines = [f"#pragma omp parallel for collapse({len(band)}) schedule(static) "
+                 f"num_threads(nthreads)"]
+        lines += [f"for (int {c} = 0; {c} < {n}; {c}++)" for c, n in counters]
+        lines += ["{", *_indent(definitions), *_indent(inner.lines), "}"]
+        return _Code(lines, names)
+
+    def wrap_chain(self, chain: list[Loop], inner: _Code) -> _Code:
+        code, i = inner, len(chain) - 1
+        while i >= 0:
+            if chain[i].parallel:
+                j = i
+                while j > 0 and chain[j - 1].parallel:
+                    j -= 1
+                code = self.wrap_parallel_band(chain[j:i + 1], code)
+                i = j - 1
+            else:
+                (code,) = self.wrap_loop(chain[i], code)
+                i -= 1
+        return code
+
+    # -- tree walk -----------------------------------------------------------------
+
+    def emit(self, node: Node) -> _Code:
+        chain: list[Loop] = []
+        while isinstance(node, Loop):
+            chain.append(node)
+            node = node.body
+        if isinstance(node, Block):
+            return self.emit_tail(chain, node)
+        return self.wrap_chain(chain, self.emit_seq(node))
+
+    def emit_seq(self, seq: Seq) -> _Code:
+        branches = [self.emit(branch) for branch in seq.branches]
+        names = {d: self.fresh(d) for d in DIMS}
+        lines: list[str] = []
+        for offset, code in zip(seq.offsets, branches):
+            defs = []
+            for d in DIMS:
+                value = f"{names[d]} + {offset}" if d == seq.dim and offset else names[d]
+                defs.append(f"const int {code.names[d]} = {value};")
+            lines += ["{", *_indent(defs), *_indent(code.lines), "}"]
+        return _Code(lines, names)
+
+    # -- microkernel region --------------------------------------------------------
+
+    def emit_tail(self, chain: list[Loop], block: Block) -> _Code:
+        """The loops right above a block: accumulator and input-pointer regions."""
+        acc_len = _suffix_len(chain, lambda lp: lp.dim in REDUCTION_DIMS and not lp.parallel)
+        ptr_len = _suffix_len(chain, lambda lp: lp.dim in ("c", "k") and not lp.parallel)
+        complete = all(
+            block.count(d) * _product(lp.count for lp in chain[len(chain) - acc_len:]
+                                      if lp.dim == d) == self.totals[d]
+            for d in REDUCTION_DIMS)
+        if not complete:
+            self.clears_output = True
+
+        names = {d: self.fresh(d) for d in DIMS}
+        guarded = self.row_guard or self.col_guard
+        fast = _Code(self.block_body(block, names, guarded=False), dict(names))
+        slow = _Code(self.block_body(block, names, guarded=True), dict(names)) if guarded else None
+
+        position = 0
+        while True:
+            if position == ptr_len:
+                fast = self.pointer_region(block, fast, slow)
+                slow = None
+            if position == acc_len:
+                fast = self.accumulator_region(block, fast, complete)
+                if slow is not None:
+                    slow = self.accumulator_region(block, slow, complete)
+            if position == len(chain):
+                return fast
+            if position == max(acc_len, ptr_len):
+                return self.wrap_chain(chain[:len(chain) - position], fast)
+            loop = chain[len(chain) - 1 - position]
+            if slow is None:
+                (fast,) = self.wrap_loop(loop, fast)
+            else:
+                fast, slow = self.wrap_loop(loop, fast, slow)
+            position += 1
+
+    def accumulator_region(self, block: Block, inner: _Code, complete: bool) -> _Code:
+        spec, names = self.spec, inner.names
+        lines: list[str] = []
+        kvs = range(block.count("k"))
+        if self.k_tail:
+            for kv in kvs:
+                lines.append(f"const __mmask16 m{kv} = ttile_tail_mask({spec.k} - "
+                             f"({names['k']} + {kv * VECTOR_LANES}));")
+        stores: list[str] = []
+        for out in _out_combos(block):
+            for kv in kvs:
+                acc = _acc(out, kv)
+                addr = self.y_address(names, out, kv)
+                if complete:
+                    lines.append(f"__m512 {acc} = _mm512_setzero_ps();")
+                elif self.k_tail:
+                    lines.append(f"__m512 {acc} = _mm512_maskz_loadu_ps(m{kv}, {addr});")
+                else:
+                    lines.append(f"__m512 {acc} = _mm512_loadu_ps({addr});")
+                if self.k_tail:
+                    stores.append(f"_mm512_mask_storeu_ps({addr}, m{kv}, {acc});")
+                else:
+                    stores.append(f"_mm512_storeu_ps({addr}, {acc});")
+        return _Code(["{", *_indent(lines + inner.lines + stores), "}"], inner.names)
+
+    def pointer_region(self, block: Block, fast: _Code, slow: _Code | None) -> _Code:
+        """Input addressing for the c/k band: base pointer, or guarded per-pixel pointers."""
+        spec, names = self.spec, fast.names
+        base = (f"x + (((int64_t){names['n']} * {spec.h} + ({names['h']} * {spec.stride_h} + "
+                f"{names['r']} - {spec.pad_top})) * {spec.w} + ({names['w']} * {spec.stride_w} "
+                f"+ {names['s']} - {spec.pad_left})) * {spec.c}")
+        fast_lines = [f"const float *restrict xb = {base};", *fast.lines]
+        if slow is None:
+            return _Code(["{", *_indent(fast_lines), "}"], names)
+
+        conditions = []
+        h_first = f"{names['h']} * {spec.stride_h} + {names['r']} - {spec.pad_top}"
+        w_first = f"{names['w']} * {spec.stride_w} + {names['s']} - {spec.pad_left}"
+        h_span = (block.count("h") - 1) * spec.stride_h + block.count("r") - 1
+        w_span = (block.count("w") - 1) * spec.stride_w + block.count("s") - 1
+        if self.row_guard:
+            conditions += [f"{h_first} >= 0", f"{h_first} + {h_span} < {spec.h}"]
+        if self.col_guard:
+            conditions += [f"{w_first} >= 0", f"{w_first} + {w_span} < {spec.w}"]
+
+        self.uses_zeros = True
+        setup = []
+        for pix in _pixel_combos(block):
+            n_u, h_u, w_u, r_u, s_u = pix
+            ih = f"({names['h']} + {h_u}) * {spec.stride_h} + {names['r']} + {r_u} - {spec.pad_top}"
+            iw = f"({names['w']} + {w_u}) * {spec.stride_w} + {names['s']} + {s_u} - {spec.pad_left}"
+            checks = []
+            if self.row_guard:
+                checks.append(f"(unsigned)({ih}) < {spec.h}u")
+            if self.col_guard:
+                checks.append(f"(unsigned)({iw}) < {spec.w}u")
+            addr = (f"x + (((int64_t)({names['n']} + {n_u}) * {spec.h} + ({ih})) * {spec.w} "
+                    f"+ ({iw})) * {spec.c}")
+            setup.append(f"const float *restrict {_xp(pix)} = ({' && '.join(checks)}) ? "
+                         f"{addr} : {self.zeros};")
+        lines = [f"if ({' && '.join(conditions)}) {{", *_indent(fast_lines), "} else {",
+                 *_indent(setup + slow.lines), "}"]
+        return _Code(lines, names)
+
+    @property
+    def zeros(self) -> str:
+        return f"zeros_{self.name}"
+
+    # -- the unrolled block --------------------------------------------------------
+
+    def y_address(self, names: dict[str, str], out: tuple[int, int, int], kv: int) -> str:
+        spec = self.spec
+        n_u, h_u, w_u = out
+        return (f"y + (((int64_t)({names['n']} + {n_u}) * {spec.ho} + ({names['h']} + {h_u})) "
+                f"* {spec.wo} + ({names['w']} + {w_u})) * {spec.k} + {names['k']} + "
+                f"{kv * VECTOR_LANES}")
+
+    def block_body(self, block: Block, names: dict[str, str], guarded: bool) -> list[str]:
+        """Outer-product body: per reduction step, load k vectors, broadcast each pixel."""
+        spec = self.spec
+        lines: list[str] = []
+        kvs = range(block.count("k"))
+        for c_u, r_u, s_u in itertools.product(range(block.count("c")), range(block.count("r")),
+                                               range(block.count("s"))):
+            step = ["{"]
+            w_row = (f"w + (((int64_t)({names['r']} + {r_u}) * {spec.s} + ({names['s']} + {s_u})) "
+                     f"* {spec.c} + ({names['c']} + {c_u})) * {spec.k} + {names['k']}")
+            for kv in kvs:
+                if self.k_tail:
+                    step.append(f"    const __m512 wv{kv} = _mm512_maskz_loadu_ps(m{kv}, "
+                                f"{w_row} + {kv * VECTOR_LANES});")
+                else:
+                    step.append(f"    const __m512 wv{kv} = _mm512_loadu_ps({w_row} + "
+                                f"{kv * VECTOR_LANES});")
+            for out in _out_combos(block):
+                n_u, h_u, w_u = out
+                if guarded:
+                    x = f"{_xp((n_u, h_u, w_u, r_u, s_u))}[{names['c']} + {c_u}]"
+                else:
+                    offset = (((n_u * spec.h + h_u * spec.stride_h + r_u) * spec.w
+                               + w_u * spec.stride_w + s_u) * spec.c + c_u)
+                    x = f"xb[{names['c']} + {offset}]"
+                step.append(f"    const __m512 b{'_'.join(map(str, out))} = _mm512_set1_ps({x});")
+                for kv in kvs:
+                    acc = _acc(out, kv)
+                    step.append(f"    {acc} = _mm512_fmadd_ps(b{'_'.join(map(str, out))}, "
+                                f"wv{kv}, {acc});")
+            step.append("}")
+            lines += step
+        return lines
+
+
+def _suffix_len(chain: list[Loop], keep) -> int:
+    length = 0
+    for loop in reversed(chain):
+        if not keep(loop):
+            break
+        length += 1
+    return length
+
+
+def _product(values) -> int:
+    total = 1
+    for v in values:
+        total *= v
+    return total
+
+
+def _out_combos(block: Block) -> list[tuple[int, int, int]]:
+    return list(itertools.product(range(block.count("n")), range(block.count("h")),
+                                  range(block.count("w"))))
+
+
+def _pixel_combos(block: Block) -> list[tuple[int, int, int, int, int]]:
+    return list(itertools.product(*(range(block.count(d)) for d in _SPATIAL)))
+
+
+def _acc(out: tuple[int, int, int], kv: int) -> str:
+    return f"acc_{'_'.join(map(str, out))}_{kv}"
+
+
+def _xp(pix: tuple[int, ...]) -> str:
+    return f"xp_{'_'.join(map(str, pix))}"
+
+
+def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.generate") -> KernelSource:
+    """Generate the C source of ``scheme`` applied to ``spec`` (validated first)."""
+    tree = lower(scheme, spec)
+    name = kernel_name(scheme, spec)
+    gen = _Generator(spec, name)
+    body = gen.emit(tree)
+    entry = [f"const int {body.names[d]} = 0;" for d in DIMS]
+
+    out: list[str] = [
+        "/* Generated by ttile, do not edit.",
+        f" * scheme:  {scheme}",
+        f" * problem: {spec.key()} (K={spec.k} C={spec.c} H={spec.h} W={spec.w} "
+        f"R={spec.r} S={spec.s}, output {spec.ho}x{spec.wo})",
+        f" * command: {command}",
+        f" * generator version {GENERATOR_VERSION}",
+        " */",
+        "#include <immintrin.h>",
+        "#include <stdint.h>",
+        "#include <string.h>",
+        "",
+    ]
+    if gen.k_tail:
+        out += ["static inline __mmask16 ttile_tail_mask(int remaining)",
+                "{",
+                "    return remaining >= 16 ? (__mmask16)0xFFFF",
+                "                           : (__mmask16)((1u << remaining) - 1u);",
+                "}",
+                ""]
+    if gen.uses_zeros:
+        out += [f"static const float {gen.zeros}[{spec.c}] __attribute__((aligned(64)));", ""]
+    out += [f"void {name}(const float *restrict x, const float *restrict w, "
+            f"float *restrict y, int nthreads)",
+            "{",
+            "    (void)nthreads;"]
+    if gen.clears_output:
+        size = spec.n * spec.ho * spec.wo * spec.k
+        out.append(f"    memset(y, 0, sizeof(float) * (size_t){size});")
+    out += _indent(entry) + _indent(body.lines) + ["}", ""]
+    return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out))

@@ -1,0 +1,71 @@
+"""Benchmark layers of the TTile paper (Fig. 8): Yolo9000 and ResNet18, batch 1.
+
+Sizes are (K, C, H=W, R=S) as printed in the paper; H is the input size. Layers marked
+with * in the paper have stride 2. Padding is R // 2 on every side: 'same' for the
+stride-1 layers, and the usual ResNet padding for the strided ones (torch refuses
+padding='same' with stride 2). Yolo9000-23 keeps its true K = 28269; the kernels mask the
+last vector instead of padding K to 28272 as the paper did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import ConvSpec
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    k: int
+    c: int
+    hw: int
+    rs: int
+    stride: int = 1
+
+    def spec(self, batch: int = 1) -> ConvSpec:
+        pad = self.rs // 2
+        return ConvSpec(n=batch, k=self.k, c=self.c, h=self.hw, w=self.hw, r=self.rs,
+                        s=self.rs, stride_h=self.stride, stride_w=self.stride,
+                        pad_top=pad, pad_bottom=pad, pad_left=pad, pad_right=pad)
+
+
+YOLO9000: tuple[Layer, ...] = (
+    Layer("Yolo9000-0", 32, 3, 544, 3),
+    Layer("Yolo9000-2", 64, 32, 272, 3),
+    Layer("Yolo9000-4", 128, 64, 136, 3),
+    Layer("Yolo9000-5", 64, 128, 136, 1),
+    Layer("Yolo9000-8", 256, 128, 68, 3),
+    Layer("Yolo9000-9", 128, 256, 68, 1),
+    Layer("Yolo9000-12", 512, 256, 34, 3),
+    Layer("Yolo9000-13", 256, 512, 34, 1),
+    Layer("Yolo9000-18", 1024, 512, 17, 3),
+    Layer("Yolo9000-19", 512, 1024, 17, 1),
+    Layer("Yolo9000-23", 28269, 1024, 17, 1),
+)
+
+RESNET18: tuple[Layer, ...] = (
+    Layer("ResNet18-1", 64, 3, 224, 7, stride=2),
+    Layer("ResNet18-2", 64, 64, 56, 3),
+    Layer("ResNet18-3", 64, 64, 56, 1),
+    Layer("ResNet18-4", 128, 64, 56, 3, stride=2),
+    Layer("ResNet18-5", 128, 64, 56, 1, stride=2),
+    Layer("ResNet18-6", 128, 128, 28, 3),
+    Layer("ResNet18-7", 256, 128, 28, 3, stride=2),
+    Layer("ResNet18-8", 256, 128, 28, 3),
+    Layer("ResNet18-9", 256, 256, 14, 3),
+    Layer("ResNet18-10", 512, 512, 14, 3, stride=2),
+    Layer("ResNet18-11", 512, 256, 14, 1, stride=2),
+    Layer("ResNet18-12", 512, 512, 7, 3),
+)
+
+NETWORKS: dict[str, tuple[Layer, ...]] = {"yolo9000": YOLO9000, "resnet18": RESNET18}
+
+ALL_LAYERS: tuple[Layer, ...] = YOLO9000 + RESNET18
+
+
+def layer(name: str) -> Layer:
+    """Look a layer up by its paper name, e.g. ``layer("Yolo9000-12")``."""
+    for candidate in ALL_LAYERS:
+        if candidate.name.lower() == name.lower():
+            return candidate
+    raise KeyError(f"unknown layer {name!r}; known: {', '.join(l.name for l in ALL_LAYERS)}")

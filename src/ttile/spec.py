@@ -1,0 +1,105 @@
+"""ConvSpec: the problem a kernel solves, independent of how it is scheduled.
+
+A ConvSpec is what every later stage keys on (the code generator, the tuned-kernel
+registry, the caches), so it is a frozen value with the output extents derived once.
+Padding is stored per side because ``padding="same"`` with an even kernel pads
+asymmetrically (as PyTorch does: the extra row goes to the bottom / right).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Loop dimensions of the convolution, in the paper's naming.
+#: n batch, k output channel, c input channel, h/w output row/column, r/s kernel row/column.
+DIMS: tuple[str, ...] = ("n", "k", "c", "h", "w", "r", "s")
+#: Dimensions summed over: they cannot be split between threads or outputs.
+REDUCTION_DIMS: frozenset[str] = frozenset({"c", "r", "s"})
+#: fp32 lanes in one AVX-512 vector.
+VECTOR_LANES = 16
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """A 2D convolution y[n,oh,ow,k] = sum_{c,r,s} x[n, oh*sh+r-pt, ow*sw+s-pl, c] * w[r,s,c,k].
+
+    Sizes are those of the input (h, w) and of the weights; ``ho``/``wo`` are derived.
+    """
+
+    n: int
+    k: int
+    c: int
+    h: int
+    w: int
+    r: int
+    s: int
+    stride_h: int = 1
+    stride_w: int = 1
+    pad_top: int = 0
+    pad_bottom: int = 0
+    pad_left: int = 0
+    pad_right: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ConvSpec.{name} must be an integer >= 1, got {value!r}")
+        for name in ("pad_top", "pad_bottom", "pad_left", "pad_right"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ConvSpec.{name} must be an integer >= 0, got {value!r}")
+        if self.h + self.pad_top + self.pad_bottom < self.r:
+            raise ValueError(
+                f"kernel height {self.r} is larger than the padded input height "
+                f"{self.h + self.pad_top + self.pad_bottom}")
+        if self.w + self.pad_left + self.pad_right < self.s:
+            raise ValueError(
+                f"kernel width {self.s} is larger than the padded input width "
+                f"{self.w + self.pad_left + self.pad_right}")
+
+    @property
+    def ho(self) -> int:
+        return (self.h + self.pad_top + self.pad_bottom - self.r) // self.stride_h + 1
+
+    @property
+    def wo(self) -> int:
+        return (self.w + self.pad_left + self.pad_right - self.s) // self.stride_w + 1
+
+    @property
+    def k_vectors(self) -> int:
+        """Number of 16-lane vectors along k; the last one is masked when K % 16 != 0."""
+        return -(-self.k // VECTOR_LANES)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.n * self.k * self.c * self.r * self.s * self.ho * self.wo
+
+    def iteration_extents(self) -> dict[str, int]:
+        """Extent of each loop dimension of the iteration space a scheme must cover.
+
+        k is rounded up to whole vectors: the scheme tiles vectors, masks trim the tail.
+        """
+        return {"n": self.n, "k": self.k_vectors * VECTOR_LANES, "c": self.c,
+                "h": self.ho, "w": self.wo, "r": self.r, "s": self.s}
+
+    def needs_row_guard(self) -> bool:
+        """True when some output row reads input rows outside [0, h) (zero padding)."""
+        last = (self.ho - 1) * self.stride_h + self.r - 1 - self.pad_top
+        return self.pad_top > 0 or last > self.h - 1
+
+    def needs_col_guard(self) -> bool:
+        last = (self.wo - 1) * self.stride_w + self.s - 1 - self.pad_left
+        return self.pad_left > 0 or last > self.w - 1
+
+    def key(self) -> str:
+        """Compact, stable text key, e.g. ``n1k64c3h224w224r7s7_s2x2_p3.3.3.3``."""
+        return (f"n{self.n}k{self.k}c{self.c}h{self.h}w{self.w}r{self.r}s{self.s}"
+                f"_s{self.stride_h}x{self.stride_w}"
+                f"_p{self.pad_top}.{self.pad_bottom}.{self.pad_left}.{self.pad_right}")
+
+    def to_json(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, int]) -> "ConvSpec":
+        return cls(**data)

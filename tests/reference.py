@@ -1,0 +1,57 @@
+"""Float64 reference convolution: the oracle every kernel is checked against."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def conv2d_nhwc_f64(x: np.ndarray, w: np.ndarray, stride=(1, 1),
+                    pads=(0, 0, 0, 0)) -> np.ndarray:
+    """y[n,oh,ow,k] = sum x[n, oh*sh+r-pt, ow*sw+s-pl, c] * w[r,s,c,k], in float64.
+
+    ``pads`` is (top, bottom, left, right). Computed as R*S matrix products over a
+    zero-padded float64 copy, so it is simple enough to trust and fast enough for the
+    largest Fig. 8 layers.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    sh, sw = stride
+    pt, pb, pl, pr = pads
+    n, h, wd, c = x.shape
+    r, s, _, k = w.shape
+    xp = np.zeros((n, h + pt + pb, wd + pl + pr, c))
+    xp[:, pt:pt + h, pl:pl + wd, :] = x
+    ho = (h + pt + pb - r) // sh + 1
+    wo = (wd + pl + pr - s) // sw + 1
+    y = np.zeros((n, ho, wo, k))
+    for i in range(r):
+        for j in range(s):
+            patch = xp[:, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw, :]
+            y += patch.reshape(-1, c) .dot(w[i, j]).reshape(n, ho, wo, k)
+    return y
+
+
+def assert_conv_close(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(1, 1),
+                      pads=(0, 0, 0, 0), layout: str = "NHWC") -> None:
+    """Check a float32 result against the float64 reference, elementwise.
+
+    The tolerance scales with the magnitude of the terms summed (conv of |x| and |w|)
+    and with sqrt(C*R*S), the random-walk growth of float32 rounding error, so it is
+    tight enough to catch one missing or misplaced term of a large reduction.
+    """
+    if layout == "NCHW":
+        x = np.transpose(x, (0, 2, 3, 1))
+        w = np.transpose(w, (2, 3, 1, 0))
+        actual = np.transpose(actual, (0, 2, 3, 1))
+    expected = conv2d_nhwc_f64(x, w, stride, pads)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == np.float32
+    magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
+    terms = w.shape[0] * w.shape[1] * w.shape[2]
+    tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
+    error = np.abs(actual.astype(np.float64) - expected)
+    bad = error > tolerance
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.size} outputs off; first at {idx}: got {actual[idx]}, "
+            f"expected {expected[idx]} (tolerance {tolerance[idx]:.3g})")

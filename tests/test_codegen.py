@@ -1,0 +1,155 @@
+"""Generated kernels: loop structure (golden), register use, and results vs float64.
+
+Each case is a (problem, scheme) pair chosen to exercise one feature of the generator:
+lambda-seq composition, K tails by masks, strides, asymmetric and large padding, the
+three parallel strategies of the paper's section 5.5, partial reductions around the
+accumulators, unrolls over c/r/s/n, and a k loop inside the reduction band.
+"""
+import re
+
+import numpy as np
+import pytest
+
+from ttile.cbuild import assembly, build, find_compiler
+from ttile.codegen import generate, kernel_name
+from ttile.scheme import Scheme
+from ttile.spec import ConvSpec
+from conftest import random_tensors, requires_avx512
+from reference import assert_conv_close
+
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on PATH")
+
+
+def same(n, k, c, hw, rs, stride=1, w=None):
+    pad = rs // 2
+    return ConvSpec(n, k, c, hw, w or hw, rs, rs, stride, stride, pad, pad, pad, pad)
+
+
+CASES = {
+    # The paper's Yolo9000-13 scheme shape on a smaller problem: 17 = 8 + 9 along h.
+    "lseq": (same(1, 64, 32, 17, 3),
+             "[T2 k; Lseq h [(1,8),(1,9)]; T17 w; T3 r; T3 s; T32 c; U beta h; U2 k; V k]"),
+    # Two parametric levels: 34 = 2*11 + 12, with T1 loops as in the paper's example.
+    "lseq_paper": (same(1, 64, 16, 34, 3),
+                   "[T2 k; T1 h; Lseq h [(2,11),(1,12)]; T17 w; T1 h; T1 h; T3 s; T3 r; "
+                   "T2 w; T16 c; U beta h; U2 k; V k]"),
+    # K = 40: three vectors, the last one masked.
+    "k_tail": (same(1, 40, 16, 10, 3), "[T3 k; T5 h; T10 w; T3 r; T3 s; T16 c; U2 h; V k]"),
+    "k_tail_unrolled": (same(1, 21, 5, 9, 3),
+                        "[T9 h; T3 w; T3 r; T3 s; T5 c; U3 w; U2 k; V k]"),
+    # ResNet18-1 in miniature: 7x7, stride 2, pad 3, three input channels.
+    "stride2_7x7": (same(1, 16, 3, 20, 7, stride=2),
+                    "[T10 h; T2 w; T7 r; T7 s; T3 c; U5 w; V k]"),
+    "stride3_valid": (ConvSpec(1, 32, 8, 17, 14, 2, 3, 3, 2),
+                      "[T2 k; T6 h; T6 w; T2 r; T3 s; T8 c; U1 h; V k]"),
+    "asymmetric_pad": (ConvSpec(1, 16, 4, 9, 8, 4, 2, pad_top=1, pad_bottom=2,
+                                pad_left=0, pad_right=1),
+                       "[T9 h; T8 w; T4 r; T2 s; T4 c; V k]"),
+    # Parallel strategy 1: the largest band of non-reduction loops, collapsed.
+    "parallel_band": (same(1, 32, 16, 10, 3),
+                      "[PT2 k; PT5 h; T2 w; T3 r; T3 s; T16 c; U2 h; U5 w; V k]"),
+    # Strategy 2: reductions innermost, everything above collapsed.
+    "parallel_reductions_inner": (same(2, 32, 16, 10, 3),
+                                  "[PR n; PT5 h; PT2 w; PT2 k; T3 r; T3 s; T16 c; U2 h; U5 w; V k]"),
+    # Strategy 3: reductions outermost, the rest collapsed below them.
+    "parallel_reductions_outer": (same(1, 32, 16, 10, 3),
+                                  "[T3 r; T3 s; PT2 k; PT5 h; PT2 w; T16 c; U2 h; U5 w; V k]"),
+    "r_and_batch": (ConvSpec(2, 32, 32, 8, 8, 1, 1), "[R n; R k; R h; R w; T32 c; U4 w; V k]"),
+    "unroll_rsc": (same(1, 64, 16, 8, 3),
+                   "[T4 k; T8 h; T2 w; T8 c; U3 r; U3 s; U2 c; U4 w; V k]"),
+    "k_inside_c": (same(1, 32, 16, 16, 3, w=8),
+                   "[T8 h; T8 w; T3 r; T3 s; T16 c; T2 k; U2 h; V k]"),
+    "unroll_n": (same(2, 16, 8, 4, 3), "[T2 h; T4 w; T3 r; T3 s; T8 c; U2 n; U2 h; V k]"),
+}
+
+
+@requires_avx512
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generated_kernel_matches_reference(case, threads):
+    spec, text = CASES[case]
+    kernel = generate(Scheme.parse(text), spec)
+    library = build([kernel])
+    rng = np.random.default_rng(7)
+    x, w = random_tensors(rng, (spec.n, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
+    y = np.full((spec.n, spec.ho, spec.wo, spec.k), np.nan, dtype=np.float32)
+    library.run(kernel, x, w, y, nthreads=threads)
+    assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
+                      (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
+
+
+def _loop_trip_counts(code: str) -> list[int]:
+    return [int(m) for m in re.findall(r"for \(int i\d+ = 0; i\d+ < (\d+);", code)]
+
+
+def test_golden_loop_structure_of_lseq_scheme():
+    spec, text = CASES["lseq"]
+    code = generate(Scheme.parse(text), spec).code
+    # k, then the two Seq branches (1 iteration of 8, 1 of 9), each w r s, then the c
+    # loop twice: interior (base pointer) and border (guarded pointers) versions.
+    assert _loop_trip_counts(code) == [2, 1, 17, 3, 3, 32, 32, 1, 17, 3, 3, 32, 32]
+    assert code.count("_mm512_fmadd_ps") == 2 * (8 + 9) * 2  # fast + guarded bodies
+    assert "omp parallel" not in code
+
+
+def test_golden_accumulators_hoisted_out_of_reduction_band():
+    spec, text = CASES["lseq"]
+    code = generate(Scheme.parse(text), spec).code
+    # r, s, c loops all sit inside the accumulator region: zero-init, no output loads.
+    first_zero = code.index("_mm512_setzero_ps")
+    first_r_loop = code.index("< 3;")
+    assert first_zero < first_r_loop
+    assert "_mm512_loadu_ps(y" not in code and "memset" not in code
+    assert code.count("_mm512_storeu_ps(y") == 2 * (8 + 9)
+
+
+def test_golden_partial_reduction_clears_output_and_accumulates():
+    spec, text = CASES["parallel_reductions_outer"]
+    code = generate(Scheme.parse(text), spec).code
+    assert "memset(y, 0" in code
+    assert "_mm512_loadu_ps(y" in code and "_mm512_setzero_ps" not in code
+    assert "#pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads)" in code
+
+
+def test_golden_masks_only_when_k_has_a_tail():
+    assert "mask" not in generate(Scheme.parse(CASES["lseq"][1]), CASES["lseq"][0]).code
+    code = generate(Scheme.parse(CASES["k_tail"][1]), CASES["k_tail"][0]).code
+    assert "_mm512_maskz_loadu_ps(m0, w" in code and "_mm512_mask_storeu_ps(y" in code
+
+
+def test_golden_no_guards_without_padding():
+    spec, text = CASES["r_and_batch"]
+    code = generate(Scheme.parse(text), spec).code
+    assert "zeros_" not in code and "if (" not in code
+
+
+def test_kernel_names_follow_the_grammar_and_differ_by_scheme():
+    spec, text = CASES["parallel_band"]
+    name = kernel_name(Scheme.parse(text), spec)
+    assert re.fullmatch(r"ttile_f32_conv2d_[0-9a-f]{12}__avx512f", name)
+    other = kernel_name(Scheme.parse(CASES["parallel_reductions_outer"][1]), spec)
+    assert other != name
+
+
+def test_generated_header_names_scheme_and_problem():
+    spec, text = CASES["k_tail"]
+    code = generate(Scheme.parse(text), spec, command="ttile-generate test").code
+    assert code.startswith("/* Generated by ttile, do not edit.")
+    assert f"scheme:  {Scheme.parse(text)}" in code
+    assert "command: ttile-generate test" in code
+
+
+_ZMM_STACK_STORE = re.compile(r"vmov\w*\s+%zmm\d+,\s*-?\d*\(%r[sb]p\)")
+
+
+@pytest.mark.parametrize("case, text", [
+    ("lseq", "[T2 k; Lseq h [(1,8),(1,9)]; T17 w; T3 r; T3 s; T32 c; U beta h; U2 k; V k]"),
+    ("largest_block", "[T17 w; T3 r; T3 s; T32 c; U14 h; U2 k; V k]"),
+])
+def test_microkernel_keeps_accumulators_in_registers(case, text):
+    spec = same(1, 32, 32, 14 if case == "largest_block" else 17, 3, w=17)
+    if case == "lseq":
+        spec = CASES["lseq"][0]
+    asm = assembly(generate(Scheme.parse(text), spec))
+    spills = _ZMM_STACK_STORE.findall(asm)
+    assert not spills, f"vector registers spilled to the stack: {spills[:5]}"

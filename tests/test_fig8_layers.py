@@ -1,0 +1,49 @@
+"""Every Fig. 8 layer of the TTile paper through ttile.conv2d, against float64."""
+import numpy as np
+import pytest
+
+import ttile
+from ttile.networks import ALL_LAYERS, RESNET18
+from conftest import AVAILABLE_ISAS, random_tensors
+from reference import assert_conv_close
+
+
+def _run_layer(layer, layout, threads):
+    spec = layer.spec()
+    rng = np.random.default_rng(abs(hash(layer.name)) % 2**32)
+    pad = layer.rs // 2
+    if layout == "NHWC":
+        x, w = random_tensors(rng, (1, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
+    else:
+        x, w = random_tensors(rng, (1, spec.c, spec.h, spec.w), (spec.k, spec.c, spec.r, spec.s))
+    y = ttile.conv2d(x, w, stride=layer.stride, padding=pad, layout=layout, threads=threads)
+    expected_shape = ((1, spec.ho, spec.wo, spec.k) if layout == "NHWC"
+                      else (1, spec.k, spec.ho, spec.wo))
+    assert y.shape == expected_shape
+    assert y.flags.c_contiguous
+    assert_conv_close(y, x, w, (layer.stride,) * 2, (pad,) * 4, layout=layout)
+
+
+@pytest.mark.parametrize("layer", ALL_LAYERS, ids=lambda l: l.name)
+def test_layer_nhwc_default_kernel(layer):
+    _run_layer(layer, "NHWC", threads=2)
+
+
+@pytest.mark.parametrize("layer", [l for l in ALL_LAYERS if l.k * l.c <= 512 * 512],
+                         ids=lambda l: l.name)
+def test_layer_nchw_default_kernel(layer):
+    _run_layer(layer, "NCHW", threads=1)
+
+
+@pytest.mark.parametrize("isa", ["portable"], indirect=True)
+@pytest.mark.parametrize("layer", RESNET18, ids=lambda l: l.name)
+def test_resnet18_portable_kernel(layer, isa):
+    _run_layer(layer, "NHWC", threads=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS, indirect=True)
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("layer", ALL_LAYERS, ids=lambda l: l.name)
+def test_layer_every_kernel_and_layout(layer, layout, isa):
+    _run_layer(layer, layout, threads=2)

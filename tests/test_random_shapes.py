@@ -1,0 +1,52 @@
+"""Hypothesis-generated shapes: odd sizes, K and C not multiples of 16, strides 1-3,
+kernels 1-7, batch 1-3, both layouts, both kernel families, checked against float64."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import ttile
+from conftest import AVAILABLE_ISAS
+from reference import assert_conv_close
+
+
+@st.composite
+def conv_cases(draw):
+    n = draw(st.integers(1, 3))
+    c = draw(st.integers(1, 40))
+    k = draw(st.integers(1, 70))
+    r = draw(st.integers(1, 7))
+    s = draw(st.integers(1, 7))
+    h = draw(st.integers(1, 23))
+    w = draw(st.integers(1, 23))
+    stride = draw(st.tuples(st.integers(1, 3), st.integers(1, 3)))
+    padding = draw(st.one_of(st.integers(0, 3), st.tuples(st.integers(0, 3), st.integers(0, 3)),
+                             st.just("valid"), st.just("same")))
+    layout = draw(st.sampled_from(["NCHW", "NHWC"]))
+    threads = draw(st.integers(1, 2))
+    if padding == "same":
+        assume(stride == (1, 1))
+        pads = ((r - 1) // 2, r - 1 - (r - 1) // 2, (s - 1) // 2, s - 1 - (s - 1) // 2)
+    elif padding == "valid":
+        pads = (0, 0, 0, 0)
+    else:
+        ph, pw = padding if isinstance(padding, tuple) else (padding, padding)
+        pads = (ph, ph, pw, pw)
+    assume(h + pads[0] + pads[1] >= r and w + pads[2] + pads[3] >= s)
+    return n, c, k, h, w, r, s, stride, padding, pads, layout, threads
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS, indirect=True)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=conv_cases(), seed=st.integers(0, 2**32 - 1))
+def test_random_shape_matches_reference(isa, case, seed):
+    n, c, k, h, w, r, s, stride, padding, pads, layout, threads = case
+    rng = np.random.default_rng(seed)
+    if layout == "NCHW":
+        x = rng.uniform(-1, 1, (n, c, h, w)).astype(np.float32)
+        wt = rng.uniform(-1, 1, (k, c, r, s)).astype(np.float32)
+    else:
+        x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
+        wt = rng.uniform(-1, 1, (r, s, c, k)).astype(np.float32)
+    y = ttile.conv2d(x, wt, stride=stride, padding=padding, layout=layout, threads=threads)
+    assert_conv_close(y, x, wt, stride, pads, layout=layout)
