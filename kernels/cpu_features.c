@@ -13,7 +13,7 @@ static uint64_t read_xcr0(void)
     return ((uint64_t)edx << 32) | eax;
 }
 
-int ttile_cpu_has_avx512f(void)
+static int detect_avx512f(void)
 {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
@@ -28,6 +28,16 @@ int ttile_cpu_has_avx512f(void)
         return 0;
     __cpuid_count(7, 0, eax, ebx, ecx, edx);
     return (ebx >> 16) & 1u;
+}
+
+/* cpuid traps to the hypervisor in a VM (several microseconds), so it runs once and the
+ * answer is kept; a race between two first callers only computes it twice. */
+int ttile_cpu_has_avx512f(void)
+{
+    static volatile int cached = -1;
+    if (cached < 0)
+        cached = detect_avx512f();
+    return cached;
 }
 #else
 int ttile_cpu_has_avx512f(void) { return 0; }

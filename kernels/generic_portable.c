@@ -12,7 +12,7 @@ void ttile_conv_generic_portable(const ttile_conv_shape *sh, const float *x,
     const int64_t R = sh->r, S = sh->s, HO = sh->ho, WO = sh->wo;
     const int64_t SH = sh->stride_h, SW = sh->stride_w, PT = sh->pad_top, PL = sh->pad_left;
 
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t oh = 0; oh < HO; oh++) {
             for (int64_t ow = 0; ow < WO; ow++) {

@@ -22,11 +22,13 @@ typedef struct {
 /* 1 when the CPU and the OS (XCR0 state) both support AVX-512F, else 0. */
 int ttile_cpu_has_avx512f(void);
 
-/* Generic kernels: runtime shapes, any stride and padding, correct for every shape. */
+/* Generic kernels: runtime shapes, any stride and padding, correct for every shape.
+ * The AVX-512 one packs the weights into a scratch buffer and returns -1, writing
+ * nothing, when that allocation fails; 0 on success. */
 void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads);
-void ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
-                               const float *w, float *y, int nthreads);
+int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
+                              const float *w, float *y, int nthreads);
 
 /* FMA-throughput microbenchmark: runs `iterations` rounds of 24 independent 16-lane
  * FMA chains on the calling thread and returns the seconds taken. */

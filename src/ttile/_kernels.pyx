@@ -19,8 +19,8 @@ cdef extern from "ttile_runtime.h" nogil:
     int ttile_cpu_has_avx512f()
     void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads)
-    void ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
-                                   const float *w, float *y, int nthreads)
+    int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
+                                  const float *w, float *y, int nthreads)
     double ttile_fma_peak_avx512(int64_t iterations)
 
 ISA_PORTABLE = 0
@@ -80,11 +80,14 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    cdef int status = 0
     if isa == ISA_AVX512F:
         if ttile_cpu_has_avx512f() != 1:
             raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
         with nogil:
-            ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads)
+            status = ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads)
+        if status != 0:
+            raise MemoryError("not enough memory to pack the weights for the generic kernel")
     elif isa == ISA_PORTABLE:
         with nogil:
             ttile_conv_generic_portable(&shape, xp, wp, yp, nthreads)

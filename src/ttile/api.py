@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import os
+from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
@@ -87,8 +88,15 @@ def _as_pair(value, name: str, minimum: int) -> tuple[int, int]:
     return pair[0], pair[1]
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _as_float32(array, name: str) -> np.ndarray:
     """A C-contiguous, aligned float32 view or copy of ``array``; refuses what is not real."""
+    if type(array) is np.ndarray and array.dtype == _FLOAT32:
+        flags = array.flags
+        if flags.c_contiguous and flags.aligned:
+            return array  # the common case, kept to a few attribute reads
     if not isinstance(array, np.ndarray):
         try:
             array = np.asarray(array)
@@ -166,6 +174,51 @@ def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPai
                     pad_top=pt, pad_bottom=pb, pad_left=pl, pad_right=pr)
 
 
+@dataclass(frozen=True)
+class _CallPlan:
+    """What conv2d derives from a call's shapes and options, computed once per signature."""
+
+    spec: ConvSpec
+    out_shape: tuple[int, int, int, int]
+
+
+_plans: dict[tuple, _CallPlan] = {}
+_MAX_PLANS = 4096
+
+
+def _exact_key(value):
+    """``value`` if it is an int, str or pair of ints by exact type, else None.
+
+    Exact types keep the plan cache from conflating 1 with True or 1.0, which must still
+    be refused by the full checks.
+    """
+    kind = type(value)
+    if kind is int or kind is str:
+        return value
+    if kind is tuple and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
+        return value
+    return None
+
+
+def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
+    stride_key, padding_key = _exact_key(stride), _exact_key(padding)
+    key = None
+    if stride_key is not None and padding_key is not None and type(layout) is str:
+        key = (x_shape, w_shape, stride_key, padding_key, layout)
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan
+    spec = make_spec(x_shape, w_shape, stride, padding, layout)
+    out_bytes = 4 * spec.n * spec.k * spec.ho * spec.wo
+    if out_bytes > _memory_limit_bytes():
+        raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
+                         f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
+    plan = _CallPlan(spec, (spec.n, spec.ho, spec.wo, spec.k))
+    if key is not None and len(_plans) < _MAX_PLANS:
+        _plans[key] = plan
+    return plan
+
+
 def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
            layout: str = "NCHW", threads: int | None = None) -> np.ndarray:
     """2D convolution with the semantics of ``torch.nn.functional.conv2d`` (no bias).
@@ -191,17 +244,14 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     """
     x_arr = _as_float32(x, "input")
     w_arr = _as_float32(w, "weights")
-    spec = make_spec(x_arr.shape, w_arr.shape, stride, padding, layout)
-    nthreads = _threads(threads)
-    out_bytes = 4 * spec.n * spec.k * spec.ho * spec.wo
-    if out_bytes > _memory_limit_bytes():
-        raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
-                         f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
+    plan = _plan(x_arr.shape, w_arr.shape, stride, padding, layout)
+    spec = plan.spec
+    nthreads = _threads(threads) if type(threads) is not int or threads < 1 else threads
 
     if layout == "NCHW":
         x_arr = np.ascontiguousarray(x_arr.transpose(0, 2, 3, 1))
         w_arr = np.ascontiguousarray(w_arr.transpose(2, 3, 1, 0))
-    y = np.empty((spec.n, spec.ho, spec.wo, spec.k), dtype=np.float32)
+    y = np.empty(plan.out_shape, dtype=_FLOAT32)
     isa = _kernels.ISA_AVX512F if get_isa() == "avx512f" else _kernels.ISA_PORTABLE
     _kernels.conv2d_generic_nhwc(x_arr, w_arr, y, spec.stride_h, spec.stride_w,
                                  spec.pad_top, spec.pad_left, nthreads, isa)

@@ -1,0 +1,185 @@
+"""Side-by-side timing of ttile.conv2d against PyTorch (oneDNN) on the Fig. 8 layers.
+
+Not a test: run it by hand (``python benchmarks/bench_conv.py``) with the ``bench``
+extra installed (``pip install ".[bench]"``). For each thread count it pins the process
+to that many CPUs, then for every layer times, interleaved round by round:
+
+* ttile.conv2d on NHWC input and RSCK weights (its native layout),
+* torch.nn.functional.conv2d on NCHW tensors,
+* the same on channels_last tensors,
+* a torch.nn.Conv2d pre-packed by torch.utils.mkldnn.to_mkldnn on an mkldnn input
+  (output left in oneDNN's blocked format, so no conversion is charged to torch),
+
+and reports medians, the best of torch's three ways, GFLOP/s, % of the FMA peak
+measured here by ttile's microbenchmark, and the ratio torch/ttile (> 1: ttile faster).
+Every ttile result is checked against torch's before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+import ttile
+from ttile import _kernels
+from ttile.networks import ALL_LAYERS, NETWORKS, layer as find_layer
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3) -> float:
+    """Peak fp32 GFLOP/s of ``threads`` cores: best of ``repeats`` concurrent FMA runs."""
+    best = 0.0
+    for _ in range(repeats):
+        seconds = [0.0] * threads
+
+        def run(i: int) -> None:
+            seconds[i] = _kernels.fma_peak_seconds(iterations)
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        best = max(best, sum(iterations * 768 / s for s in seconds) / 1e9)
+    return best
+
+
+def per_call_overhead_us(calls: int = 20000) -> float:
+    """Median per-call time of conv2d on a tiny NHWC shape (1x1x1x16 by 1x1x16x16)."""
+    x = np.ones((1, 1, 1, 16), np.float32)
+    w = np.ones((1, 1, 16, 16), np.float32)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            ttile.conv2d(x, w, layout="NHWC", threads=1)
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def bench_layer(layer, threads: int, reps: int, torch):
+    import torch.utils.mkldnn  # noqa: F401  (a submodule torch does not import itself)
+
+    F = torch.nn.functional
+    spec = layer.spec()
+    pad = layer.rs // 2
+    rng = np.random.default_rng(0)
+    x_nchw = rng.uniform(-1, 1, (1, spec.c, spec.h, spec.w)).astype(np.float32)
+    w_kcrs = rng.uniform(-1, 1, (spec.k, spec.c, spec.r, spec.s)).astype(np.float32)
+    x_nhwc = np.ascontiguousarray(x_nchw.transpose(0, 2, 3, 1))
+    w_rsck = np.ascontiguousarray(w_kcrs.transpose(2, 3, 1, 0))
+
+    xt, wt = torch.from_numpy(x_nchw), torch.from_numpy(w_kcrs)
+    xt_cl = xt.to(memory_format=torch.channels_last)
+    wt_cl = wt.to(memory_format=torch.channels_last)
+    module = torch.nn.Conv2d(spec.c, spec.k, spec.r, stride=layer.stride, padding=pad, bias=False)
+    with torch.no_grad():
+        module.weight.copy_(wt)
+    packed = torch.utils.mkldnn.to_mkldnn(module.eval())
+    xt_mk = xt.to_mkldnn()
+
+    runs = {
+        "ttile": lambda: ttile.conv2d(x_nhwc, w_rsck, stride=layer.stride, padding=pad,
+                                      layout="NHWC", threads=threads),
+        "nchw": lambda: F.conv2d(xt, wt, stride=layer.stride, padding=pad),
+        "channels_last": lambda: F.conv2d(xt_cl, wt_cl, stride=layer.stride, padding=pad),
+        "mkldnn": lambda: packed(xt_mk),
+    }
+    with torch.no_grad():
+        expected = runs["nchw"]().numpy().transpose(0, 2, 3, 1)
+        got = runs["ttile"]()
+        scale = np.abs(expected).max() + 1e-30
+        error = np.abs(got - expected).max() / scale
+        if error > 1e-4:
+            raise AssertionError(f"{layer.name}: ttile differs from torch (max rel {error:.2e})")
+        times = {name: [] for name in runs}
+        for fn in runs.values():  # warm-up: first-touch, thread pools, packing caches
+            fn()
+        for _ in range(reps):
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return spec, {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds per layer")
+    parser.add_argument("--layers", nargs="+", default=None,
+                        help="layer names (e.g. Yolo9000-12) or network names; default all")
+    parser.add_argument("--output", help="also write the markdown tables to this file")
+    args = parser.parse_args(argv)
+
+    try:
+        import torch
+    except ImportError:
+        print("benchmarks need torch: pip install '.[bench]'", file=sys.stderr)
+        return 2
+    if not ttile.has_avx512f():
+        print("note: no AVX-512F here, ttile runs its portable kernel", file=sys.stderr)
+
+    layers = []
+    for name in args.layers or [l.name for l in ALL_LAYERS]:
+        layers.extend(NETWORKS.get(name.lower(), ()) or [find_layer(name)])
+
+    cpus = sorted(os.sched_getaffinity(0))
+    lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
+             f"torch {torch.__version__}, ttile {ttile.__version__} "
+             f"({ttile.get_isa()} generic kernel); batch 1, fp32, ttile in NHWC; "
+             f"median of {args.reps} interleaved rounds.", ""]
+    for threads in args.threads:
+        os.sched_setaffinity(0, cpus[:threads])
+        torch.set_num_threads(threads)
+        peak = fma_peak_gflops(threads) if ttile.has_avx512f() else float("nan")
+        lines += [f"### {threads} thread{'s' if threads > 1 else ''} "
+                  f"(FMA peak measured: {peak:.0f} GFLOP/s)", "",
+                  "| layer | torch best | torch ms | ttile ms | ttile GFLOP/s | % peak | "
+                  "torch/ttile |", "|---|---|---|---|---|---|---|"]
+        ratios = []
+        for layer in layers:
+            spec, med = bench_layer(layer, threads, args.reps, torch)
+            best = min(("nchw", "channels_last", "mkldnn"), key=med.get)
+            gflops = spec.flops / med["ttile"] / 1e9
+            ratio = med[best] / med["ttile"]
+            ratios.append(ratio)
+            row = (f"| {layer.name} | {best} | {med[best] * 1e3:.3f} | {med['ttile'] * 1e3:.3f} | "
+                   f"{gflops:.1f} | {100 * gflops / peak:.0f} | {ratio:.2f} |")
+            lines.append(row)
+            print(row, flush=True)
+        geomean = float(np.exp(np.mean(np.log(ratios))))
+        lines += ["", f"Geometric mean torch/ttile: {geomean:.2f}; "
+                      f"lowest {min(ratios):.2f}.", ""]
+        print(lines[-2], flush=True)
+    os.sched_setaffinity(0, cpus[:1])
+    lines.append(f"Per-call time of conv2d on a 1x1x1x16 NHWC input with 16 filters, 1 thread: "
+                 f"{per_call_overhead_us():.1f} us (median).")
+    os.sched_setaffinity(0, cpus)
+    text = "\n".join(lines)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
