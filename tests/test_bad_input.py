@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ttile
-from reference import assert_conv_close
+from ttile.reference import assert_conv_close
 
 X = np.ones((1, 3, 8, 8), np.float32)
 W = np.ones((4, 3, 3, 3), np.float32)

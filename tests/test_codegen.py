@@ -15,7 +15,7 @@ from ttile.codegen import generate, kernel_name
 from ttile.scheme import Scheme
 from ttile.spec import ConvSpec
 from conftest import random_tensors, requires_avx512
-from reference import assert_conv_close
+from ttile.reference import assert_conv_close
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on PATH")
 

@@ -5,7 +5,7 @@ import pytest
 import ttile
 from ttile.networks import ALL_LAYERS, RESNET18
 from conftest import AVAILABLE_ISAS, random_tensors
-from reference import assert_conv_close
+from ttile.reference import assert_conv_close
 
 
 def _run_layer(layer, layout, threads):

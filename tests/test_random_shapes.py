@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import ttile
 from conftest import AVAILABLE_ISAS
-from reference import assert_conv_close
+from ttile.reference import assert_conv_close
 
 
 @st.composite

@@ -12,8 +12,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 import numpy as np
 
@@ -50,6 +52,25 @@ class BuiltLibrary:
     def run(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
             nthreads: int = 1) -> None:
         """Run ``kernel`` on native-layout arrays, checking shapes against its spec."""
+        self._check(kernel, x, w, y)
+        fn = getattr(self.handle, kernel.name)
+        fn.restype = None
+        fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int]
+        fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P), y.ctypes.data_as(_FLOAT_P),
+           int(nthreads))
+
+    def time(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
+             reps: int, nthreads: int = 1) -> float:
+        """Seconds for ``reps`` back-to-back calls, timed in C (library built with timers)."""
+        self._check(kernel, x, w, y)
+        fn = getattr(self.handle, timer_name(kernel))
+        fn.restype = ctypes.c_double
+        fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_long, ctypes.c_int]
+        return fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P),
+                  y.ctypes.data_as(_FLOAT_P), int(reps), int(nthreads))
+
+    @staticmethod
+    def _check(kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
         spec = kernel.spec
         expected = {"x": (spec.n, spec.h, spec.w, spec.c), "w": (spec.r, spec.s, spec.c, spec.k),
                     "y": (spec.n, spec.ho, spec.wo, spec.k)}
@@ -61,24 +82,51 @@ class BuiltLibrary:
                                  f"{expected[label]}")
         if not y.flags.writeable:
             raise ValueError("y must be writeable")
-        fn = getattr(self.handle, kernel.name)
-        fn.restype = None
-        fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int]
-        fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P), y.ctypes.data_as(_FLOAT_P),
-           int(nthreads))
+
+
+def timer_name(kernel: KernelSource) -> str:
+    return f"{kernel.name}_time"
+
+
+def timing_harness(kernel: KernelSource) -> str:
+    """C function timing ``reps`` calls of ``kernel`` without leaving C between calls.
+
+    The empty asm with a memory clobber after each call keeps the compiler from merging
+    or dropping repeated calls once it inlines the kernel.
+    """
+    return f"""
+double {timer_name(kernel)}(const float *restrict x, const float *restrict w,
+        float *restrict y, long reps, int nthreads)
+{{
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long i = 0; i < reps; i++) {{
+        {kernel.name}(x, w, y, nthreads);
+        __asm__ volatile("" : : "r"(y) : "memory");
+    }}
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}}
+"""
 
 
 def build(kernels: list[KernelSource], workdir: Path | None = None,
-          extra_flags: tuple[str, ...] = ()) -> BuiltLibrary:
+          extra_flags: tuple[str, ...] = (), timers: bool = False) -> BuiltLibrary:
     """Compile ``kernels`` into one shared object and load it.
 
-    The object is named by the hash of its sources and flags, so rebuilding the same
-    kernels reuses it.
+    With ``timers``, each kernel also gets a ``<name>_time`` function (see
+    :meth:`BuiltLibrary.time`). The object is named by the hash of its sources and
+    flags, so rebuilding the same kernels reuses it.
     """
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C compiler found (set CC or put cc/gcc/clang on PATH)", "")
-    source = "\n".join(k.code for k in kernels)
+    parts = ["#include <time.h>"] if timers else []
+    for kernel in kernels:
+        parts.append(kernel.code)
+        if timers:
+            parts.append(timing_harness(kernel))
+    source = "\n".join(parts)
     flags = (*KERNEL_CFLAGS, *extra_flags)
     digest = hashlib.sha1((compiler + "|" + " ".join(flags) + "|" + source).encode()).hexdigest()
     workdir = Path(workdir or Path(tempfile.gettempdir()) / f"ttile-build-{os.getuid()}")
@@ -94,6 +142,20 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
             raise BuildError(f"compiling {c_path} failed", proc.stderr)
         os.replace(tmp_path, lib_path)  # atomic: a concurrent builder sees all or nothing
     return BuiltLibrary(lib_path, ctypes.CDLL(str(lib_path)))
+
+
+def build_batches(batches: list[list[KernelSource]], jobs: int = 2, timers: bool = False,
+                  workdir: Path | None = None) -> list[Union[BuiltLibrary, BuildError]]:
+    """Build several batches concurrently; a failed batch is returned as its BuildError."""
+
+    def one(batch: list[KernelSource]) -> Union[BuiltLibrary, BuildError]:
+        try:
+            return build(batch, workdir=workdir, timers=timers)
+        except BuildError as error:
+            return error
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, batches))
 
 
 def assembly(kernel: KernelSource, extra_flags: tuple[str, ...] = ()) -> str:

@@ -25,7 +25,8 @@ microkernel at full speed without copying tensors:
   vectors of one (c, r, s) step are loaded once and each broadcast input feeds all k
   vectors (an outer product). The order of the U specifiers changes only the numbering,
   not the register use: ``accumulators + k vectors + 1`` registers are live, the budget
-  :class:`ttile.scheme.Block` checks.
+  :class:`ttile.scheme.Block` checks. An empty asm with a memory clobber separates the
+  steps so the compiler cannot stretch values across them (it would, and spill).
 * **Parallel band.** Consecutive parallel loops (``PT``/``PR``) become one
   ``#pragma omp parallel for collapse(m)`` whose thread count is a kernel argument.
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from .scheme import Block, Loop, Node, Scheme, Seq, lower
 from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 #: Flags generated kernels are compiled with. Only AVX-512F (+FMA, implied by every
 #: AVX-512F CPU) is assumed, so a kernel runs on any AVX-512 x86-64 machine.
@@ -285,8 +286,14 @@ class _Generator:
         spec = self.spec
         lines: list[str] = []
         kvs = range(block.count("k"))
-        for c_u, r_u, s_u in itertools.product(range(block.count("c")), range(block.count("r")),
-                                               range(block.count("s"))):
+        steps = list(itertools.product(range(block.count("c")), range(block.count("r")),
+                                       range(block.count("s"))))
+        for index, (c_u, r_u, s_u) in enumerate(steps):
+            if index:
+                # Keeps the compiler from merging equal broadcasts of different steps
+                # (with r unrolled, pixel h+1 at r=0 is pixel h at r=1): keeping those
+                # alive across steps took more than 32 registers and spilled.
+                lines.append('__asm__ volatile("" ::: "memory");')
             step = ["{"]
             w_row = (f"w + (((int64_t)({names['r']} + {r_u}) * {spec.s} + ({names['s']} + {s_u})) "
                      f"* {spec.c} + ({names['c']} + {c_u})) * {spec.k} + {names['k']}")
@@ -369,12 +376,15 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         "#include <string.h>",
         "",
     ]
-    if gen.k_tail:
-        out += ["static inline __mmask16 ttile_tail_mask(int remaining)",
+    if gen.k_tail:  # guarded: several kernels may share one translation unit
+        out += ["#ifndef TTILE_TAIL_MASK_DEFINED",
+                "#define TTILE_TAIL_MASK_DEFINED",
+                "static inline __mmask16 ttile_tail_mask(int remaining)",
                 "{",
                 "    return remaining >= 16 ? (__mmask16)0xFFFF",
                 "                           : (__mmask16)((1u << remaining) - 1u);",
                 "}",
+                "#endif",
                 ""]
     if gen.uses_zeros:
         out += [f"static const float {gen.zeros}[{spec.c}] __attribute__((aligned(64)));", ""]

@@ -1,4 +1,8 @@
-"""Float64 reference convolution: the oracle every kernel is checked against."""
+"""Float64 reference convolution: the oracle every kernel is checked against.
+
+Used by the tests and by the generator, which verifies every kernel it builds before
+timing it. numpy only, so the runtime could use it too without new dependencies.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -26,13 +30,13 @@ def conv2d_nhwc_f64(x: np.ndarray, w: np.ndarray, stride=(1, 1),
     for i in range(r):
         for j in range(s):
             patch = xp[:, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw, :]
-            y += patch.reshape(-1, c) .dot(w[i, j]).reshape(n, ho, wo, k)
+            y += patch.reshape(-1, c).dot(w[i, j]).reshape(n, ho, wo, k)
     return y
 
 
-def assert_conv_close(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(1, 1),
-                      pads=(0, 0, 0, 0), layout: str = "NHWC") -> None:
-    """Check a float32 result against the float64 reference, elementwise.
+def conv_mismatch(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(1, 1),
+                  pads=(0, 0, 0, 0), layout: str = "NHWC") -> str | None:
+    """None if a float32 result matches the float64 reference elementwise, else why not.
 
     The tolerance scales with the magnitude of the terms summed (conv of |x| and |w|)
     and with sqrt(C*R*S), the random-walk growth of float32 rounding error, so it is
@@ -43,15 +47,25 @@ def assert_conv_close(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(
         w = np.transpose(w, (2, 3, 1, 0))
         actual = np.transpose(actual, (0, 2, 3, 1))
     expected = conv2d_nhwc_f64(x, w, stride, pads)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == np.float32
+    if actual.shape != expected.shape:
+        return f"shape {actual.shape}, expected {expected.shape}"
+    if actual.dtype != np.float32:
+        return f"dtype {actual.dtype}, expected float32"
     magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
     terms = w.shape[0] * w.shape[1] * w.shape[2]
     tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
     error = np.abs(actual.astype(np.float64) - expected)
-    bad = error > tolerance
+    bad = ~(error <= tolerance)  # NaN counts as wrong
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise AssertionError(
-            f"{int(bad.sum())} of {bad.size} outputs off; first at {idx}: got {actual[idx]}, "
-            f"expected {expected[idx]} (tolerance {tolerance[idx]:.3g})")
+        return (f"{int(bad.sum())} of {bad.size} outputs off; first at {idx}: got "
+                f"{actual[idx]}, expected {expected[idx]} (tolerance {tolerance[idx]:.3g})")
+    return None
+
+
+def assert_conv_close(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(1, 1),
+                      pads=(0, 0, 0, 0), layout: str = "NHWC") -> None:
+    """Raise AssertionError with the first mismatch (see :func:`conv_mismatch`)."""
+    problem = conv_mismatch(actual, x, w, stride, pads, layout)
+    if problem is not None:
+        raise AssertionError(problem)

@@ -1,0 +1,160 @@
+"""Step 1: microkernel enumeration, measurement, selection, the saved table, no spills."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ttile.cbuild import assembly, find_compiler
+from ttile.codegen import generate
+from ttile.cpuinfo import fingerprint
+from ttile.microkernels import (Measurement, MicrokernelShape, MicrokernelTable, TimingProtocol,
+                                enumerate_shapes, explore, load_table, select_classes)
+from ttile.scheme import lower
+from conftest import requires_avx512
+
+REPO = Path(__file__).resolve().parents[1]
+needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on PATH")
+
+
+def test_enumeration_covers_every_block_that_fits_32_registers():
+    shapes = enumerate_shapes()
+    families = {s.family for s in shapes}
+    assert families == {(1, 1)} | {f for n in (3, 5, 7) for f in ((1, n), (n, 1), (n, n))}
+    per_family_axis = [s for s in shapes if s.family == (3, 3) and s.axis == "h"]
+    assert len(per_family_axis) == 82
+    assert all(s.registers <= 32 for s in shapes)
+    assert MicrokernelShape(1, 1, "h", 2, 14) in shapes      # 28 + 2 + 1 = 31
+    assert MicrokernelShape(1, 1, "h", 15, 1) in shapes      # 15 + 15 + 1 = 31
+    assert MicrokernelShape(1, 1, "h", 2, 15) not in shapes  # 30 + 2 + 1 = 33
+    assert MicrokernelShape(1, 1, "h", 16, 1) not in shapes  # 16 + 16 + 1 = 33
+
+
+@pytest.mark.parametrize("shape", [MicrokernelShape(1, 1, "h", 2, 14),
+                                   MicrokernelShape(3, 3, "w", 4, 6),
+                                   MicrokernelShape(7, 1, "h", 1, 30)], ids=lambda s: s.key)
+def test_microkernel_scheme_is_the_papers_and_covers_its_problem(shape):
+    scheme = shape.scheme()
+    text = str(scheme)
+    assert text.startswith("[T512 c; ") and text.endswith(f"U{shape.alpha} k; V k]")
+    assert f"U{shape.beta} {shape.axis}" in text
+    lower(scheme, shape.spec())  # raises unless covered exactly
+    assert shape.spec().ho * shape.spec().wo == shape.beta
+
+
+def _m(family, axis, alpha, beta, gflops):
+    return Measurement(MicrokernelShape(*family, axis, alpha, beta), "ok", gflops=gflops,
+                       percent_of_peak=gflops)
+
+
+def test_selection_keeps_better_axis_and_groups_beta_intervals():
+    ms = [_m((1, 1), "h", 2, b, g) for b, g in [(6, 70), (7, 90), (8, 96), (9, 100), (10, 95),
+                                                 (11, 80), (12, 88)]]
+    ms += [_m((1, 1), "w", 2, 11, 90)]            # w beats h at beta = 11
+    ms += [_m((1, 1), "h", 1, b, 86) for b in (3, 4)]
+    ms += [_m((3, 3), "h", 1, 5, 40), _m((3, 3), "h", 1, 6, 36), _m((3, 3), "h", 1, 7, 30)]
+    ms += [Measurement(MicrokernelShape(1, 1, "h", 3, 3), "wrong_answer", detail="x")]
+    classes = select_classes(ms, threshold=0.85)
+    got = {(c.unroll_r, c.unroll_s, c.axis, c.alpha, c.beta_min, c.beta_max) for c in classes}
+    assert got == {(1, 1, "h", 2, 7, 10), (1, 1, "w", 2, 11, 11), (1, 1, "h", 2, 12, 12),
+                   (1, 1, "h", 1, 3, 4), (3, 3, "h", 1, 5, 6)}
+    assert "8 <= beta <= 10" not in "".join(c.describe() for c in classes)
+
+
+@requires_avx512
+@needs_compiler
+def test_explore_measures_checks_saves_and_resumes(tmp_path):
+    shapes = [MicrokernelShape(1, 1, "h", 2, b) for b in (4, 5, 6)]
+    fast = TimingProtocol(sample_seconds=0.0005, samples=3, max_rounds=1)
+    first = explore(tmp_path, shapes=shapes[:2], reduction=64, protocol=fast)
+    assert all(m.status == "ok" and m.gflops > 0 for m in first.measurements)
+    saved = json.loads((tmp_path / f"{fingerprint().id}.json").read_text())
+    assert MicrokernelTable.from_json(saved) == first
+    assert load_table(tmp_path) == first
+
+    # An interrupted run leaves its partial log; the next run measures only the rest.
+    partial = tmp_path / f"{fingerprint().id}.partial.jsonl"
+    partial.write_text("\n".join(json.dumps(m.to_json()) for m in first.measurements)
+                       + "\n{\"cut\": ")
+    seen = []
+    second = explore(tmp_path, shapes=shapes, reduction=64, protocol=fast,
+                     progress=lambda done, total, what: seen.append(done))
+    assert seen[0] == 2 and seen[-1] == 3
+    # Not measured again: the same samples (the first beta has no lower neighbour, so the
+    # second look at suspicious kernels cannot replace it either).
+    assert second.measurements[0].samples_s == first.measurements[0].samples_s
+    assert not partial.exists()
+
+
+def test_load_table_without_one_says_how_to_make_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ttile-generate microkernels"):
+        load_table(tmp_path)
+
+
+_ZMM_STACK_STORE = re.compile(r"vmov\w*\s+%zmm\d+,\s*-?\d*\(%r[sb]p\)")
+
+
+def test_spill_pattern_recognizes_a_stack_store():
+    assert _ZMM_STACK_STORE.search("\tvmovups\t%zmm3, 128(%rsp)")
+    assert _ZMM_STACK_STORE.search("\tvmovaps\t%zmm17, -192(%rbp)")
+    assert not _ZMM_STACK_STORE.search("\tvmovups\t%zmm3, (%rax,%rdx,4)")
+
+
+def _largest_blocks():
+    """Per family, the shapes with the most live registers (the ones that could spill)."""
+    chosen = {}
+    for shape in enumerate_shapes((1, 3)):
+        best = chosen.get((shape.family, shape.axis))
+        if best is None or (shape.registers, shape.beta) > (best.registers, best.beta):
+            chosen[(shape.family, shape.axis)] = shape
+    return sorted(chosen.values())
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", _largest_blocks() + [MicrokernelShape(7, 7, "h", 4, 6)],
+                         ids=lambda s: s.key)
+def test_microkernel_inner_loop_never_spills_vector_registers(shape):
+    asm = assembly(generate(shape.scheme(), shape.spec()))
+    spills = _ZMM_STACK_STORE.findall(asm)
+    assert not spills, f"{shape.key} stores vector registers to the stack: {spills[:4]}"
+
+
+def _committed_table():
+    directory = REPO / "generator" / "microkernels"
+    try:
+        return load_table(directory)
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(_committed_table() is None,
+                    reason="no committed microkernel table for this CPU")
+def test_committed_table_for_this_cpu_is_consistent():
+    table = _committed_table()
+    assert table.classes, "a table without selected microkernels"
+    ok = [m for m in table.measurements if m.status == "ok"]
+    assert len(ok) == len(table.measurements), "some microkernels failed to build or check"
+    assert select_classes(table.measurements, table.threshold) == list(table.classes)
+    best = table.best_per_family()
+    for c in table.classes:
+        for shape in c.shapes():
+            m = next(m for m in table.measurements if m.shape == shape)
+            assert m.gflops >= table.threshold * best[shape.family].gflops
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ttile.plot import plot_microkernels
+    ms = tuple(_m((1, 1), "h", a, b, 50 + a + b) for a in (1, 2) for b in range(1, 10))
+    table = MicrokernelTable(cpu=fingerprint(), peak_gflops=100.0, threshold=0.85,
+                             reduction=512, compiler="cc", cflags=(), measured_on="today",
+                             measurements=ms, classes=tuple(select_classes(ms)))
+    path = plot_microkernels(table, tmp_path / "fig7.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_lists_the_microkernels_command(capsys):
+    from ttile.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["microkernels", "--help"])
+    assert "--plot" in capsys.readouterr().out
