@@ -34,4 +34,7 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
  * FMA chains on the calling thread and returns the seconds taken. */
 double ttile_fma_peak_avx512(int64_t iterations);
 
+/* Read bandwidth: seconds to sum `floats` floats of `buffer` `reps` times (AVX-512F). */
+double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps);
+
 #endif

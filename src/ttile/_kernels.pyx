@@ -22,6 +22,7 @@ cdef extern from "ttile_runtime.h" nogil:
     int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                                   const float *w, float *y, int nthreads)
     double ttile_fma_peak_avx512(int64_t iterations)
+    double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
 
 ISA_PORTABLE = 0
 ISA_AVX512F = 1
@@ -107,4 +108,20 @@ def fma_peak_seconds(int64_t iterations):
     cdef double t
     with nogil:
         t = ttile_fma_peak_avx512(iterations)
+    return t
+
+
+def read_seconds(cnp.ndarray buffer, int64_t reps):
+    """Seconds to read all of a float32 ``buffer`` ``reps`` times (AVX-512F loads)."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the bandwidth benchmark needs AVX-512F")
+    if cnp.PyArray_TYPE(buffer) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(buffer):
+        raise ValueError("buffer must be a C-contiguous float32 array")
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    cdef const float *data = <const float *>cnp.PyArray_DATA(buffer)
+    cdef int64_t n = cnp.PyArray_SIZE(buffer)
+    cdef double t
+    with nogil:
+        t = ttile_read_seconds_avx512(data, n, reps)
     return t

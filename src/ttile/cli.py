@@ -3,6 +3,8 @@
 Subcommands:
   microkernels   step 1: measure microkernels on this CPU, save the table under
                  generator/microkernels/ (resumes if interrupted), optionally plot it.
+  model          step 2: rank loop permutations above a microkernel for one layer with
+                 the IOOpt model, beside IOOpt's lower bound.
 """
 from __future__ import annotations
 
@@ -72,6 +74,46 @@ def _cmd_microkernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_model(args: argparse.Namespace) -> int:
+    from .machine import load_or_measure
+    from .microkernels import MicrokernelShape, load_table
+    from .model import compare_with_lower_bound, default_microkernel, rank_permutations
+    from .networks import layer
+
+    spec = layer(args.layer).spec()
+    machine = load_or_measure(args.generator_dir / "machine")
+    caches = machine.caches()
+    if args.microkernel:
+        r, s, axis, alpha, beta = args.microkernel
+        shape = MicrokernelShape(int(r), int(s), axis, int(alpha), int(beta))
+    else:
+        try:
+            table = load_table(args.generator_dir / "microkernels")
+        except FileNotFoundError as exc:
+            print(f"note: {exc}; using a default microkernel", file=sys.stderr)
+            table = None
+        shape = default_microkernel(spec, table)
+    started = time.monotonic()
+    ranked = rank_permutations(spec, shape, caches, top=args.top)
+    elapsed = time.monotonic() - started
+    b = machine.bandwidths
+    print(f"{args.layer}: K={spec.k} C={spec.c} H=W={spec.h} R=S={spec.r} stride "
+          f"{spec.stride_h}; microkernel [{shape.block_specifiers()}]")
+    print(f"caches: " + ", ".join(f"{c.name} {c.capacity_bytes // 1024} KiB" for c in caches)
+          + f"; read bandwidth L2 {b.l2 / 1e9:.0f}, L3 {b.l3 / 1e9:.0f}, DRAM "
+          f"{b.dram / 1e9:.0f} GB/s")
+    for rank, rp in enumerate(ranked, 1):
+        volumes = ", ".join(f"{name} {v:.3g}" for name, v in rp.estimate.volumes)
+        print(f"{rank}. {rp.notation()}  counts {rp.notation(with_counts=True)}")
+        print(f"   data moved (floats): {volumes}; estimated {rp.estimate.cost * 1e3:.3f} ms")
+    print("best permutation against IOOpt's lower bound (floats loaded into each cache):")
+    for report in compare_with_lower_bound(spec, ranked[0], caches):
+        print(f"   {report.cache}: upper {report.volume:.3g} (this scheme), lower "
+              f"{report.lower_bound:.3g}, dominant term: {report.dominant_term}")
+    print(f"({elapsed:.1f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ttile-generate",
                                      description="TTile offline generator")
@@ -86,15 +128,26 @@ def build_parser() -> argparse.ArgumentParser:
     micro.add_argument("--jobs", type=int, default=2, help="parallel compiler processes")
     micro.add_argument("--plot", type=Path, help="draw the Fig. 7 heatmaps to this PNG")
     micro.set_defaults(run=_cmd_microkernels)
+    model = sub.add_parser("model", help="step 2: rank loop permutations for a layer")
+    model.add_argument("--layer", required=True, help="a Fig. 8 layer, e.g. Yolo9000-12")
+    model.add_argument("--microkernel", nargs=5, metavar=("R", "S", "AXIS", "ALPHA", "BETA"),
+                       help="unroll r, unroll s, h|w, k vectors, outputs (default: best "
+                            "measured that fits)")
+    model.add_argument("--top", type=int, default=3, help="permutations to show")
+    model.set_defaults(run=_cmd_model)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threshold", 0.5) is not None and not 0 < getattr(args, "threshold", 0.5) <= 1:
+    if args.command == "microkernels" and not 0 < args.threshold <= 1:
         print("--threshold must be in (0, 1]", file=sys.stderr)
         return 2
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        print(f"ttile-generate: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
