@@ -24,6 +24,20 @@ cdef extern from "ttile_runtime.h" nogil:
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
 
+cdef extern from "ttile_registry.h" nogil:
+    ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads)
+    ctypedef struct ttile_tuned_kernel:
+        int n, k, c, h, w, r, s
+        int stride_h, stride_w
+        int pad_top, pad_bottom, pad_left, pad_right
+        int parallel
+        ttile_kernel_fn fn
+        const char *layer
+        const char *scheme
+        double gflops
+    const ttile_tuned_kernel ttile_tuned_kernels[]
+    const int ttile_tuned_kernel_count
+
 ISA_PORTABLE = 0
 ISA_AVX512F = 1
 
@@ -125,3 +139,52 @@ def read_seconds(cnp.ndarray buffer, int64_t reps):
     with nogil:
         t = ttile_read_seconds_avx512(data, n, reps)
     return t
+
+
+def tuned_kernels():
+    """The registry: one dict per tuned kernel compiled into this extension."""
+    out = []
+    cdef int i
+    for i in range(ttile_tuned_kernel_count):
+        e = ttile_tuned_kernels[i]
+        out.append({"index": i, "n": e.n, "k": e.k, "c": e.c, "h": e.h, "w": e.w, "r": e.r,
+                    "s": e.s, "stride_h": e.stride_h, "stride_w": e.stride_w,
+                    "pad_top": e.pad_top, "pad_bottom": e.pad_bottom, "pad_left": e.pad_left,
+                    "pad_right": e.pad_right, "parallel": bool(e.parallel),
+                    "layer": e.layer.decode(), "scheme": e.scheme.decode(),
+                    "gflops": e.gflops})
+    return out
+
+
+def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads):
+    """Run registry entry ``index`` on x (N,H,W,C), w (R,S,C,K) into y (N,Ho,Wo,K).
+
+    Shapes are checked against the entry; the kernel's own sizes are compile-time
+    constants, so a mismatch would otherwise read out of bounds.
+    """
+    if index < 0 or index >= ttile_tuned_kernel_count:
+        raise IndexError(f"no tuned kernel {index}")
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("tuned kernels need AVX-512F")
+    _check_f32_c4(x, "x")
+    _check_f32_c4(w, "w")
+    _check_f32_c4(y, "y")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
+    cdef int ho = (e.h + e.pad_top + e.pad_bottom - e.r) // e.stride_h + 1
+    cdef int wo = (e.w + e.pad_left + e.pad_right - e.s) // e.stride_w + 1
+    if (xs[0], xs[1], xs[2], xs[3]) != (e.n, e.h, e.w, e.c) or \
+            (ws[0], ws[1], ws[2], ws[3]) != (e.r, e.s, e.c, e.k) or \
+            (ys[0], ys[1], ys[2], ys[3]) != (e.n, ho, wo, e.k):
+        raise ValueError("arrays do not match the tuned kernel's problem")
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    with nogil:
+        e.fn(xp, wp, yp, nthreads)

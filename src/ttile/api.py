@@ -24,6 +24,15 @@ IntPair = Union[int, tuple[int, int]]
 #: or "portable". Change it with :func:`set_isa`.
 _HAS_AVX512F = _kernels.cpu_has_avx512f()
 _isa = "auto"
+_use_tuned = True
+
+
+def use_tuned_kernels(enabled: bool) -> bool:
+    """Serve registry problems with their tuned kernels (default) or always with the
+    generic one (for comparisons and tests); returns the previous setting."""
+    global _use_tuned
+    previous, _use_tuned = _use_tuned, bool(enabled)
+    return previous
 
 
 def has_avx512f() -> bool:
@@ -176,10 +185,34 @@ def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPai
 
 @dataclass(frozen=True)
 class _CallPlan:
-    """What conv2d derives from a call's shapes and options, computed once per signature."""
+    """What conv2d derives from a call's shapes and options, computed once per signature.
+
+    ``tuned_single`` / ``tuned_parallel`` index the registry of tuned kernels compiled
+    into the extension (-1: none for this problem).
+    """
 
     spec: ConvSpec
     out_shape: tuple[int, int, int, int]
+    tuned_single: int = -1
+    tuned_parallel: int = -1
+
+
+def _registry_index() -> dict[tuple, dict[bool, int]]:
+    index: dict[tuple, dict[bool, int]] = {}
+    for entry in _kernels.tuned_kernels():
+        key = tuple(entry[f] for f in ("n", "k", "c", "h", "w", "r", "s", "stride_h",
+                                       "stride_w", "pad_top", "pad_bottom", "pad_left",
+                                       "pad_right"))
+        index.setdefault(key, {})[entry["parallel"]] = entry["index"]
+    return index
+
+
+_TUNED = _registry_index()
+
+
+def tuned_kernels() -> list[dict]:
+    """The tuned kernels compiled into this build: problem, scheme, measured GFLOP/s."""
+    return _kernels.tuned_kernels()
 
 
 _plans: dict[tuple, _CallPlan] = {}
@@ -213,7 +246,11 @@ def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
     if out_bytes > _memory_limit_bytes():
         raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
                          f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
-    plan = _CallPlan(spec, (spec.n, spec.ho, spec.wo, spec.k))
+    variants = _TUNED.get((spec.n, spec.k, spec.c, spec.h, spec.w, spec.r, spec.s,
+                           spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_bottom,
+                           spec.pad_left, spec.pad_right), {})
+    plan = _CallPlan(spec, (spec.n, spec.ho, spec.wo, spec.k),
+                     variants.get(False, -1), variants.get(True, -1))
     if key is not None and len(_plans) < _MAX_PLANS:
         _plans[key] = plan
     return plan
@@ -252,9 +289,14 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
         x_arr = np.ascontiguousarray(x_arr.transpose(0, 2, 3, 1))
         w_arr = np.ascontiguousarray(w_arr.transpose(2, 3, 1, 0))
     y = np.empty(plan.out_shape, dtype=_FLOAT32)
-    isa = _kernels.ISA_AVX512F if get_isa() == "avx512f" else _kernels.ISA_PORTABLE
-    _kernels.conv2d_generic_nhwc(x_arr, w_arr, y, spec.stride_h, spec.stride_w,
-                                 spec.pad_top, spec.pad_left, nthreads, isa)
+    isa = get_isa()
+    tuned = plan.tuned_single if nthreads == 1 else plan.tuned_parallel
+    if isa == "avx512f" and tuned >= 0 and _use_tuned:
+        _kernels.run_tuned(tuned, x_arr, w_arr, y, nthreads)
+    else:
+        _kernels.conv2d_generic_nhwc(
+            x_arr, w_arr, y, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left,
+            nthreads, _kernels.ISA_AVX512F if isa == "avx512f" else _kernels.ISA_PORTABLE)
     if layout == "NCHW":
         return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
     return y

@@ -69,6 +69,21 @@ class BuiltLibrary:
         return fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P),
                   y.ctypes.data_as(_FLOAT_P), int(reps), int(nthreads))
 
+    def time_each(self, kernel: KernelSource, copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                  calls: int, nthreads: int = 1) -> list[float]:
+        """Per-call seconds of ``calls`` calls rotating over the (x, w, y) ``copies``."""
+        for x, w, y in copies:
+            self._check(kernel, x, w, y)
+        n = len(copies)
+        arrays = [(ctypes.POINTER(ctypes.c_float) * n)(*[c[i].ctypes.data_as(_FLOAT_P)
+                                                          for c in copies]) for i in range(3)]
+        out = (ctypes.c_double * calls)()
+        fn = getattr(self.handle, each_timer_name(kernel))
+        fn.restype = None
+        fn(arrays[0], arrays[1], arrays[2], ctypes.c_int(n), ctypes.c_int(calls),
+           ctypes.c_int(nthreads), out)
+        return list(out)
+
     @staticmethod
     def _check(kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
         spec = kernel.spec
@@ -86,6 +101,10 @@ class BuiltLibrary:
 
 def timer_name(kernel: KernelSource) -> str:
     return f"{kernel.name}_time"
+
+
+def each_timer_name(kernel: KernelSource) -> str:
+    return f"{kernel.name}_time_each"
 
 
 def timing_harness(kernel: KernelSource) -> str:
@@ -106,6 +125,20 @@ double {timer_name(kernel)}(const float *restrict x, const float *restrict w,
     }}
     clock_gettime(CLOCK_MONOTONIC, &t1);
     return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}}
+
+/* One time per call, rotating over `copies` tensor sets so that a call does not find
+ * its data left in the caches by the previous one (the paper's cold-cache protocol). */
+void {each_timer_name(kernel)}(const float *const *xs, const float *const *ws,
+        float *const *ys, int copies, int calls, int nthreads, double *seconds)
+{{
+    for (int i = 0; i < calls; i++) {{
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        {kernel.name}(xs[i % copies], ws[i % copies], ys[i % copies], nthreads);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        seconds[i] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    }}
 }}
 """
 

@@ -5,6 +5,9 @@ Subcommands:
                  generator/microkernels/ (resumes if interrupted), optionally plot it.
   model          step 2: rank loop permutations above a microkernel for one layer with
                  the IOOpt model, beside IOOpt's lower bound.
+With --network NAME (or --layers-file F): steps 3-5 for every layer (scheme space,
+pruning, autotuning into generator/records/), then the kernels and their registry are
+written to kernels/gen/ for the build to compile.
 """
 from __future__ import annotations
 
@@ -114,12 +117,127 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_layers(args: argparse.Namespace):
+    from .networks import NETWORKS, Layer
+    if args.network:
+        layers = []
+        for network in args.network:
+            if network.lower() not in NETWORKS:
+                raise ValueError(f"unknown network {network!r}; built in: "
+                                 f"{', '.join(NETWORKS)} (or pass --layers-file)")
+            layers += NETWORKS[network.lower()]
+        return layers
+    path = Path(args.layers_file)
+    if path.suffix == ".toml":
+        import tomllib
+        data = tomllib.loads(path.read_text())
+    else:
+        import json
+        data = json.loads(path.read_text())
+    entries = data["layers"] if isinstance(data, dict) else data
+    layers = []
+    for i, e in enumerate(entries):
+        try:
+            layers.append(Layer(str(e.get("name", f"layer-{i}")), int(e["k"]), int(e["c"]),
+                                int(e["hw"]), int(e["rs"]), int(e.get("stride", 1))))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: layer {i} needs integer k, c, hw, rs (and optional "
+                             f"stride, name): {exc}") from None
+    return layers
+
+
+def _cmd_network(args: argparse.Namespace) -> int:
+    from .emit import TunedKernel, emit
+    from .machine import load_or_measure
+    from .microkernels import load_table
+    from .scheme import Scheme
+    from .search import classes_for, parallel_variants, scheme_space
+    from .tune import LayerBench, TuneSettings, TuningDatabase, tune_layer
+
+    layers = _load_layers(args)
+    table = load_table(args.generator_dir / "microkernels")
+    caches = load_or_measure(args.generator_dir / "machine").caches()
+    database = TuningDatabase(args.generator_dir / "records")
+    settings = TuneSettings(budget_seconds=args.budget)
+    source = (f"--network {' '.join(args.network)}" if args.network
+              else f"--layers-file {args.layers_file}")
+    command = f"ttile-generate {source}"
+    started = time.monotonic()
+    verbose = (lambda message: print(message, file=sys.stderr)) if args.verbose else \
+        (lambda message: None)
+    progress = _Progress("layers")
+    tuned: list[TunedKernel] = []
+    rows = []
+    for done, layer in enumerate(layers):
+        spec = layer.spec()
+        progress(done, len(layers), layer.name)
+        if not args.from_records:
+            candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top)
+            bench = LayerBench.make(spec)
+            tune_layer(layer.name, spec, candidates, 1, database, bench, settings, verbose, command)
+            if args.threads > 1:
+                screened = sorted(database.for_layer(spec, 1, "screen"), key=lambda r: r.seconds)
+                by_text = {str(c.scheme): c for c in candidates}
+                parallel = []
+                for record in screened[:args.parallel_from]:
+                    if record.scheme in by_text:
+                        parallel += parallel_variants(by_text[record.scheme], spec, args.threads)
+                parallel_settings = TuneSettings(budget_seconds=args.budget / 2)
+                tune_layer(layer.name, spec, parallel, args.threads, database, bench,
+                           parallel_settings, verbose, command)
+            del bench
+        best1 = database.best(spec, 1)
+        best_n = database.best(spec, args.threads) if args.threads > 1 else None
+        rows.append((layer, best1, best_n))
+    progress(len(layers), len(layers), "done")
+    progress.close()
+    elapsed = time.monotonic() - started
+    # The registry holds every layer tuned on this CPU so far, not only this run's, so
+    # tuning a second network does not drop the first one's kernels.
+    for spec, name in database.layers():
+        for parallel, threads in ((False, 1), (True, args.threads)):
+            best = database.best(spec, threads) if threads > 1 or not parallel else None
+            if best is not None:
+                tuned.append(TunedKernel(name, spec, Scheme.parse(best.scheme), parallel,
+                                         best.gflops))
+    emit(tuned, args.kernels_dir, command)
+    peak = table.peak_gflops
+    print(f"| layer | scheme (1 thread) | microkernels | GFLOP/s | % of peak | "
+          f"{args.threads} threads GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for layer, best1, best_n in rows:
+        if best1 is None:
+            print(f"| {layer.name} | (no correct kernel found) | | | | |")
+            continue
+        multi = f"{best_n.gflops:.1f}" if best_n else "-"
+        print(f"| {layer.name} | `{best1.scheme}` | {best1.microkernels} | {best1.gflops:.1f} | "
+              f"{100 * best1.gflops / peak:.0f} | {multi} |")
+    print(f"search time: {elapsed:.0f} s; {len(tuned)} kernels written to {args.kernels_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ttile-generate",
                                      description="TTile offline generator")
     parser.add_argument("--generator-dir", type=Path, default=DEFAULT_GENERATOR_DIR,
                         help="where tables and records live (default: ./generator)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--network", nargs="+", help="search every layer of built-in "
+                        "networks (yolo9000, resnet18) and emit the kernels")
+    parser.add_argument("--layers-file", help="search the layers listed in a TOML or JSON "
+                        "file: [{name, k, c, hw, rs, stride}, ...]")
+    parser.add_argument("--kernels-dir", type=Path, default=Path("kernels/gen"),
+                        help="where generated kernels and the registry go")
+    parser.add_argument("--budget", type=float, default=90.0,
+                        help="seconds of measurement per layer for the single-thread search "
+                             "(half as much for the parallel one)")
+    parser.add_argument("--threads", type=int, default=2, help="threads of the parallel variant")
+    parser.add_argument("--top", type=int, default=200, help="schemes kept after pruning")
+    parser.add_argument("--parallel-from", type=int, default=4,
+                        help="sequential schemes whose parallel variants are tuned")
+    parser.add_argument("--from-records", action="store_true",
+                        help="emit from the tuning records without measuring anything")
+    parser.add_argument("--verbose", action="store_true", help="print every measurement")
+    sub = parser.add_subparsers(dest="command")
     micro = sub.add_parser("microkernels", help="step 1: measure microkernels on this CPU")
     micro.add_argument("--threshold", type=float, default=0.85,
                        help="keep microkernels within this fraction of their scheme's best")
@@ -139,7 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        if not (args.network or args.layers_file):
+            parser.error("give a command (microkernels, model) or --network / --layers-file")
+        args.run = _cmd_network
     if args.command == "microkernels" and not 0 < args.threshold <= 1:
         print("--threshold must be in (0, 1]", file=sys.stderr)
         return 2

@@ -1,0 +1,324 @@
+"""Steps 3-4 of the TTile search (paper sections 5.3-5.5): scheme space, pruning, parallelism.
+
+For a layer, every selected microkernel class that fits it, and the model's permutation
+for that class (step 2), the space holds every *completion*:
+
+* the microkernel, either one size beta that divides the spatial axis, or two sizes of the
+  class combined with lambda-seq, ``a*beta1 + b*beta2`` dividing it (34 = 2*11 + 12),
+* the remaining iterations of every dimension distributed, as exact divisors, over that
+  dimension's loops in the permutation (all ordered factorizations),
+* the lambda-seq placed at each loop of the spatial axis in turn.
+
+Pruning keeps the fraction (40 %) with the largest reduction loop right above the
+microkernel, sorts those by the model's data movement and keeps the best (200).
+
+Parallel variants (section 5.5) rewrite a sequential scheme three ways: the largest band
+of outer non-reduction loops made parallel; the reduction loops moved innermost and the
+rest parallel; the reduction loops moved outermost and the rest below them parallel.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from .iomodel import CacheLevel, best_levels, divisor_splits, nest_volumes
+from .microkernels import MicrokernelClass, MicrokernelShape
+from .model import RankedPermutation, microkernel_tile, rank_permutations
+from .polyhedral import conv2d_computation
+from .scheme import Scheme, SchemeError, lower
+from .spec import REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the scheme space: a scheme and what ranked it."""
+
+    scheme: Scheme
+    microkernels: tuple[MicrokernelShape, ...]   # one, or the two composed by lambda-seq
+    reduction_above: int                          # iterations of the c loop above the block
+    model_cost: float                             # seconds of data movement (step 2 model)
+    strategy: str = "sequential"
+
+    @property
+    def microkernel_text(self) -> str:
+        return " + ".join(f"[{m.block_specifiers()}]" for m in self.microkernels)
+
+
+@dataclass(frozen=True)
+class SpacePoint:
+    """A completion before it is written as a scheme (kept to batch the model)."""
+
+    dims: tuple[str, ...]           # loop dims, outermost first (the permutation)
+    counts: tuple[int, ...]
+    lseq_at: Optional[int]          # index in dims before which the lambda-seq goes
+    betas: tuple[tuple[int, int], ...]  # ((count, beta), ...): one entry, or the pair
+
+
+def class_fits(spec: ConvSpec, cls: MicrokernelClass) -> bool:
+    """Whether a class can appear in a scheme for ``spec`` (k vectors divide, r/s match)."""
+    vectors = spec.k_vectors
+    if vectors % cls.alpha:
+        return False
+    if cls.unroll_r not in (1, spec.r) or cls.unroll_s not in (1, spec.s):
+        return False
+    axis_extent = spec.ho if cls.axis == "h" else spec.wo
+    return cls.beta_min <= axis_extent
+
+
+def microkernel_choices(axis_extent: int, cls: MicrokernelClass) -> list[tuple[tuple[int, int], ...]]:
+    """Single betas dividing the axis, and lambda-seq pairs a*b1 + b*b2 dividing it."""
+    betas = range(cls.beta_min, min(cls.beta_max, axis_extent) + 1)
+    out: list[tuple[tuple[int, int], ...]] = [((1, b),) for b in betas if axis_extent % b == 0]
+    for b1, b2 in itertools.combinations(betas, 2):
+        for a in range(1, axis_extent // b1 + 1):
+            for b in range(1, (axis_extent - a * b1) // b2 + 1):
+                covered = a * b1 + b * b2
+                if axis_extent % covered == 0:
+                    out.append(((a, b1), (b, b2)))
+    return out
+
+
+def _block(cls: MicrokernelClass, beta: str | int) -> str:
+    parts = []
+    if cls.unroll_r > 1:
+        parts.append(f"U{cls.unroll_r} r")
+    if cls.unroll_s > 1:
+        parts.append(f"U{cls.unroll_s} s")
+    parts.append(f"U {beta} {cls.axis}" if isinstance(beta, str) else f"U{beta} {cls.axis}")
+    parts += [f"U{cls.alpha} k", "V k"]
+    return "; ".join(parts)
+
+
+def scheme_text(point: SpacePoint, cls: MicrokernelClass,
+                parallel: frozenset[int] = frozenset()) -> str:
+    """The scheme of a space point; loops of one iteration are left out (they would only
+    add an empty loop), except where the lambda-seq needs an anchor."""
+    items = []
+    for i, (d, n) in enumerate(zip(point.dims, point.counts)):
+        if point.lseq_at == i:
+            pairs = ",".join(f"({c},{b})" for c, b in point.betas)
+            items.append(f"Lseq {cls.axis} [{pairs}]")
+        if n > 1:
+            items.append(f"{'P' if i in parallel else ''}T{n} {d}")
+    if point.lseq_at is not None and point.lseq_at >= len(point.dims):
+        pairs = ",".join(f"({c},{b})" for c, b in point.betas)
+        items.append(f"Lseq {cls.axis} [{pairs}]")
+    beta: str | int = "beta" if point.lseq_at is not None else point.betas[0][1]
+    return "[" + "; ".join(items + [_block(cls, beta)]) + "]"
+
+
+def completions(spec: ConvSpec, cls: MicrokernelClass, permutation: RankedPermutation,
+                max_points: int = 200_000) -> list[SpacePoint]:
+    """Every completion of ``permutation`` above a microkernel of ``cls`` (section 5.3)."""
+    extents = spec.iteration_extents()
+    axis = cls.axis
+    # The loops of the permutation that TileOpt gave more than one iteration, plus the
+    # reduction loop over c right above the microkernel (always kept).
+    dims = [d for d, c in zip(permutation.permutation, permutation.flat_counts) if c > 1 + 1e-9]
+    if not dims or dims[-1] != "c":
+        dims.append("c")
+    tile = {"n": 1, "k": cls.alpha * VECTOR_LANES, "c": 1, "h": 1, "w": 1,
+            "r": cls.unroll_r, "s": cls.unroll_s}
+    points: list[SpacePoint] = []
+    for betas in microkernel_choices(extents[axis], cls):
+        covered = sum(a * b for a, b in betas)
+        remaining = {d: extents[d] // tile[d] for d in extents if d != axis}
+        remaining[axis] = extents[axis] // covered
+        loop_dims = list(dims)
+        for d, q in remaining.items():  # a dimension left over needs a loop somewhere
+            if q > 1 and d not in loop_dims:
+                loop_dims.insert(0, d)
+        occurrences = {d: [i for i, e in enumerate(loop_dims) if e == d] for d in remaining}
+        per_dim = []
+        for d, q in remaining.items():
+            if not occurrences[d]:
+                per_dim.append([()])
+                continue
+            per_dim.append(divisor_splits(q, len(occurrences[d])))
+        placements: list[Optional[int]] = [None]
+        if len(betas) > 1:
+            placements = occurrences[axis] or [len(loop_dims)]
+        for splits in itertools.product(*per_dim):
+            counts = [1] * len(loop_dims)
+            for (d, _), split in zip(remaining.items(), splits):
+                for i, value in zip(occurrences[d], split):
+                    counts[i] = value
+            for place in placements:
+                points.append(SpacePoint(tuple(loop_dims), tuple(counts), place, betas))
+                if len(points) >= max_points:
+                    return points
+    return points
+
+
+def _reduction_above(point: SpacePoint) -> int:
+    """Iterations of the innermost loop if it runs over c (0 when it does not)."""
+    for d, n in zip(reversed(point.dims), reversed(point.counts)):
+        if n > 1 or d == "c":
+            return n if d == "c" else 0
+    return 0
+
+
+def model_costs(spec: ConvSpec, cls: MicrokernelClass, points: Sequence[SpacePoint],
+                caches: Sequence[CacheLevel]) -> np.ndarray:
+    """Data-movement cost of each point, batched per permutation. A lambda-seq pair is
+    modelled as its first microkernel with the axis loops stretched to cover the rest."""
+    comp = conv2d_computation(spec.stride_h, spec.stride_w)
+    costs = np.empty(len(points))
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(points):
+        groups.setdefault((p.dims, p.betas), []).append(i)
+    for (dims, betas), idx in groups.items():
+        beta = betas[0][1]
+        shape = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha, beta)
+        tile = microkernel_tile(spec, shape)
+        stretch = sum(a * b for a, b in betas) / beta
+        counts = np.array([points[i].counts for i in idx], float)
+        axis_loops = [j for j, d in enumerate(dims) if d == cls.axis]
+        if axis_loops:
+            counts[:, axis_loops[-1]] *= stretch
+        fps, ios = nest_volumes(comp, dims, tile, counts)
+        for row, i in enumerate(idx):
+            costs[i] = sum(best_levels(fps[row], ios[row], c.capacity_bytes / 4)[0] * 4
+                           * c.seconds_per_byte for c in caches)
+    return costs
+
+
+def prune(candidates: list[Candidate], keep_fraction: float = 0.4,
+          top: int = 200) -> list[Candidate]:
+    """Paper section 5.4: the ``keep_fraction`` with the largest reduction loop above the
+    microkernel, then the ``top`` with the least modelled data movement."""
+    if not candidates:
+        return []
+    by_reduction = sorted(candidates, key=lambda c: -c.reduction_above)
+    cut = max(1, math.ceil(keep_fraction * len(by_reduction)))
+    threshold = by_reduction[cut - 1].reduction_above
+    kept = [c for c in by_reduction if c.reduction_above >= threshold]
+    kept.sort(key=lambda c: (c.model_cost, str(c.scheme)))
+    return kept[:top]
+
+
+def classes_for(spec: ConvSpec, table, thresholds: Sequence[float] = (0.75, 0.65, 0.5, 0.0)
+                ) -> list[MicrokernelClass]:
+    """The table's classes, or when none of them can cover this layer (no size or pair
+    divides its axis, or k does not split into their vector counts), classes selected
+    with a lower threshold: the paper's fallback to suboptimal microkernels."""
+    from .microkernels import select_classes
+
+    def usable(classes) -> list[MicrokernelClass]:
+        out = []
+        for cls in classes:
+            if class_fits(spec, cls):
+                axis_extent = spec.ho if cls.axis == "h" else spec.wo
+                if microkernel_choices(axis_extent, cls):
+                    out.append(cls)
+        return out
+
+    found = usable(table.classes)
+    for threshold in thresholds:
+        if found:
+            break
+        found = usable(select_classes(table.measurements, threshold))
+    return found
+
+
+def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
+                 caches: Sequence[CacheLevel], permutations_per_class: int = 1,
+                 keep_fraction: float = 0.4, top: int = 200,
+                 max_classes: int = 8) -> list[Candidate]:
+    """Steps 3-4 for one layer: every completion of the best fitting classes, pruned.
+
+    The permutation is analysed once per unroll of k, r and s (and axis), as in the
+    paper: it does not change with the microkernel's size along the spatial axis.
+    """
+    candidates: list[Candidate] = []
+    seen: set[str] = set()
+    fitting = sorted((c for c in classes if class_fits(spec, c)),
+                     key=lambda c: -c.best_percent)[:max_classes]
+    permutations: dict[tuple, list[RankedPermutation]] = {}
+    for cls in fitting:
+        axis_extent = spec.ho if cls.axis == "h" else spec.wo
+        key = (cls.alpha, cls.unroll_r, cls.unroll_s, cls.axis)
+        if key not in permutations:
+            representative = min(cls.beta_max, axis_extent)
+            shape = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha,
+                                     representative)
+            try:
+                permutations[key] = rank_permutations(spec, shape, caches,
+                                                      top=permutations_per_class)
+            except ValueError:
+                permutations[key] = []
+        ranked = permutations[key]
+        for permutation in ranked:
+            points = completions(spec, cls, permutation)
+            if not points:
+                continue
+            costs = model_costs(spec, cls, points, caches)
+            for point, cost in zip(points, costs):
+                text = scheme_text(point, cls)
+                if text in seen:
+                    continue
+                seen.add(text)
+                shapes = tuple(MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis,
+                                                cls.alpha, b) for _, b in point.betas)
+                candidates.append(Candidate(Scheme.parse(text), shapes,
+                                            _reduction_above(point), float(cost)))
+    return prune(candidates, keep_fraction, top)
+
+
+def parallel_variants(candidate: Candidate, spec: ConvSpec, threads: int) -> list[Candidate]:
+    """The three parallel strategies of section 5.5 applied to a sequential scheme.
+
+    Only loops above the first lambda-seq can be parallel; a variant whose parallel band
+    runs fewer iterations than ``threads`` is dropped.
+    """
+    specs = list(candidate.scheme.specifiers)
+    first_block = next(i for i, s in enumerate(specs) if s.kind in ("U", "V"))
+    first_lseq = next((i for i, s in enumerate(specs) if s.kind == "Lseq"), first_block)
+    head, tail = specs[:first_lseq], specs[first_lseq:]
+    loops = [s for s in head if s.kind in ("T", "R")]
+    if len(loops) != len(head):
+        return []
+
+    def text(order: list, parallel_from: int, parallel_to: int) -> str:
+        parts = []
+        for i, s in enumerate(order):
+            prefix = "P" if parallel_from <= i < parallel_to else ""
+            parts.append(f"{prefix}{s}" if not str(s).startswith("P") else str(s))
+        return "[" + "; ".join(parts + [str(s) for s in tail]) + "]"
+
+    def band_iterations(order, start, end) -> int:
+        return math.prod(s.size for s in order[start:end])
+
+    variants = []
+    # 1. the largest band of non-reduction loops at the top
+    end = 0
+    while end < len(loops) and loops[end].dim not in REDUCTION_DIMS:
+        end += 1
+    if end and band_iterations(loops, 0, end) >= threads:
+        variants.append(("parallel outer band", text(loops, 0, end)))
+    # 2. reductions innermost, the rest collapsed
+    outer = [s for s in loops if s.dim not in REDUCTION_DIMS]
+    inner = [s for s in loops if s.dim in REDUCTION_DIMS]
+    if outer and band_iterations(outer, 0, len(outer)) >= threads:
+        variants.append(("reductions innermost", text(outer + inner, 0, len(outer))))
+    # 3. reductions outermost, the rest collapsed below them
+    if outer and inner and band_iterations(outer, 0, len(outer)) >= threads:
+        variants.append(("reductions outermost",
+                         text(inner + outer, len(inner), len(inner) + len(outer))))
+    out, seen = [], set()
+    for strategy, scheme_str in variants:
+        if scheme_str in seen:
+            continue
+        seen.add(scheme_str)
+        try:
+            scheme = Scheme.parse(scheme_str)
+            lower(scheme, spec)
+        except SchemeError:
+            continue
+        out.append(Candidate(scheme, candidate.microkernels, candidate.reduction_above,
+                             candidate.model_cost, strategy))
+    return out
