@@ -9,6 +9,7 @@ to that many CPUs, then for every layer times, interleaved round by round:
 * the same on channels_last tensors,
 * a torch.nn.Conv2d pre-packed by torch.utils.mkldnn.to_mkldnn on an mkldnn input
   (output left in oneDNN's blocked format, so no conversion is charged to torch),
+* ttile's generic kernel on the same call (tuned kernels switched off), for reference,
 
 and reports medians, the best of torch's three ways, GFLOP/s, % of the FMA peak
 measured here by ttile's microbenchmark, and the ratio torch/ttile (> 1: ttile faster).
@@ -95,9 +96,18 @@ def bench_layer(layer, threads: int, reps: int, torch):
     packed = torch.utils.mkldnn.to_mkldnn(module.eval())
     xt_mk = xt.to_mkldnn()
 
+    def generic():
+        previous = ttile.use_tuned_kernels(False)
+        try:
+            return ttile.conv2d(x_nhwc, w_rsck, stride=layer.stride, padding=pad,
+                                layout="NHWC", threads=threads)
+        finally:
+            ttile.use_tuned_kernels(previous)
+
     runs = {
         "ttile": lambda: ttile.conv2d(x_nhwc, w_rsck, stride=layer.stride, padding=pad,
                                       layout="NHWC", threads=threads),
+        "generic": generic,
         "nchw": lambda: F.conv2d(xt, wt, stride=layer.stride, padding=pad),
         "channels_last": lambda: F.conv2d(xt_cl, wt_cl, stride=layer.stride, padding=pad),
         "mkldnn": lambda: packed(xt_mk),
@@ -118,6 +128,17 @@ def bench_layer(layer, threads: int, reps: int, torch):
                 fn()
                 times[name].append(time.perf_counter() - t0)
     return spec, {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _is_tuned(layer, threads: int) -> bool:
+    """Whether conv2d serves this layer at this thread count with a tuned kernel."""
+    spec = layer.spec()
+    fields = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_top",
+              "pad_bottom", "pad_left", "pad_right")
+    for entry in ttile.tuned_kernels():
+        if all(entry[f] == getattr(spec, f) for f in fields) and entry["parallel"] == (threads > 1):
+            return True
+    return False
 
 
 def main(argv=None) -> int:
@@ -144,16 +165,17 @@ def main(argv=None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              f"torch {torch.__version__}, ttile {ttile.__version__} "
-             f"({ttile.get_isa()} generic kernel); batch 1, fp32, ttile in NHWC; "
-             f"median of {args.reps} interleaved rounds.", ""]
+             f"({len(ttile.tuned_kernels())} tuned kernels, {ttile.get_isa()} generic kernel); "
+             f"batch 1, fp32, ttile in NHWC; median of {args.reps} interleaved rounds, warm "
+             f"cache (the same tensors every call).", ""]
     for threads in args.threads:
         os.sched_setaffinity(0, cpus[:threads])
         torch.set_num_threads(threads)
         peak = fma_peak_gflops(threads) if ttile.has_avx512f() else float("nan")
         lines += [f"### {threads} thread{'s' if threads > 1 else ''} "
                   f"(FMA peak measured: {peak:.0f} GFLOP/s)", "",
-                  "| layer | torch best | torch ms | ttile ms | ttile GFLOP/s | % peak | "
-                  "torch/ttile |", "|---|---|---|---|---|---|---|"]
+                  "| layer | ttile kernel | torch best | torch ms | ttile ms | ttile GFLOP/s | "
+                  "% peak | generic ms | torch/ttile |", "|---|---|---|---|---|---|---|---|---|"]
         ratios = []
         for layer in layers:
             spec, med = bench_layer(layer, threads, args.reps, torch)
@@ -161,8 +183,10 @@ def main(argv=None) -> int:
             gflops = spec.flops / med["ttile"] / 1e9
             ratio = med[best] / med["ttile"]
             ratios.append(ratio)
-            row = (f"| {layer.name} | {best} | {med[best] * 1e3:.3f} | {med['ttile'] * 1e3:.3f} | "
-                   f"{gflops:.1f} | {100 * gflops / peak:.0f} | {ratio:.2f} |")
+            kind = "tuned" if _is_tuned(layer, threads) else "generic"
+            row = (f"| {layer.name} | {kind} | {best} | {med[best] * 1e3:.3f} | "
+                   f"{med['ttile'] * 1e3:.3f} | {gflops:.1f} | {100 * gflops / peak:.0f} | "
+                   f"{med['generic'] * 1e3:.3f} | {ratio:.2f} |")
             lines.append(row)
             print(row, flush=True)
         geomean = float(np.exp(np.mean(np.log(ratios))))

@@ -33,6 +33,9 @@ from .search import Candidate
 from .spec import ConvSpec
 
 OK, WRONG, BUILD_ERROR, TIMEOUT = "ok", "wrong_answer", "build_error", "timeout"
+#: Scheme text of the records that time the generic kernel, the bar a tuned kernel must
+#: clear to be shipped.
+GENERIC = "generic"
 
 
 @dataclass(frozen=True)
@@ -106,10 +109,15 @@ class TuningDatabase:
                 seen.setdefault(spec.key(), (spec, r.layer))
         return sorted(seen.values(), key=lambda item: item[1])
 
+    def generic(self, spec: ConvSpec, threads: int) -> Optional[TuningRecord]:
+        """The latest timing of the generic kernel on this problem, if any."""
+        records = [r for r in self.for_layer(spec, threads, "paper") if r.scheme == GENERIC]
+        return records[-1] if records else None
+
     def best(self, spec: ConvSpec, threads: int) -> Optional[TuningRecord]:
-        """The fastest ok record, preferring the paper protocol; ties by scheme text."""
+        """The fastest ok record of a scheme, preferring the paper protocol; ties by text."""
         for protocol in ("paper", "screen"):
-            records = self.for_layer(spec, threads, protocol)
+            records = [r for r in self.for_layer(spec, threads, protocol) if r.scheme != GENERIC]
             if records:
                 return min(records, key=lambda r: (r.seconds, r.scheme))
         return None
@@ -162,6 +170,31 @@ def _run(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench, threads
     times = sorted(library.time_each(kernel, bench.copies, calls, threads))
     kept = times[drop:len(times) - drop] if len(times) > 2 * drop else times
     return OK, statistics.median(kept), ""
+
+
+def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDatabase,
+                    bench: LayerBench, calls: int = 20, drop: int = 5) -> TuningRecord:
+    """Time the extension's generic kernel with the same cold-cache protocol and record it."""
+    from . import _kernels
+    x, w, y = bench.copies[0]
+    _kernels.conv2d_generic_nhwc(x, w, y, spec.stride_h, spec.stride_w, spec.pad_top,
+                                 spec.pad_left, threads, _kernels.ISA_AVX512F)
+    problem = bench.check(y)
+    times = []
+    for i in range(calls):
+        x, w, y = bench.copies[i % len(bench.copies)]
+        t0 = time.perf_counter()
+        _kernels.conv2d_generic_nhwc(x, w, y, spec.stride_h, spec.stride_w, spec.pad_top,
+                                     spec.pad_left, threads, _kernels.ISA_AVX512F)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    seconds = statistics.median(times[drop:len(times) - drop])
+    record = TuningRecord(name, spec.to_json(), GENERIC, threads, WRONG if problem else OK,
+                          seconds, spec.flops / seconds / 1e9, calls, "paper", "generic", "",
+                          database.cpu_id, GENERATOR_VERSION, datetime.date.today().isoformat(),
+                          problem or "")
+    database.add(record)
+    return record
 
 
 @dataclass(frozen=True)
