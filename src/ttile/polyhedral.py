@@ -94,26 +94,28 @@ def _val(value: isl.Val) -> sympy.Rational:
     return sympy.Rational(value.to_str())
 
 
-def _aff_to_sympy(aff: isl.Aff, params: list[sympy.Symbol]) -> sympy.Expr:
-    expr = _val(aff.get_constant_val())
+def _linear_to_sympy(obj, divs: list, params: list[sympy.Symbol]) -> sympy.Expr:
+    """constant + sum(coefficient * parameter) + sum(coefficient * floor(div)) of an ISL
+    affine object (Aff or Constraint), whose existential divs are given as Affs."""
+    expr = _val(obj.get_constant_val())
     for i, p in enumerate(params):
-        expr += _val(aff.get_coefficient_val(isl.dim_type.param, i)) * p
-    for j in range(aff.dim(isl.dim_type.div)):
-        coefficient = _val(aff.get_coefficient_val(isl.dim_type.div, j))
+        expr += _val(obj.get_coefficient_val(isl.dim_type.param, i)) * p
+    for j, div in enumerate(divs):
+        coefficient = _val(obj.get_coefficient_val(isl.dim_type.div, j))
         if coefficient:
-            expr += coefficient * sympy.floor(_aff_to_sympy(aff.get_div(j), params))
+            expr += coefficient * sympy.floor(_aff_to_sympy(div, params))
     return expr
+
+
+def _aff_to_sympy(aff: isl.Aff, params: list[sympy.Symbol]) -> sympy.Expr:
+    divs = [aff.get_div(j) for j in range(aff.dim(isl.dim_type.div))]
+    return _linear_to_sympy(aff, divs, params)
 
 
 def _constraint_to_sympy(constraint: isl.Constraint, local: isl.LocalSpace,
                          params: list[sympy.Symbol]):
-    expr = _val(constraint.get_constant_val())
-    for i, p in enumerate(params):
-        expr += _val(constraint.get_coefficient_val(isl.dim_type.param, i)) * p
-    for j in range(local.dim(isl.dim_type.div)):
-        coefficient = _val(constraint.get_coefficient_val(isl.dim_type.div, j))
-        if coefficient:
-            expr += coefficient * sympy.floor(_aff_to_sympy(local.get_div(j), params))
+    divs = [local.get_div(j) for j in range(local.dim(isl.dim_type.div))]
+    expr = _linear_to_sympy(constraint, divs, params)
     return sympy.Eq(expr, 0) if constraint.is_equality() else expr >= 0
 
 
