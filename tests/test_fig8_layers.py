@@ -24,8 +24,17 @@ def _run_layer(layer, layout, threads):
     assert_conv_close(y, x, w, (layer.stride,) * 2, (pad,) * 4, layout=layout)
 
 
+@pytest.fixture(params=["tuned", "generic"])
+def kernel_choice(request):
+    """Run once with the registry's tuned kernels (where one exists) and once with the
+    generic kernel only, so both serve every Fig. 8 layer under test."""
+    previous = ttile.use_tuned_kernels(request.param == "tuned")
+    yield request.param
+    ttile.use_tuned_kernels(previous)
+
+
 @pytest.mark.parametrize("layer", ALL_LAYERS, ids=lambda l: l.name)
-def test_layer_nhwc_default_kernel(layer):
+def test_layer_nhwc_default_kernel(layer, kernel_choice):
     _run_layer(layer, "NHWC", threads=2)
 
 
