@@ -106,18 +106,7 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const 
         return -1;
     }
 
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t i = 0; i < rsc; i++) {
-        for (int64_t kc = 0; kc < kchunks; kc++) {
-            float *dst = packed + (kc * rsc + i) * 32;
-            const float *src = w + i * K + kc * 32;
-            const int64_t valid = K - kc * 32 < 32 ? K - kc * 32 : 32;
-            for (int64_t j = 0; j < valid; j++)
-                dst[j] = src[j];
-            for (int64_t j = valid; j < 32; j++)
-                dst[j] = 0.0f;
-        }
-    }
+    ttile_pack_weights(w, rsc, K, 32, packed, nthreads);
 
     /* Panels are visited in groups that fit in L2, each group for every output row, so
      * a weight tensor larger than the caches is read from memory once rather than once

@@ -11,6 +11,7 @@ typedef struct {
     int stride_h, stride_w;
     int pad_top, pad_bottom, pad_left, pad_right;
     int parallel;            /* 0: single-thread variant, 1: multi-thread variant */
+    int panel;               /* weights are packed in panels of this many k (pack_weights) */
     ttile_kernel_fn fn;
     const char *layer;
     const char *scheme;

@@ -30,6 +30,11 @@ void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
 int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                               const float *w, float *y, int nthreads);
 
+/* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
+ * zero-filling the tail. */
+void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
+                        int nthreads);
+
 /* FMA-throughput microbenchmark: runs `iterations` rounds of 24 independent 16-lane
  * FMA chains on the calling thread and returns the seconds taken. */
 double ttile_fma_peak_avx512(int64_t iterations);

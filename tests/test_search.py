@@ -163,7 +163,8 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
     y = np.full((spec.n, spec.ho, spec.wo, spec.k), np.nan, np.float32)
     from ttile import _kernels
-    _kernels.run_tuned(entry["index"], x, w, y, 2 if entry["parallel"] else 1)
+    _kernels.run_tuned(entry["index"], x, _kernels.pack_weights(w, entry["panel"]), y,
+                       2 if entry["parallel"] else 1)
     assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
                       (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
     # and conv2d dispatches to it for the matching call

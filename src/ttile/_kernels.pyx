@@ -23,6 +23,8 @@ cdef extern from "ttile_runtime.h" nogil:
                                   const float *w, float *y, int nthreads)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
+    void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
+                            int nthreads)
 
 cdef extern from "ttile_registry.h" nogil:
     ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads)
@@ -31,6 +33,7 @@ cdef extern from "ttile_registry.h" nogil:
         int stride_h, stride_w
         int pad_top, pad_bottom, pad_left, pad_right
         int parallel
+        int panel
         ttile_kernel_fn fn
         const char *layer
         const char *scheme
@@ -150,14 +153,32 @@ def tuned_kernels():
         out.append({"index": i, "n": e.n, "k": e.k, "c": e.c, "h": e.h, "w": e.w, "r": e.r,
                     "s": e.s, "stride_h": e.stride_h, "stride_w": e.stride_w,
                     "pad_top": e.pad_top, "pad_bottom": e.pad_bottom, "pad_left": e.pad_left,
-                    "pad_right": e.pad_right, "parallel": bool(e.parallel),
+                    "pad_right": e.pad_right, "parallel": bool(e.parallel), "panel": e.panel,
                     "layer": e.layer.decode(), "scheme": e.scheme.decode(),
                     "gflops": e.gflops})
     return out
 
 
+def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1):
+    """RSCK weights (R,S,C,K) -> panels (ceil(K/panel), R, S, C, panel), tail zero-filled."""
+    _check_f32_c4(w, "w")
+    if panel < 1 or nthreads < 1:
+        raise ValueError("panel and nthreads must be >= 1")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef int64_t k = ws[3]
+    cdef int64_t rsc = ws[0] * ws[1] * ws[2]
+    out = cnp.PyArray_EMPTY(5, [(k + panel - 1) // panel, ws[0], ws[1], ws[2], panel],
+                            cnp.NPY_FLOAT32, 0)
+    cdef const float *src = <const float *>cnp.PyArray_DATA(w)
+    cdef float *dst = <float *>cnp.PyArray_DATA(out)
+    with nogil:
+        ttile_pack_weights(src, rsc, k, panel, dst, nthreads)
+    return out
+
+
 def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads):
-    """Run registry entry ``index`` on x (N,H,W,C), w (R,S,C,K) into y (N,Ho,Wo,K).
+    """Run registry entry ``index`` on x (N,H,W,C), weights packed in panels
+    (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K).
 
     Shapes are checked against the entry; the kernel's own sizes are compile-time
     constants, so a mismatch would otherwise read out of bounds.
@@ -167,8 +188,10 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("tuned kernels need AVX-512F")
     _check_f32_c4(x, "x")
-    _check_f32_c4(w, "w")
     _check_f32_c4(y, "y")
+    if cnp.PyArray_TYPE(w) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(w) != 5 \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(w):
+        raise ValueError("w must be packed weights: C-contiguous float32 (K/P, R, S, C, P)")
     if not cnp.PyArray_ISWRITEABLE(y):
         raise ValueError("y must be writeable")
     if nthreads < 1:
@@ -180,7 +203,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     cdef int ho = (e.h + e.pad_top + e.pad_bottom - e.r) // e.stride_h + 1
     cdef int wo = (e.w + e.pad_left + e.pad_right - e.s) // e.stride_w + 1
     if (xs[0], xs[1], xs[2], xs[3]) != (e.n, e.h, e.w, e.c) or \
-            (ws[0], ws[1], ws[2], ws[3]) != (e.r, e.s, e.c, e.k) or \
+            (ws[0], ws[1], ws[2], ws[3], ws[4]) != ((e.k + e.panel - 1) // e.panel, e.r, e.s,
+                                                    e.c, e.panel) or \
             (ys[0], ys[1], ys[2], ys[3]) != (e.n, ho, wo, e.k):
         raise ValueError("arrays do not match the tuned kernel's problem")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)

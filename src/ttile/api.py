@@ -208,6 +208,7 @@ def _registry_index() -> dict[tuple, dict[bool, int]]:
 
 
 _TUNED = _registry_index()
+_PANELS = {entry["index"]: entry["panel"] for entry in _kernels.tuned_kernels()}
 
 
 def tuned_kernels() -> list[dict]:
@@ -292,7 +293,8 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     isa = get_isa()
     tuned = plan.tuned_single if nthreads == 1 else plan.tuned_parallel
     if isa == "avx512f" and tuned >= 0 and _use_tuned:
-        _kernels.run_tuned(tuned, x_arr, w_arr, y, nthreads)
+        panels = _kernels.pack_weights(w_arr, _PANELS[tuned], nthreads)
+        _kernels.run_tuned(tuned, x_arr, panels, y, nthreads)
     else:
         _kernels.conv2d_generic_nhwc(
             x_arr, w_arr, y, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left,

@@ -51,8 +51,9 @@ class BuiltLibrary:
 
     def run(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
             nthreads: int = 1) -> None:
-        """Run ``kernel`` on native-layout arrays, checking shapes against its spec."""
+        """Run ``kernel`` on x (NHWC), RSCK weights (packed here) and y, checking shapes."""
         self._check(kernel, x, w, y)
+        w = packed_weights(kernel, w)
         fn = getattr(self.handle, kernel.name)
         fn.restype = None
         fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int]
@@ -63,6 +64,7 @@ class BuiltLibrary:
              reps: int, nthreads: int = 1) -> float:
         """Seconds for ``reps`` back-to-back calls, timed in C (library built with timers)."""
         self._check(kernel, x, w, y)
+        w = packed_weights(kernel, w)
         fn = getattr(self.handle, timer_name(kernel))
         fn.restype = ctypes.c_double
         fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_long, ctypes.c_int]
@@ -74,6 +76,7 @@ class BuiltLibrary:
         """Per-call seconds of ``calls`` calls rotating over the (x, w, y) ``copies``."""
         for x, w, y in copies:
             self._check(kernel, x, w, y)
+        copies = [(x, packed_weights(kernel, w), y) for x, w, y in copies]  # before timing
         n = len(copies)
         arrays = [(ctypes.POINTER(ctypes.c_float) * n)(*[c[i].ctypes.data_as(_FLOAT_P)
                                                           for c in copies]) for i in range(3)]
@@ -97,6 +100,12 @@ class BuiltLibrary:
                                  f"{expected[label]}")
         if not y.flags.writeable:
             raise ValueError("y must be writeable")
+
+
+def packed_weights(kernel: KernelSource, w: np.ndarray) -> np.ndarray:
+    """The kernel's weight panels from RSCK weights (see ``_kernels.pack_weights``)."""
+    from . import _kernels
+    return _kernels.pack_weights(w, kernel.panel)
 
 
 def timer_name(kernel: KernelSource) -> str:

@@ -19,8 +19,8 @@ microkernel at full speed without copying tensors:
   of zeros, so the reduction loop stays branch-free. The check is omitted when the
   problem has no padding in that direction.
 * **K tails by masks.** When K is not a multiple of 16, the k vectors of the block get
-  AVX-512 masks: weights are loaded with ``maskz_loadu`` and outputs stored with
-  ``mask_storeu``; tensors are never padded.
+  AVX-512 masks for loading and storing outputs (``maskz_loadu`` / ``mask_storeu``); the
+  weight panels are zero-filled past K, so weight loads need none.
 * **Canonical operation order in the block.** Within the unrolled block, the weight
   vectors of one (c, r, s) step are loaded once and each broadcast input feeds all k
   vectors (an outer product). The order of the U specifiers changes only the numbering,
@@ -31,8 +31,11 @@ microkernel at full speed without copying tensors:
   ``#pragma omp parallel for collapse(m)`` whose thread count is a kernel argument.
 
 The generated function is
-``void NAME(const float *x, const float *w, float *y, int nthreads)`` over the native
-layouts x[N][H][W][C], w[R][S][C][K], y[N][Ho][Wo][K], with every size a constant.
+``void NAME(const float *x, const float *w, float *y, int nthreads)`` over x[N][H][W][C]
+and y[N][Ho][Wo][K], with every size a constant, and weights packed in panels
+w[K/P][R][S][C][P] where P is the block's width along k (16 per unrolled vector; see
+``ttile._kernels.pack_weights``): in RSCK the weights of consecutive (r, s, c) steps are K
+floats apart, and the generated kernels ran at a third of their speed on that stride.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 from .scheme import Block, Loop, Node, Scheme, Seq, lower
 from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 #: Flags generated kernels are compiled with. Only AVX-512F (+FMA, implied by every
 #: AVX-512F CPU) is assumed, so a kernel runs on any AVX-512 x86-64 machine.
@@ -60,6 +63,11 @@ class KernelSource:
     spec: ConvSpec
     scheme: Scheme
     code: str
+    panel: int = 0   # k width of the weight panels the kernel reads (see pack_weights)
+
+    def weight_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (-(-s.k // self.panel), s.r, s.s, s.c, self.panel)
 
 
 def kernel_name(scheme: Scheme, spec: ConvSpec) -> str:
@@ -295,15 +303,13 @@ class _Generator:
                 # alive across steps took more than 32 registers and spilled.
                 lines.append('__asm__ volatile("" ::: "memory");')
             step = ["{"]
-            w_row = (f"w + (((int64_t)({names['r']} + {r_u}) * {spec.s} + ({names['s']} + {s_u})) "
-                     f"* {spec.c} + ({names['c']} + {c_u})) * {spec.k} + {names['k']}")
-            for kv in kvs:
-                if self.k_tail:
-                    step.append(f"    const __m512 wv{kv} = _mm512_maskz_loadu_ps(m{kv}, "
-                                f"{w_row} + {kv * VECTOR_LANES});")
-                else:
-                    step.append(f"    const __m512 wv{kv} = _mm512_loadu_ps({w_row} + "
-                                f"{kv * VECTOR_LANES});")
+            panel = VECTOR_LANES * block.count("k")
+            w_row = (f"w + (((int64_t)({names['k']} / {panel}) * {spec.r} + ({names['r']} + {r_u})) "
+                     f"* {spec.s} + ({names['s']} + {s_u})) * {spec.c} * {panel} + "
+                     f"(int64_t)({names['c']} + {c_u}) * {panel}")
+            for kv in kvs:  # panels are zero-filled past K: no mask needed on weights
+                step.append(f"    const __m512 wv{kv} = _mm512_loadu_ps({w_row} + "
+                            f"{kv * VECTOR_LANES});")
             for out in _out_combos(block):
                 n_u, h_u, w_u = out
                 if guarded:
@@ -396,4 +402,11 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         size = spec.n * spec.ho * spec.wo * spec.k
         out.append(f"    memset(y, 0, sizeof(float) * (size_t){size});")
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
-    return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out))
+    panel = VECTOR_LANES * _block_of(tree).count("k")
+    return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out), panel=panel)
+
+
+def _block_of(node: Node) -> Block:
+    while not isinstance(node, Block):
+        node = node.body if isinstance(node, Loop) else node.branches[0]
+    return node

@@ -57,7 +57,7 @@ def emit(kernels: Sequence[TunedKernel], directory: Path, command: str) -> list[
         entries.append(
             f"    {{{s.n}, {s.k}, {s.c}, {s.h}, {s.w}, {s.r}, {s.s}, {s.stride_h}, {s.stride_w}, "
             f"{s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}, {int(tuned.parallel)}, "
-            f"{source.name},\n     \"{tuned.layer}\", \"{tuned.scheme}\", {tuned.gflops:.1f}}},")
+            f"{source.panel}, {source.name},\n     \"{tuned.layer}\", \"{tuned.scheme}\", {tuned.gflops:.1f}}},")
     for stale in directory.glob("ttile_f32_conv2d_*.c"):
         if stale.name not in names:
             stale.unlink()
