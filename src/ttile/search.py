@@ -83,14 +83,12 @@ def microkernel_choices(axis_extent: int, cls: MicrokernelClass) -> list[tuple[t
 
 
 def _block(cls: MicrokernelClass, beta: str | int) -> str:
-    parts = []
-    if cls.unroll_r > 1:
-        parts.append(f"U{cls.unroll_r} r")
-    if cls.unroll_s > 1:
-        parts.append(f"U{cls.unroll_s} s")
-    parts.append(f"U {beta} {cls.axis}" if isinstance(beta, str) else f"U{beta} {cls.axis}")
-    parts += [f"U{cls.alpha} k", "V k"]
-    return "; ".join(parts)
+    """The unrolled block of ``cls``; a parameter name in place of beta under a lambda-seq."""
+    if isinstance(beta, int):
+        return MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha,
+                                beta).block_specifiers()
+    text = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha, 1).block_specifiers()
+    return text.replace(f"U1 {cls.axis}", f"U {beta} {cls.axis}")
 
 
 def scheme_text(point: SpacePoint, cls: MicrokernelClass,
