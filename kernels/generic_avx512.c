@@ -90,6 +90,20 @@ static inline __mmask16 tail_mask(int64_t remaining)
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
                               float *y, int nthreads)
 {
+    const int64_t kchunks = (sh->k + 31) / 32;
+    const int64_t rsc = sh->r * sh->s * sh->c;
+    float *packed = aligned_alloc(64, (size_t)(kchunks * rsc * 32) * sizeof(float));
+    if (packed == NULL)
+        return -1;
+    ttile_pack_weights(w, rsc, sh->k, 32, packed, nthreads);
+    const int status = ttile_conv_generic_avx512_packed(sh, x, packed, y, nthreads);
+    free(packed);
+    return status;
+}
+
+int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
+                                     const float *packed, float *y, int nthreads)
+{
     const int64_t N = sh->n, K = sh->k, HO = sh->ho, WO = sh->wo;
     const int64_t kchunks = (K + 31) / 32;
     const int64_t rsc = sh->r * sh->s * sh->c;
@@ -99,14 +113,8 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const 
     cchunk = cchunk < 8 ? 8 : cchunk;
     /* A row of zeros stands in for input pixels in the padding. */
     float *zeros = calloc((size_t)sh->c + 16, sizeof(float));
-    float *packed = aligned_alloc(64, (size_t)(kchunks * rsc * 32) * sizeof(float));
-    if (zeros == NULL || packed == NULL) {
-        free(zeros);
-        free(packed);
+    if (zeros == NULL)
         return -1;
-    }
-
-    ttile_pack_weights(w, rsc, K, 32, packed, nthreads);
 
     /* Panels are visited in groups that fit in L2, each group for every output row, so
      * a weight tensor larger than the caches is read from memory once rather than once
@@ -148,7 +156,6 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const 
             }
         }
     }
-    free(packed);
     free(zeros);
     return 0;
 }

@@ -29,6 +29,10 @@ void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads);
 int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                               const float *w, float *y, int nthreads);
+/* The same on weights already packed by ttile_pack_weights with panel 32 (what a
+ * pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. */
+int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
+                                     const float *packed, float *y, int nthreads);
 
 /* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
  * zero-filling the tail. */

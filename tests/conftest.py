@@ -3,6 +3,10 @@ import pytest
 
 import ttile
 
+# Tests must not tune on the first call of every shape, nor touch the user's cache:
+# tuning is off unless a test turns it on (with its own cache directory).
+_SESSION_POLICY = ttile.set_tuning(mode="never")
+
 requires_avx512 = pytest.mark.skipif(not ttile.has_avx512f(),
                                      reason="this CPU (or OS) does not support AVX-512F")
 
@@ -22,3 +26,25 @@ def random_tensors(rng: np.random.Generator, x_shape, w_shape):
     x = rng.uniform(-1.0, 1.0, x_shape).astype(np.float32)
     w = rng.uniform(-1.0, 1.0, w_shape).astype(np.float32)
     return x, w
+
+
+@pytest.fixture
+def jit_cache(tmp_path):
+    """Run-time tuning on ("now", short budget, every size), into a fresh cache directory;
+    the previous policy and the process's remembered choices are restored afterwards."""
+    from ttile import dispatch
+    previous = ttile.set_tuning(mode="now", budget_seconds=4.0, min_mflops=0.0,
+                                cache_dir=tmp_path / "cache")
+    dispatch.forget_choices()
+    _forget_plans()
+    yield tmp_path / "cache"
+    dispatch.wait_for_background(60)
+    ttile.restore_tuning(previous)
+    dispatch.forget_choices()
+    _forget_plans()
+
+
+def _forget_plans():
+    from ttile import api
+    for call_plan in list(api._plans.values()):
+        call_plan.choices.clear()

@@ -21,6 +21,8 @@ cdef extern from "ttile_runtime.h" nogil:
                                      const float *w, float *y, int nthreads)
     int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                                   const float *w, float *y, int nthreads)
+    int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
+                                         const float *packed, float *y, int nthreads)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
@@ -60,30 +62,25 @@ cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
     return 0
 
 
-def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
-                        int64_t stride_h, int64_t stride_w,
-                        int64_t pad_top, int64_t pad_left, int nthreads, int isa):
-    """Run the generic kernel on x (N,H,W,C), w (R,S,C,K) into y (N,Ho,Wo,K).
-
-    ``isa`` is ISA_PORTABLE or ISA_AVX512F; asking for AVX-512F on a CPU without it
-    raises instead of faulting.
-    """
+cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
+                     int64_t r, int64_t s, int64_t wc, int64_t k,
+                     int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
+                     int nthreads) except -1:
+    """Fill ``shape`` from x (N,H,W,C), y (N,Ho,Wo,K) and the weights' extents, refusing
+    any combination under which a kernel could index outside the arrays."""
     _check_f32_c4(x, "x")
-    _check_f32_c4(w, "w")
     _check_f32_c4(y, "y")
     if not cnp.PyArray_ISWRITEABLE(y):
         raise ValueError("y must be writeable")
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
-    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
-    cdef ttile_conv_shape shape
     shape.n = xs[0]; shape.h = xs[1]; shape.w = xs[2]; shape.c = xs[3]
-    shape.r = ws[0]; shape.s = ws[1]; shape.k = ws[3]
+    shape.r = r; shape.s = s; shape.k = k
     shape.ho = ys[1]; shape.wo = ys[2]
     shape.stride_h = stride_h; shape.stride_w = stride_w
     shape.pad_top = pad_top; shape.pad_left = pad_left
-    if ws[2] != shape.c:
-        raise ValueError(f"weights have {ws[2]} input channels, input has {shape.c}")
+    if wc != shape.c:
+        raise ValueError(f"weights have {wc} input channels, input has {shape.c}")
     if ys[0] != shape.n or ys[3] != shape.k:
         raise ValueError("output shape does not match input batch and weight channels")
     if stride_h < 1 or stride_w < 1 or pad_top < 0 or pad_left < 0 or nthreads < 1:
@@ -95,6 +92,22 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
         raise ValueError("output extent too large for the input and padding")
     if shape.ho < 1 or shape.wo < 1:
         raise ValueError("empty output")
+    return 0
+
+
+def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
+                        int64_t stride_h, int64_t stride_w,
+                        int64_t pad_top, int64_t pad_left, int nthreads, int isa):
+    """Run the generic kernel on x (N,H,W,C), w (R,S,C,K) into y (N,Ho,Wo,K).
+
+    ``isa`` is ISA_PORTABLE or ISA_AVX512F; asking for AVX-512F on a CPU without it
+    raises instead of faulting.
+    """
+    _check_f32_c4(w, "w")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef ttile_conv_shape shape
+    _fill_shape(&shape, x, y, ws[0], ws[1], ws[2], ws[3], stride_h, stride_w, pad_top,
+                pad_left, nthreads)
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
@@ -111,6 +124,40 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
             ttile_conv_generic_portable(&shape, xp, wp, yp, nthreads)
     else:
         raise ValueError(f"unknown isa {isa}")
+
+
+cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel) except -1:
+    if cnp.PyArray_TYPE(w) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(w) != 5 \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(w) or not cnp.PyArray_ISALIGNED(w):
+        raise ValueError("w must be packed weights: C-contiguous float32 (K/P, R, S, C, P)")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    if ws[4] != panel or ws[0] != (k + panel - 1) // panel:
+        raise ValueError(f"packed weights {(<object>w).shape} do not hold {k} output channels "
+                         f"in panels of {panel}")
+    return 0
+
+
+def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
+                          int64_t stride_h, int64_t stride_w,
+                          int64_t pad_top, int64_t pad_left, int nthreads):
+    """The AVX-512F generic kernel on weights packed by ``pack_weights(w, 32)``."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(y, "y")
+    cdef int64_t k = cnp.PyArray_DIMS(y)[3]
+    _check_packed(w, k, 32)
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef ttile_conv_shape shape
+    _fill_shape(&shape, x, y, ws[1], ws[2], ws[3], k, stride_h, stride_w, pad_top, pad_left,
+                nthreads)
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    cdef int status
+    with nogil:
+        status = ttile_conv_generic_avx512_packed(&shape, xp, wp, yp, nthreads)
+    if status != 0:
+        raise MemoryError("not enough memory for the generic kernel's scratch row")
 
 
 def fma_peak_seconds(int64_t iterations):
@@ -189,14 +236,12 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
         raise RuntimeError("tuned kernels need AVX-512F")
     _check_f32_c4(x, "x")
     _check_f32_c4(y, "y")
-    if cnp.PyArray_TYPE(w) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(w) != 5 \
-            or not cnp.PyArray_IS_C_CONTIGUOUS(w):
-        raise ValueError("w must be packed weights: C-contiguous float32 (K/P, R, S, C, P)")
     if not cnp.PyArray_ISWRITEABLE(y):
         raise ValueError("y must be writeable")
     if nthreads < 1:
         raise ValueError("nthreads must be >= 1")
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
+    _check_packed(w, e.k, e.panel)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
@@ -212,3 +257,35 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
         e.fn(xp, wp, yp, nthreads)
+
+
+
+def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
+                 tuple x_shape, tuple w_shape, tuple y_shape):
+    """Call a kernel compiled at run time (its address from the loaded library) on x,
+    packed weights w and y, after checking them against the shapes it was built for.
+
+    The kernel's extents are compile-time constants: these checks are what stands
+    between a caller's arrays and an out-of-bounds access.
+    """
+    if address == 0:
+        raise ValueError("null kernel address")
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("compiled kernels need AVX-512F")
+    _check_f32_c4(x, "x")
+    _check_f32_c4(y, "y")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    if len(w_shape) != 5:
+        raise ValueError("w_shape must have 5 entries")
+    _check_packed(w, cnp.PyArray_DIMS(y)[3], w_shape[4])
+    if (<object>x).shape != x_shape or (<object>w).shape != w_shape or (<object>y).shape != y_shape:
+        raise ValueError("arrays do not match the compiled kernel's problem")
+    cdef ttile_kernel_fn fn = <ttile_kernel_fn>address
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    with nogil:
+        fn(xp, wp, yp, nthreads)

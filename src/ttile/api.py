@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, dispatch
 from .spec import ConvSpec
 
 IntPair = Union[int, tuple[int, int]]
@@ -187,19 +187,21 @@ def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPai
 class _CallPlan:
     """What conv2d derives from a call's shapes and options, computed once per signature.
 
-    ``tuned_single`` / ``tuned_parallel`` index the registry of tuned kernels compiled
-    into the extension (-1: none for this problem).
+    ``tuned`` maps "parallel?" to the index of a tuned kernel compiled into the
+    extension; ``choices`` remembers, per thread count, the kernel that serves the call
+    once that is final (a background tuning may still replace a provisional choice).
     """
 
     spec: ConvSpec
+    layout: str
     out_shape: tuple[int, int, int, int]
-    tuned_single: int = -1
-    tuned_parallel: int = -1
+    tuned: dict = field(default_factory=dict)
+    choices: dict = field(default_factory=dict)
 
 
 def _registry_index() -> dict[tuple, dict[bool, int]]:
     index: dict[tuple, dict[bool, int]] = {}
-    for entry in _kernels.tuned_kernels():
+    for entry in _REGISTRY:
         key = tuple(entry[f] for f in ("n", "k", "c", "h", "w", "r", "s", "stride_h",
                                        "stride_w", "pad_top", "pad_bottom", "pad_left",
                                        "pad_right"))
@@ -207,8 +209,8 @@ def _registry_index() -> dict[tuple, dict[bool, int]]:
     return index
 
 
+_REGISTRY = _kernels.tuned_kernels()
 _TUNED = _registry_index()
-_PANELS = {entry["index"]: entry["panel"] for entry in _kernels.tuned_kernels()}
 
 
 def tuned_kernels() -> list[dict]:
@@ -250,11 +252,42 @@ def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
     variants = _TUNED.get((spec.n, spec.k, spec.c, spec.h, spec.w, spec.r, spec.s,
                            spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_bottom,
                            spec.pad_left, spec.pad_right), {})
-    plan = _CallPlan(spec, (spec.n, spec.ho, spec.wo, spec.k),
-                     variants.get(False, -1), variants.get(True, -1))
+    plan = _CallPlan(spec, layout, (spec.n, spec.ho, spec.wo, spec.k), dict(variants))
     if key is not None and len(_plans) < _MAX_PLANS:
         _plans[key] = plan
     return plan
+
+
+def _choice(plan: _CallPlan, nthreads: int) -> dispatch.KernelChoice:
+    """The kernel serving ``plan`` on ``nthreads`` threads (tuning it if the policy says so)."""
+    isa = get_isa()
+    cache_key = (nthreads, isa, _use_tuned)
+    choice = plan.choices.get(cache_key)
+    if choice is None:
+        choice = dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned,
+                                 plan.tuned, _REGISTRY)
+        if choice.final:
+            plan.choices[cache_key] = choice
+    return choice
+
+
+def _run(choice: dispatch.KernelChoice, spec: ConvSpec, x: np.ndarray, weights: np.ndarray,
+         y: np.ndarray, nthreads: int) -> None:
+    """Run ``choice`` on NHWC x into y; ``weights`` are packed for ``choice.panel`` (RSCK
+    for panel 0)."""
+    kind = choice.kind
+    if kind == dispatch.TUNED:
+        _kernels.run_tuned(choice.index, x, weights, y, nthreads)
+    elif kind == dispatch.JIT:
+        _kernels.run_compiled(choice.address, x, weights, y, nthreads, x.shape, weights.shape,
+                              y.shape)
+    elif choice.panel:
+        _kernels.conv2d_generic_packed(x, weights, y, spec.stride_h, spec.stride_w,
+                                       spec.pad_top, spec.pad_left, nthreads)
+    else:
+        _kernels.conv2d_generic_nhwc(x, weights, y, spec.stride_h, spec.stride_w,
+                                     spec.pad_top, spec.pad_left, nthreads,
+                                     _kernels.ISA_PORTABLE)
 
 
 def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
@@ -271,6 +304,11 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
             no transposition.
         threads: number of threads, default all CPUs this process may use.
 
+    A problem with no kernel tuned into ttile is tuned on its first call (a search of
+    at most 20 s by default, then cached on disk for later processes), in the
+    background, or never: see :func:`ttile.set_tuning`. Weights are packed for the
+    kernel on every call; :class:`ttile.Conv2d` packs them once.
+
     Returns:
         float32 output, (N, K, Ho, Wo) for "NCHW", (N, Ho, Wo, K) for "NHWC".
         float16, float64 and integer inputs are converted to float32.
@@ -283,22 +321,71 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     x_arr = _as_float32(x, "input")
     w_arr = _as_float32(w, "weights")
     plan = _plan(x_arr.shape, w_arr.shape, stride, padding, layout)
-    spec = plan.spec
     nthreads = _threads(threads) if type(threads) is not int or threads < 1 else threads
+    choice = _choice(plan, nthreads)
 
     if layout == "NCHW":
         x_arr = np.ascontiguousarray(x_arr.transpose(0, 2, 3, 1))
         w_arr = np.ascontiguousarray(w_arr.transpose(2, 3, 1, 0))
     y = np.empty(plan.out_shape, dtype=_FLOAT32)
-    isa = get_isa()
-    tuned = plan.tuned_single if nthreads == 1 else plan.tuned_parallel
-    if isa == "avx512f" and tuned >= 0 and _use_tuned:
-        panels = _kernels.pack_weights(w_arr, _PANELS[tuned], nthreads)
-        _kernels.run_tuned(tuned, x_arr, panels, y, nthreads)
-    else:
-        _kernels.conv2d_generic_nhwc(
-            x_arr, w_arr, y, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left,
-            nthreads, _kernels.ISA_AVX512F if isa == "avx512f" else _kernels.ISA_PORTABLE)
+    weights = _kernels.pack_weights(w_arr, choice.panel, nthreads) if choice.panel else w_arr
+    _run(choice, plan.spec, x_arr, weights, y, nthreads)
     if layout == "NCHW":
         return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
     return y
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernel serves a call, as :func:`plan` reports it.
+
+    kind: "tuned" (compiled into ttile), "jit" (tuned on this machine, from the cache)
+    or "generic". ``scheme`` and ``microkernels`` are in the paper's notation (empty for
+    the generic kernel); ``expected_gflops`` is what the kernel measured when it was
+    tuned (None when unknown); ``note`` says why this kernel was chosen.
+    """
+
+    kind: str
+    scheme: str
+    microkernels: str
+    expected_gflops: Optional[float]
+    threads: int
+    isa: str
+    problem: ConvSpec
+    note: str
+
+
+def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
+         layout: str = "NCHW", threads: int | None = None) -> KernelPlan:
+    """Which kernel ``conv2d`` would use for these shapes and options, without running
+    or tuning anything (a disk cache entry from an earlier tuning is reported as "jit").
+
+    ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
+    (sequences of ints). Raises what ``conv2d`` would raise for them.
+    """
+    x_dims = _shape_tuple(x_shape, "x_shape")
+    w_dims = _shape_tuple(w_shape, "w_shape")
+    call = _plan(x_dims, w_dims, stride, padding, layout)
+    nthreads = _threads(threads)
+    isa = get_isa()
+    choice = call.choices.get((nthreads, isa, _use_tuned)) or dispatch.choose(
+        call.spec, layout, nthreads, isa, _use_tuned, call.tuned, _REGISTRY, tune=False)
+    return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
+                      nthreads, isa, call.spec, choice.note)
+
+
+def _shape_tuple(shape, name: str) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {shape!r}")
+    dims = []
+    for item in shape:
+        if isinstance(item, (bool, np.bool_)):
+            raise TypeError(f"{name} must hold ints, got {shape!r}")
+        try:
+            value = operator.index(item)
+        except TypeError:
+            raise TypeError(f"{name} must hold ints, got {shape!r}") from None
+        if value < 0:
+            raise ValueError(f"{name} has a negative size: {shape!r}")
+        dims.append(value)
+    return tuple(dims)

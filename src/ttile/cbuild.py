@@ -187,12 +187,13 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
 
 
 def build_batches(batches: list[list[KernelSource]], jobs: int = 2, timers: bool = False,
-                  workdir: Path | None = None) -> list[Union[BuiltLibrary, BuildError]]:
+                  workdir: Path | None = None, extra_flags: tuple[str, ...] = ()
+                  ) -> list[Union[BuiltLibrary, BuildError]]:
     """Build several batches concurrently; a failed batch is returned as its BuildError."""
 
     def one(batch: list[KernelSource]) -> Union[BuiltLibrary, BuildError]:
         try:
-            return build(batch, workdir=workdir, timers=timers)
+            return build(batch, workdir=workdir, extra_flags=extra_flags, timers=timers)
         except BuildError as error:
             return error
 

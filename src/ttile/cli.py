@@ -5,6 +5,7 @@ Subcommands:
                  generator/microkernels/ (resumes if interrupted), optionally plot it.
   model          step 2: rank loop permutations above a microkernel for one layer with
                  the IOOpt model, beside IOOpt's lower bound.
+  cache          list or clear the kernels ttile.conv2d tuned at run time.
 With --network NAME (or --layers-file F): steps 3-5 for every layer (scheme space,
 pruning, autotuning into generator/records/), then the kernels and their registry are
 written to kernels/gen/ for the build to compile.
@@ -114,6 +115,25 @@ def _cmd_model(args: argparse.Namespace) -> int:
         print(f"   {report.cache}: upper {report.volume:.3g} (this scheme), lower "
               f"{report.lower_bound:.3g}, dominant term: {report.dominant_term}")
     print(f"({elapsed:.1f} s)")
+    return 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from .cache import KernelCache
+    cache = KernelCache(args.cache_dir)
+    if args.action == "clear":
+        print(f"removed {cache.clear()} files from {cache.directory}")
+        return 0
+    entries = cache.entries()
+    print(f"{len(entries)} entries in {cache.directory}")
+    for e in entries:
+        key = e.get("key", {}) if isinstance(e.get("key"), dict) else {}
+        state = "" if e["valid"] else "  (invalid: will be rebuilt)"
+        kind = e.get("kind", "?")
+        rate = f"{e.get('gflops', 0):.1f} GFLOP/s" if kind == "jit" else \
+            f"generic {e.get('generic_gflops', 0):.1f} GFLOP/s"
+        print(f"{e['file']}: {key.get('problem', '?')} {key.get('layout', '?')} "
+              f"t{key.get('threads', '?')} {kind} {e.get('scheme', '')} {rate}{state}")
     return 0
 
 
@@ -262,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "measured that fits)")
     model.add_argument("--top", type=int, default=3, help="permutations to show")
     model.set_defaults(run=_cmd_model)
+    cache = sub.add_parser("cache", help="list or clear the kernels tuned at run time")
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument("--cache-dir", type=Path, default=None,
+                       help="cache root (default: $TTILE_CACHE_DIR or the user cache dir)")
+    cache.set_defaults(run=_cmd_cache)
     return parser
 
 

@@ -1,0 +1,294 @@
+"""The on-disk cache of kernels tuned at run time, built so that it cannot hurt anyone.
+
+One entry per problem: ``<digest>.json`` (what was tuned, by whom, for which machine)
+and, when a kernel beat the generic one, ``<digest>.so`` (the compiled kernel). The
+digest hashes everything that makes an entry valid: the problem, the layout, the thread
+count, the CPU fingerprint, the compiler, ttile's version and the generator's version.
+
+Why each safeguard exists:
+
+* Writers take an exclusive ``flock`` on ``<digest>.lock`` while tuning, so two
+  processes meeting the same unseen shape tune it once; the second finds the entry.
+* Files are written under a temporary name and renamed into place, the library first
+  and the JSON last, so a reader sees a whole entry or none.
+* The JSON carries the SHA-256 of the library and of its own fields: a truncated or
+  corrupted entry is detected, deleted and tuned again instead of being loaded.
+* An entry is loaded only if the JSON says ttile wrote it for exactly this key, and
+  both files belong to this user and are not writable by others: a shared or planted
+  cache directory cannot make the process load someone else's code.
+
+Kept free of heavy imports: :mod:`ttile.dispatch` consults it on the first call of a
+shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Iterator, Optional
+
+CACHE_FORMAT = 1
+WRITER = "ttile"
+#: Entry kinds: a compiled kernel, or the verdict that the generic kernel was faster
+#: (remembered so that later processes do not search again).
+JIT, GENERIC = "jit", "generic"
+
+
+class CacheUnavailable(OSError):
+    """The cache directory cannot be created or written (read-only, full, no rights)."""
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything a cached kernel depends on; its digest names the entry's files."""
+
+    problem: str            # ConvSpec.key(): shape, stride, padding
+    layout: str
+    threads: int
+    cpu: str                # CpuFingerprint.id
+    compiler: str           # path and first line of --version
+    ttile_version: str
+    generator_version: int
+
+    def digest(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """What the run-time tuner decided for one key."""
+
+    key: CacheKey
+    kind: str                         # JIT or GENERIC
+    function: str = ""                # symbol of the kernel in the library
+    panel: int = 0                    # weight panel width the kernel reads
+    scheme: str = ""                  # paper notation
+    microkernels: str = ""
+    gflops: float = 0.0               # measured when tuned (warm, median)
+    generic_gflops: float = 0.0       # the generic kernel in the same measurement
+    search_seconds: float = 0.0
+    library: Optional[Path] = None    # set on entries read back from disk
+    payload: Optional[bytes] = field(default=None, repr=False)  # the verified library bytes
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("library", "payload")}
+        data["key"] = asdict(self.key)
+        return data
+
+
+def default_directory() -> Path:
+    """$TTILE_CACHE_DIR, else the user cache directory (platformdirs when installed,
+    else $XDG_CACHE_HOME or ~/.cache), under ttile/."""
+    explicit = os.environ.get("TTILE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    try:
+        from platformdirs import user_cache_dir
+        return Path(user_cache_dir("ttile", appauthor=False))
+    except ImportError:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "ttile"
+
+
+def _json_checksum(data: dict) -> str:
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _trusted(path: Path) -> bool:
+    """A regular file of this user that nobody else may write."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return (stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+            and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+class KernelCache:
+    """Entries under ``<directory>/kernels-v<format>/``."""
+
+    def __init__(self, directory: Optional[Path] = None):
+        self.root = Path(directory) if directory is not None else default_directory()
+        self.directory = self.root / f"kernels-v{CACHE_FORMAT}"
+
+    # -- paths -------------------------------------------------------------------------
+    def _paths(self, key: CacheKey) -> tuple[Path, Path, Path]:
+        digest = key.digest()
+        return (self.directory / f"{digest}.json", self.directory / f"{digest}.so",
+                self.directory / f"{digest}.lock")
+
+    def ensure_writable(self) -> None:
+        """Create the directory (mode 0700) or raise CacheUnavailable saying why."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            probe = tempfile.NamedTemporaryFile(dir=self.directory, prefix=".probe-",
+                                                delete=True)
+            probe.close()
+        except OSError as exc:
+            raise CacheUnavailable(exc.errno or errno.EIO,
+                                   f"cannot write the kernel cache {self.directory}: "
+                                   f"{exc.strerror or exc}") from None
+
+    # -- reading -----------------------------------------------------------------------
+    def lookup(self, key: CacheKey) -> Optional[CacheEntry]:
+        """The valid entry for ``key``, or None. An invalid one (corrupted, truncated,
+        for another key, not ours) is removed when we may, and never returned."""
+        meta_path, lib_path, _ = self._paths(key)
+        if not meta_path.exists():
+            return None
+        entry = self._read(key, meta_path, lib_path)
+        if entry is None:
+            self._discard(meta_path, lib_path)
+        return entry
+
+    def _read(self, key: CacheKey, meta_path: Path, lib_path: Path) -> Optional[CacheEntry]:
+        if not _trusted(meta_path):
+            return None
+        try:
+            data = json.loads(meta_path.read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(data, dict) or data.get("writer") != WRITER \
+                or data.get("format") != CACHE_FORMAT or data.get("checksum") != _json_checksum(data):
+            return None
+        if data.get("key") != asdict(key):
+            return None
+        try:
+            entry = CacheEntry(key=key, **{k: data[k] for k in (
+                "kind", "function", "panel", "scheme", "microkernels", "gflops",
+                "generic_gflops", "search_seconds")})
+        except (KeyError, TypeError):
+            return None
+        if entry.kind == GENERIC:
+            return entry
+        if entry.kind != JIT or not entry.function or entry.panel < 1:
+            return None
+        if not _trusted(lib_path):
+            return None
+        try:
+            payload = lib_path.read_bytes()
+        except OSError:
+            return None
+        if len(payload) != data.get("library_size") \
+                or hashlib.sha256(payload).hexdigest() != data.get("library_sha256"):
+            return None
+        # The caller loads these verified bytes, not the file, which may change after
+        # this check (and which another process may replace while we run).
+        return CacheEntry(**{**{f.name: getattr(entry, f.name) for f in fields(entry)},
+                             "library": lib_path, "payload": payload})
+
+    def _discard(self, *paths: Path) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    # -- writing -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, key: CacheKey) -> Iterator[None]:
+        """Exclusive lock on the key among processes (blocks while another tunes it).
+
+        Raises CacheUnavailable when the lock file cannot be created.
+        """
+        import fcntl
+        _, _, lock_path = self._paths(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise CacheUnavailable(exc.errno or errno.EIO,
+                                   f"cannot lock in {self.directory}: {exc.strerror or exc}"
+                                   ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def store(self, entry: CacheEntry, library: Optional[Path]) -> CacheEntry:
+        """Write ``entry`` (and a copy of ``library`` for a JIT entry) atomically.
+
+        Returns the entry as read back. Raises CacheUnavailable on any OS error (full
+        disk, read-only directory); a half-written entry is removed first.
+        """
+        meta_path, lib_path, _ = self._paths(entry.key)
+        data = entry.to_json()
+        data.update(writer=WRITER, format=CACHE_FORMAT)
+        written: list[Path] = []
+        payload = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if entry.kind == JIT:
+                if library is None:
+                    raise ValueError("a JIT entry needs its library")
+                payload = Path(library).read_bytes()
+                self._atomic_write(lib_path, payload)
+                written.append(lib_path)
+                data["library_size"] = len(payload)
+                data["library_sha256"] = hashlib.sha256(payload).hexdigest()
+            data["checksum"] = _json_checksum(data)
+            self._atomic_write(meta_path, (json.dumps(data, sort_keys=True, indent=1) + "\n").encode())
+        except OSError as exc:
+            self._discard(*written)
+            raise CacheUnavailable(exc.errno or errno.EIO,
+                                   f"cannot write the kernel cache {self.directory}: "
+                                   f"{exc.strerror or exc}") from None
+        return CacheEntry(**{**{f.name: getattr(entry, f.name) for f in fields(entry)},
+                             "library": lib_path if entry.kind == JIT else None,
+                             "payload": payload if entry.kind == JIT else None})
+
+    @staticmethod
+    def _atomic_write(path: Path, payload: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    # -- listing and clearing ----------------------------------------------------------
+    def entries(self) -> list[dict]:
+        """Every entry's JSON as stored (valid or not), with its file name and validity."""
+        out = []
+        if not self.directory.is_dir():
+            return out
+        for meta_path in sorted(self.directory.glob("*.json")):
+            try:
+                data = json.loads(meta_path.read_text())
+            except (OSError, ValueError, UnicodeDecodeError):
+                data = {}
+            if not isinstance(data, dict):
+                data = {}
+            data["file"] = meta_path.name
+            data["valid"] = bool(data) and data.get("checksum") == _json_checksum(
+                {k: v for k, v in data.items() if k not in ("file", "valid")})
+            out.append(data)
+        return out
+
+    def clear(self) -> int:
+        """Remove every file of the cache directory; returns how many were removed."""
+        removed = 0
+        if not self.directory.is_dir():
+            return 0
+        for path in self.directory.iterdir():
+            if path.is_file() or path.is_symlink():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed += 1
+        return removed

@@ -1,0 +1,380 @@
+"""Which kernel serves a problem: tuned (compiled into ttile), JIT (tuned here, cached on
+disk) or generic; and the run-time tuning policy that fills the JIT cache.
+
+The decision is made once per (problem, layout, threads) and remembered in memory;
+everything slow (cache files, compiler, search) happens only on a problem's first call.
+Every failure of the run-time path (no compiler, no libraries, unwritable cache, a build
+error) degrades to the generic kernel with one warning per cause, never an exception
+from ``conv2d``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from . import _kernels
+from .spec import ConvSpec
+
+TUNED, JIT, GENERIC = "tuned", "jit", "generic"
+MODES = ("now", "background", "never")
+GENERIC_PANEL = 32
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """A kernel ready to run: what it is and the weight panel width it reads.
+
+    ``panel`` 0 means RSCK weights (the portable kernel); ``address`` is a JIT kernel's
+    entry point and ``handle`` the loaded library that keeps it valid.
+    """
+
+    kind: str
+    panel: int
+    index: int = -1                 # registry index of a tuned kernel
+    address: int = 0
+    scheme: str = ""
+    microkernels: str = ""
+    gflops: Optional[float] = None  # measured when it was tuned
+    note: str = ""
+    handle: Any = None
+    final: bool = True              # False while a background tuning may replace it
+
+
+@dataclass(frozen=True)
+class TuningPolicy:
+    """How shapes without a tuned kernel are handled.
+
+    mode: "now" tunes on the first call (the call waits, at most ``budget_seconds`` plus
+    compile time), "background" serves the generic kernel while a background thread
+    tunes, "never" always serves the generic kernel. Problems under ``min_mflops`` are
+    not tuned: they run in microseconds either way.
+    """
+
+    mode: str = "now"
+    budget_seconds: float = 20.0
+    min_mflops: float = 1.0
+    cache_dir: Optional[Path] = None   # default: $TTILE_CACHE_DIR or the user cache dir
+
+
+def _policy_from_environment() -> TuningPolicy:
+    mode = os.environ.get("TTILE_TUNING", "now").strip().lower()
+    if mode not in MODES:
+        warnings.warn(f"TTILE_TUNING={mode!r} is not one of {MODES}; using 'now'",
+                      RuntimeWarning, stacklevel=2)
+        mode = "now"
+    budget = 20.0
+    if os.environ.get("TTILE_TUNING_BUDGET"):
+        try:
+            budget = max(0.5, float(os.environ["TTILE_TUNING_BUDGET"]))
+        except ValueError:
+            warnings.warn("TTILE_TUNING_BUDGET is not a number; using 20 s", RuntimeWarning,
+                          stacklevel=2)
+    return TuningPolicy(mode=mode, budget_seconds=budget)
+
+
+_policy = _policy_from_environment()
+_choices: dict[tuple, KernelChoice] = {}
+_lock = threading.Lock()
+_key_locks: dict[tuple, threading.Lock] = {}
+_warned: set[str] = set()
+_background: Optional[ThreadPoolExecutor] = None
+_pending: set[tuple] = set()
+_memory_dir: Optional[Path] = None
+
+
+def set_tuning(mode: Optional[str] = None, budget_seconds: Optional[float] = None,
+               min_mflops: Optional[float] = None, cache_dir: Optional[os.PathLike] = None
+               ) -> TuningPolicy:
+    """Change the run-time tuning policy (see :class:`TuningPolicy`); returns the previous.
+
+    Arguments left None keep their value. Choices already made in this process stay.
+    """
+    global _policy
+    previous = _policy
+    changes: dict[str, Any] = {}
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        changes["mode"] = mode
+    if budget_seconds is not None:
+        if isinstance(budget_seconds, bool) or not isinstance(budget_seconds, (int, float)) \
+                or not budget_seconds > 0:
+            raise ValueError(f"budget_seconds must be a positive number, got {budget_seconds!r}")
+        changes["budget_seconds"] = float(budget_seconds)
+    if min_mflops is not None:
+        if isinstance(min_mflops, bool) or not isinstance(min_mflops, (int, float)) \
+                or not min_mflops >= 0:
+            raise ValueError(f"min_mflops must be a number >= 0, got {min_mflops!r}")
+        changes["min_mflops"] = float(min_mflops)
+    if cache_dir is not None:
+        changes["cache_dir"] = Path(cache_dir)
+    _policy = replace(_policy, **changes)
+    return previous
+
+
+def restore_tuning(policy: TuningPolicy) -> None:
+    """Put back a policy returned by :func:`set_tuning`."""
+    global _policy
+    if not isinstance(policy, TuningPolicy):
+        raise TypeError("restore_tuning takes the TuningPolicy that set_tuning returned")
+    _policy = policy
+
+
+def tuning_policy() -> TuningPolicy:
+    return _policy
+
+
+def forget_choices() -> None:
+    """Drop the in-memory choices and the record of warnings given, so the next call of
+    each problem decides (and warns) again."""
+    _choices.clear()
+    _warned.clear()
+
+
+def warn_once(cause: str, message: str) -> None:
+    if cause not in _warned:
+        _warned.add(cause)
+        warnings.warn(f"ttile: {message}", RuntimeWarning, stacklevel=4)
+
+
+def generic_choice(isa: str, note: str = "", final: bool = True) -> KernelChoice:
+    if isa == "avx512f":
+        return KernelChoice(GENERIC, GENERIC_PANEL, note=note, final=final)
+    return KernelChoice(GENERIC, 0, note=note or "portable C (no AVX-512F)", final=final)
+
+
+def tuned_choice(index: int, entry: dict) -> KernelChoice:
+    return KernelChoice(TUNED, entry["panel"], index=index, scheme=entry["scheme"],
+                        microkernels=microkernels_of(entry["scheme"]), gflops=entry["gflops"],
+                        note=f"compiled into ttile ({entry['layer']})")
+
+
+def microkernels_of(scheme: str) -> str:
+    """The microkernel part of a scheme in paper notation: its U/V specifiers."""
+    parts = [p.strip() for p in scheme.strip("[]").split(";")]
+    block = [p for p in parts if p.startswith(("U", "V"))]
+    return "[" + "; ".join(block) + "]" if block else ""
+
+
+# -- the cache key -------------------------------------------------------------------------
+_compiler_id: Optional[str] = None
+
+
+def compiler_identity() -> Optional[str]:
+    """Path and version of the C compiler JIT kernels are built with (None: none found)."""
+    global _compiler_id
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    path = next((p for p in map(shutil.which, candidates) if p), None)
+    if path is None:
+        return None
+    if _compiler_id is None or not _compiler_id.startswith(path + "|"):
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        _compiler_id = path + "|" + (out.splitlines()[0].strip() if out else "")
+    return _compiler_id
+
+
+def cache_key(spec: ConvSpec, layout: str, threads: int, compiler: str):
+    from . import __version__
+    from .cache import CacheKey
+    from .codegen import GENERATOR_VERSION
+    from .cpuinfo import fingerprint
+    return CacheKey(spec.key(), layout, threads, fingerprint().id, compiler, __version__,
+                    GENERATOR_VERSION)
+
+
+def _open_cache():
+    from .cache import KernelCache
+    return KernelCache(_policy.cache_dir)
+
+
+# -- loading a cached entry ----------------------------------------------------------------
+def _load(entry) -> KernelChoice:
+    """A KernelChoice from a cache entry (a JIT entry's library is loaded here)."""
+    import ctypes
+    if entry.kind != JIT:
+        return KernelChoice(GENERIC, GENERIC_PANEL, gflops=entry.generic_gflops or None,
+                            note="tuned here: no scheme beat the generic kernel")
+    # Load a private copy of the bytes: the dynamic loader would hand back a library
+    # already loaded under the same path (stale once the entry is rebuilt), and the
+    # cache file may be replaced or damaged while this process runs. The copy is
+    # unlinked at once; the mapping stays.
+    payload = entry.payload if entry.payload is not None else Path(entry.library).read_bytes()
+    fd, private = tempfile.mkstemp(dir=_memory_directory(), suffix=".so")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        handle = ctypes.CDLL(private)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(private)
+    address = ctypes.cast(getattr(handle, entry.function), ctypes.c_void_p).value
+    return KernelChoice(JIT, entry.panel, address=address, scheme=entry.scheme,
+                        microkernels=entry.microkernels, gflops=entry.gflops,
+                        note=f"tuned here in {entry.search_seconds:.1f} s "
+                             f"({entry.library.name})", handle=handle)
+
+
+def cached_choice(spec: ConvSpec, layout: str, threads: int) -> Optional[KernelChoice]:
+    """The choice a valid disk cache entry gives, without tuning (None: no entry)."""
+    compiler = compiler_identity()
+    if compiler is None:
+        return None
+    cache = _open_cache()
+    entry = cache.lookup(cache_key(spec, layout, threads, compiler))
+    if entry is None:
+        return None
+    try:
+        return _load(entry)
+    except (OSError, AttributeError):
+        return None
+
+
+def _memory_directory() -> Path:
+    """A private directory for libraries when the cache cannot be written."""
+    global _memory_dir
+    if _memory_dir is None:
+        import atexit
+        _memory_dir = Path(tempfile.mkdtemp(prefix="ttile-jit-"))
+        atexit.register(shutil.rmtree, _memory_dir, True)
+    return _memory_dir
+
+
+def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: str) -> KernelChoice:
+    """Look the problem up in the disk cache, else tune it and store the result."""
+    from .cache import GENERIC as CACHED_GENERIC, JIT as CACHED_JIT, CacheEntry, CacheUnavailable
+    from .jit import JitSettings, JitUnavailable, tune
+
+    compiler = compiler_identity()
+    if compiler is None:
+        warn_once("compiler", "no C compiler on PATH: shapes without a tuned kernel run "
+                              "the generic kernel (set CC or install gcc/clang to tune them)")
+        return generic_choice(isa, "no C compiler to tune with")
+    key = cache_key(spec, layout, threads, compiler)
+    cache = _open_cache()
+    policy = _policy
+    persistent = True
+    try:
+        cache.ensure_writable()
+    except CacheUnavailable as exc:
+        warn_once("cache", f"{exc}; tuned kernels are kept in memory for this process only")
+        persistent = False
+
+    def tune_once() -> KernelChoice:
+        entry = cache.lookup(key)
+        if entry is not None:
+            try:
+                return _load(entry)
+            except (OSError, AttributeError):
+                pass  # unloadable: tune again and overwrite
+        try:
+            result = tune(spec, threads, JitSettings(budget_seconds=policy.budget_seconds),
+                          cache_root=cache.root if persistent else None)
+        except JitUnavailable as exc:
+            warn_once("jit", f"{exc}; shapes without a tuned kernel run the generic kernel")
+            return generic_choice(isa, str(exc))
+        new = CacheEntry(key, CACHED_JIT if result.kind == JIT else CACHED_GENERIC,
+                         result.function, result.panel, result.scheme, result.microkernels,
+                         result.gflops, result.generic_gflops, result.search_seconds)
+        library = result.library
+        if persistent:
+            try:
+                return _load(cache.store(new, library))
+            except CacheUnavailable as exc:
+                warn_once("cache", f"{exc}; tuned kernels are kept in memory for this "
+                                   f"process only")
+        return _load(replace(new, library=library))
+
+    if not persistent:
+        return tune_once()
+    try:
+        with cache.lock(key):
+            return tune_once()
+    except CacheUnavailable as exc:
+        warn_once("cache", f"{exc}; tuned kernels are kept in memory for this process only")
+        persistent = False
+        return tune_once()
+
+
+def _key_lock(key: tuple) -> threading.Lock:
+    with _lock:
+        return _key_locks.setdefault(key, threading.Lock())
+
+
+def _tune_safely(spec: ConvSpec, layout: str, threads: int, isa: str) -> KernelChoice:
+    try:
+        return _tune_and_store(spec, layout, threads, isa)
+    except Exception as exc:  # tuning must never break a convolution
+        warn_once(f"tuning-error:{type(exc).__name__}",
+                  f"run-time tuning failed ({type(exc).__name__}: {exc}); "
+                  f"using the generic kernel")
+        return generic_choice(isa, f"tuning failed: {exc}")
+
+
+def _background_tune(key: tuple, spec: ConvSpec, layout: str, threads: int, isa: str) -> None:
+    try:
+        with _key_lock(key):
+            _choices[key] = _tune_safely(spec, layout, threads, isa)
+    finally:
+        _pending.discard(key)
+
+
+def choose(spec: ConvSpec, layout: str, threads: int, isa: str, use_tuned: bool,
+           tuned: dict[bool, int], registry: list[dict], tune: bool = True) -> KernelChoice:
+    """The kernel for a problem; with ``tune`` False nothing is searched (for ``plan``)."""
+    global _background
+    if isa != "avx512f":
+        return generic_choice(isa)
+    index = tuned.get(threads > 1, -1)
+    if use_tuned and index >= 0:
+        return tuned_choice(index, registry[index])
+    key = (spec, layout, threads)
+    choice = _choices.get(key)
+    if choice is not None:
+        return choice
+    policy = _policy
+    if policy.mode == "never" or spec.flops < policy.min_mflops * 1e6:
+        reason = ("run-time tuning is off" if policy.mode == "never"
+                  else f"under {policy.min_mflops:g} MFLOP: not worth tuning")
+        return generic_choice(isa, reason)
+    if not tune:
+        cached = cached_choice(spec, layout, threads)
+        return cached or generic_choice(isa, f"not tuned yet (mode {policy.mode!r})", final=False)
+    if policy.mode == "background":
+        with _lock:
+            if key not in _pending:
+                _pending.add(key)
+                if _background is None:
+                    _background = ThreadPoolExecutor(max_workers=1,
+                                                     thread_name_prefix="ttile-tuner")
+                _background.submit(_background_tune, key, spec, layout, threads, isa)
+        return generic_choice(isa, "being tuned in the background", final=False)
+    with _key_lock(key):
+        choice = _choices.get(key)
+        if choice is None:
+            choice = _tune_safely(spec, layout, threads, isa)
+            _choices[key] = choice
+    return choice
+
+
+def wait_for_background(timeout: Optional[float] = None) -> bool:
+    """Wait until background tunings finish; True when none is left (for tests, scripts)."""
+    import time
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while _pending:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,0 +1,389 @@
+"""The run-time path: JIT tuning of unseen shapes, the disk cache and each way it
+degrades, plan(), the pre-packed Conv2d."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ttile
+from conftest import random_tensors, requires_avx512
+from ttile import dispatch, jit
+from ttile.cache import KernelCache, _json_checksum
+from ttile.reference import assert_conv_close
+
+pytestmark = requires_avx512
+
+# A shape no network holds: 3x3, K = 40 (not a multiple of 16), odd 23x23 map.
+X_SHAPE, W_SHAPE = (1, 23, 23, 24), (3, 3, 24, 40)
+
+
+@pytest.fixture
+def prefer_jit(monkeypatch):
+    """Keep any correct tuned kernel, even one the noise makes look slower than the
+    generic kernel, so the JIT path is what runs."""
+    monkeypatch.setattr(jit, "MIN_SPEEDUP", 0.0)
+
+
+def _call(x, w, **kw):
+    return ttile.conv2d(x, w, stride=kw.pop("stride", 1), padding=kw.pop("padding", 1),
+                        layout="NHWC", threads=kw.pop("threads", 1))
+
+
+def _entries(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "kernels-v1").glob("*.json"))
+
+
+def test_first_call_tunes_and_caches(jit_cache, prefer_jit):
+    x, w = random_tensors(np.random.default_rng(0), X_SHAPE, W_SHAPE)
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "generic"
+    y = _call(x, w)
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    plan = ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1)
+    assert plan.kind == "jit"
+    assert plan.scheme.startswith("[") and "V k" in plan.microkernels
+    assert plan.expected_gflops > 0
+    [meta] = _entries(jit_cache)
+    data = json.loads(meta.read_text())
+    assert data["writer"] == "ttile" and data["kind"] == "jit"
+    assert meta.with_suffix(".so").stat().st_size == data["library_size"]
+
+
+def test_later_process_reuses_the_entry_without_searching(jit_cache, prefer_jit):
+    x, w = random_tensors(np.random.default_rng(1), X_SHAPE, W_SHAPE)
+    _call(x, w)
+    script = textwrap.dedent(f"""
+        import time, numpy as np, ttile
+        from ttile import jit
+        def forbidden(*a, **k):
+            raise AssertionError("searched again")
+        jit.tune = forbidden
+        ttile.set_tuning(mode="now", min_mflops=0, cache_dir={str(jit_cache)!r})
+        x = np.ones({X_SHAPE}, np.float32); w = np.ones({W_SHAPE}, np.float32)
+        t = time.perf_counter(); y = ttile.conv2d(x, w, 1, 1, "NHWC", threads=1)
+        print(ttile.plan(x.shape, w.shape, 1, 1, "NHWC", threads=1).kind,
+              time.perf_counter() - t, float(y[0, 11, 11, 0]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0] == "jit"
+    assert float(out[1]) < 2.0          # no search (the budget is 4 s), only a load
+    assert float(out[2]) == 9 * 24      # all-ones input and weights
+
+
+def _tune_then_forget(x, w):
+    y = _call(x, w)
+    dispatch.forget_choices()
+    from conftest import _forget_plans
+    _forget_plans()
+    return y
+
+
+@pytest.mark.parametrize("damage", ["truncate_library", "flip_library_byte", "garbage_json",
+                                    "other_cpu", "writable_by_others"])
+def test_damaged_or_foreign_entry_is_not_loaded(jit_cache, prefer_jit, damage):
+    x, w = random_tensors(np.random.default_rng(2), X_SHAPE, W_SHAPE)
+    _tune_then_forget(x, w)
+    [meta] = _entries(jit_cache)
+    library = meta.with_suffix(".so")
+    if damage == "truncate_library":
+        library.write_bytes(library.read_bytes()[:1000])
+    elif damage == "flip_library_byte":
+        payload = bytearray(library.read_bytes())
+        payload[len(payload) // 2] ^= 0xFF
+        library.write_bytes(bytes(payload))
+    elif damage == "garbage_json":
+        meta.write_text('{"writer": "ttile", "kind": "jit", ')
+    elif damage == "other_cpu":  # a well-formed entry written for another key
+        data = json.loads(meta.read_text())
+        data["key"]["cpu"] = "authenticamd-26-68-00000000"
+        data["checksum"] = _json_checksum(data)
+        meta.write_text(json.dumps(data))
+    elif damage == "writable_by_others":
+        os.chmod(library, 0o666)
+    cache = KernelCache(jit_cache)
+    key = dispatch.cache_key(ttile.api.make_spec(X_SHAPE, W_SHAPE, 1, 1, "NHWC"), "NHWC", 1,
+                             dispatch.compiler_identity())
+    assert cache.lookup(key) is None            # refused ...
+    y = _call(x, w)                              # ... so the call tunes again
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    assert cache.lookup(key) is not None         # and leaves a valid entry
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+
+
+def _expect_one_warning(record, fragment):
+    messages = [str(r.message) for r in record if issubclass(r.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert fragment in messages[0]
+
+
+def test_unwritable_cache_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    ttile.set_tuning(cache_dir=blocker / "cache")
+    shapes = [(X_SHAPE, W_SHAPE), ((1, 19, 19, 24), (3, 3, 24, 40))]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for x_shape, w_shape in shapes:
+            x, w = random_tensors(np.random.default_rng(3), x_shape, w_shape)
+            y = _call(x, w)
+            assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+            assert ttile.plan(x_shape, w_shape, 1, 1, "NHWC", threads=1).kind == "jit"
+    _expect_one_warning(record, "kept in memory")
+
+
+def test_full_disk_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, monkeypatch):
+    import errno
+
+    def disk_full(path, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(KernelCache, "_atomic_write", staticmethod(disk_full))
+    x, w = random_tensors(np.random.default_rng(4), X_SHAPE, W_SHAPE)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        y = _call(x, w)
+        _call(x, w)
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    _expect_one_warning(record, "No space left")
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    assert _entries(jit_cache) == []             # nothing half-written left behind
+    assert not list((jit_cache / "kernels-v1").glob("*.so"))
+
+
+def test_no_compiler_degrades_to_generic_with_one_warning(jit_cache, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CC", raising=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for seed in range(2):
+            x, w = random_tensors(np.random.default_rng(seed), X_SHAPE, W_SHAPE)
+            y = _call(x, w)
+            assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+        x, w = random_tensors(np.random.default_rng(5), (1, 11, 11, 8), (1, 1, 8, 24))
+        _call(x, w, padding=0)
+    _expect_one_warning(record, "no C compiler")
+    plan = ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1)
+    assert plan.kind == "generic" and "compiler" in plan.note
+
+
+def test_missing_libraries_degrade_to_generic_with_one_warning(jit_cache, monkeypatch):
+    def missing():
+        raise jit.JitUnavailable("run-time tuning needs islpy (pip install 'ttile[jit]')")
+
+    monkeypatch.setattr(jit, "_require_libraries", missing)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for x_shape, w_shape in [(X_SHAPE, W_SHAPE), ((1, 19, 19, 24), (3, 3, 24, 40))]:
+            x, w = random_tensors(np.random.default_rng(6), x_shape, w_shape)
+            assert_conv_close(_call(x, w), x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    _expect_one_warning(record, "ttile[jit]")
+
+
+def test_two_processes_tuning_the_same_shape_leave_one_valid_entry(jit_cache, prefer_jit):
+    script = textwrap.dedent(f"""
+        import numpy as np, ttile
+        from ttile import jit
+        jit.MIN_SPEEDUP = 0.0
+        ttile.set_tuning(mode="now", budget_seconds=4, min_mflops=0, cache_dir={str(jit_cache)!r})
+        rng = np.random.default_rng(0)
+        x = rng.uniform(-1, 1, {X_SHAPE}).astype(np.float32)
+        w = rng.uniform(-1, 1, {W_SHAPE}).astype(np.float32)
+        y = ttile.conv2d(x, w, 1, 1, "NHWC", threads=1)
+        from ttile.reference import assert_conv_close
+        assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+        print(ttile.plan(x.shape, w.shape, 1, 1, "NHWC", threads=1).kind)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [o[0].strip() for o in outs] == ["jit", "jit"]
+    entries = KernelCache(jit_cache).entries()
+    assert len(entries) == 1 and entries[0]["valid"]
+    assert len(list((jit_cache / "kernels-v1").glob("*.so"))) == 1
+    assert not list((jit_cache / "kernels-v1").glob(".*.tmp"))
+
+
+def test_background_mode_serves_generic_then_the_tuned_kernel(jit_cache, prefer_jit):
+    ttile.set_tuning(mode="background")
+    x, w = random_tensors(np.random.default_rng(7), X_SHAPE, W_SHAPE)
+    y = _call(x, w)                   # returns at once, generic kernel
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    assert dispatch.wait_for_background(120)
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    assert_conv_close(_call(x, w), x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+
+
+def test_never_mode_and_small_problems_do_not_tune(jit_cache, monkeypatch):
+    monkeypatch.setattr(jit, "tune", lambda *a, **k: pytest.fail("tuned"))
+    ttile.set_tuning(mode="never")
+    x, w = random_tensors(np.random.default_rng(8), X_SHAPE, W_SHAPE)
+    _call(x, w)
+    assert "off" in ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).note
+    ttile.set_tuning(mode="now", min_mflops=1000.0)
+    _call(x, w)
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "generic"
+    assert _entries(jit_cache) == []
+
+
+def test_cache_clear_and_cli(jit_cache, prefer_jit):
+    x, w = random_tensors(np.random.default_rng(9), X_SHAPE, W_SHAPE)
+    _call(x, w)
+    from ttile.cli import main
+    assert main(["cache", "list", "--cache-dir", str(jit_cache)]) == 0
+    assert ttile.cache_clear() >= 2
+    assert _entries(jit_cache) == []
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "generic"
+    _call(x, w)
+    assert main(["cache", "clear", "--cache-dir", str(jit_cache)]) == 0
+    assert _entries(jit_cache) == []
+
+
+def test_set_tuning_rejects_bad_values():
+    for kwargs in ({"mode": "sometimes"}, {"budget_seconds": 0}, {"budget_seconds": "5"},
+                   {"min_mflops": -1}, {"budget_seconds": True}):
+        with pytest.raises(ValueError):
+            ttile.set_tuning(**kwargs)
+    with pytest.raises(TypeError):
+        ttile.restore_tuning("now")
+
+
+@st.composite
+def jit_cases(draw):
+    r = draw(st.sampled_from([1, 3, 5]))
+    stride = draw(st.integers(1, 2))
+    h = draw(st.integers(max(r, 5), 21))
+    w = draw(st.integers(max(r, 5), 21))
+    c = draw(st.integers(1, 40))
+    k = draw(st.integers(1, 72))
+    pad = draw(st.integers(0, r // 2))
+    threads = draw(st.integers(1, 2))
+    return (1, h, w, c), (r, r, c, k), stride, pad, threads
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=jit_cases(), seed=st.integers(0, 2**32 - 1))
+def test_jit_kernels_on_random_shapes_match_reference(case, seed, tmp_path_factory):
+    x_shape, w_shape, stride, pad, threads = case
+    cache_dir = tmp_path_factory.mktemp("jitcache")
+    previous = ttile.set_tuning(mode="now", budget_seconds=2.0, min_mflops=0.0,
+                                cache_dir=cache_dir)
+    saved, jit.MIN_SPEEDUP = jit.MIN_SPEEDUP, 0.0
+    try:
+        x, w = random_tensors(np.random.default_rng(seed), x_shape, w_shape)
+        y = ttile.conv2d(x, w, stride, pad, "NHWC", threads=threads)
+        assert_conv_close(y, x, w, (stride, stride), (pad,) * 4, layout="NHWC")
+        assert ttile.plan(x_shape, w_shape, stride, pad, "NHWC", threads=threads).kind in (
+            "jit", "generic")
+    finally:
+        jit.MIN_SPEEDUP = saved
+        ttile.restore_tuning(previous)
+        dispatch.forget_choices()
+
+
+# -- plan ---------------------------------------------------------------------------------
+def test_plan_reports_a_tuned_kernel_of_the_registry():
+    entry = next(e for e in ttile.tuned_kernels() if not e["parallel"])
+    x_shape = (entry["n"], entry["h"], entry["w"], entry["c"])
+    w_shape = (entry["r"], entry["s"], entry["c"], entry["k"])
+    plan = ttile.plan(x_shape, w_shape, (entry["stride_h"], entry["stride_w"]),
+                      (entry["pad_top"], entry["pad_left"]), "NHWC", threads=1)
+    assert plan.kind == "tuned" and plan.scheme == entry["scheme"]
+    assert plan.expected_gflops == entry["gflops"] and plan.microkernels.startswith("[U")
+    assert entry["layer"] in plan.note
+
+
+def test_plan_checks_its_arguments():
+    with pytest.raises(TypeError):
+        ttile.plan("1x3x8x8", (4, 3, 3, 3))
+    with pytest.raises(TypeError):
+        ttile.plan((1, 3, 8.0, 8), (4, 3, 3, 3))
+    with pytest.raises(ValueError):
+        ttile.plan((1, 3, 8, 8), (4, 2, 3, 3))
+    with pytest.raises(ValueError):
+        ttile.plan((1, 3, 8, 8), (4, 3, 3, 3), threads=0)
+    assert ttile.plan((1, 3, 8, 8), (4, 3, 3, 3), padding=1).kind == "generic"
+
+
+# -- Conv2d -------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_conv2d_layer_matches_conv2d(layout):
+    rng = np.random.default_rng(10)
+    if layout == "NCHW":
+        x, w = random_tensors(rng, (2, 5, 13, 11), (37, 5, 3, 3))
+    else:
+        x, w = random_tensors(rng, (2, 13, 11, 5), (3, 3, 5, 37))
+    layer = ttile.Conv2d(w, stride=2, padding=1, layout=layout)
+    original = w.copy()
+    y = layer(x)
+    w[...] = 0  # the layer holds its own copy
+    np.testing.assert_array_equal(layer(x), y)
+    assert_conv_close(y, x, original, (2, 2), (1, 1, 1, 1), layout=layout)
+    np.testing.assert_array_equal(y, ttile.conv2d(x, original, 2, 1, layout))
+
+
+def test_conv2d_layer_runs_tuned_kernels_on_prepacked_weights():
+    entry = min(ttile.tuned_kernels(), key=lambda e: e["k"] * e["c"] * e["h"] * e["w"])
+    x_shape = (entry["n"], entry["h"], entry["w"], entry["c"])
+    w_shape = (entry["r"], entry["s"], entry["c"], entry["k"])
+    x, w = random_tensors(np.random.default_rng(11), x_shape, w_shape)
+    pads = (entry["pad_top"], entry["pad_left"])
+    stride = (entry["stride_h"], entry["stride_w"])
+    layer = ttile.Conv2d(w, stride, pads, "NHWC")
+    threads = 2 if entry["parallel"] else 1
+    assert ttile.plan(x_shape, w_shape, stride, pads, "NHWC", threads).kind == "tuned"
+    assert_conv_close(layer(x, threads=threads), x, w, stride,
+                      (entry["pad_top"], entry["pad_bottom"], entry["pad_left"],
+                       entry["pad_right"]), layout="NHWC")
+
+
+def test_conv2d_layer_is_safe_to_share_between_threads():
+    rng = np.random.default_rng(12)
+    _, w = random_tensors(rng, (1, 1, 1, 1), (3, 3, 8, 20))
+    layer = ttile.Conv2d(w, padding=1, layout="NHWC")
+    inputs = [rng.uniform(-1, 1, (1, 9 + i, 7 + 2 * i, 8)).astype(np.float32) for i in range(6)]
+    expected = [layer(x, threads=1) for x in inputs]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                results[i] = layer(inputs[i % 6], threads=1 + i % 2)
+                np.testing.assert_array_equal(results[i], expected[i % 6])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_conv2d_layer_refuses_bad_arguments():
+    w = np.ones((4, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError):
+        ttile.Conv2d(w, layout="CHWN")
+    with pytest.raises(ValueError):
+        ttile.Conv2d(np.ones((4, 3, 3), np.float32))
+    with pytest.raises(ValueError):
+        ttile.Conv2d(w, stride=0)
+    with pytest.raises(TypeError):
+        ttile.Conv2d(w, padding=1.5)
+    with pytest.raises(TypeError):
+        ttile.Conv2d(w.astype(bool))
+    layer = ttile.Conv2d(w, padding=1)
+    with pytest.raises(ValueError):
+        layer(np.ones((1, 2, 8, 8), np.float32))   # channel mismatch
+    with pytest.raises(ValueError):
+        layer(np.ones((1, 3, 8, 8), np.float32), threads=0)
