@@ -3,9 +3,10 @@
 The same pipeline as ``ttile-generate`` cut to fit a budget (20 s by default), for
 the first call of a shape: the model ranks the schemes of the best few microkernel
 classes (steps 2-4), the cheapest few by the model's data movement are compiled with
-the system compiler, each is checked against the float64 reference and timed beside
-the generic kernel, and the fastest correct one wins - or the generic kernel does,
-which is remembered too.
+the system compiler, each is checked against the float64 reference and timed, and the
+fastest two are timed again beside the generic kernel in interleaved rounds (the machine
+drifts; only a side-by-side comparison decides). The fastest wins - or the generic
+kernel does, which is remembered too.
 
 Needs the generator's libraries (islpy with Barvinok, sympy, scipy: ``pip install
 ttile[jit]``) and a C compiler; without them :class:`JitUnavailable` says which is
@@ -38,11 +39,13 @@ class JitSettings:
     budget_seconds: float = 20.0
     model_fraction: float = 0.4      # of the budget spent ranking schemes with the model
     max_classes: int = 4             # microkernel classes ranked, best measured first
-    per_class: int = 3               # schemes kept per class
-    max_candidates: int = 8
+    per_class: int = 4               # schemes kept per class
+    max_candidates: int = 12
     batch_size: int = 4
     jobs: int = 2
     target_seconds_per_kernel: float = 0.15  # timing calls per candidate add up to this
+    finalists: int = 2               # re-timed beside the generic kernel, interleaved
+    final_seconds: float = 1.0       # what that comparison may take
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: fl
     return chosen[:settings.max_candidates], table.peak_gflops
 
 
-def _time_generic(spec: ConvSpec, copies, threads: int, calls: int) -> float:
+def _screen_generic(spec: ConvSpec, copies, threads: int, calls: int) -> float:
+    """Median seconds of the generic kernel over ``copies`` (sizes the timing loops)."""
     from . import _kernels
     times = []
     for i in range(calls + 1):
@@ -166,6 +170,34 @@ def _time_generic(spec: ConvSpec, copies, threads: int, calls: int) -> float:
         if i:  # the first call warms up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _head_to_head(spec: ConvSpec, bench, finalists, threads: int, rounds: int
+                  ) -> tuple[float, list[float]]:
+    """Median seconds of the generic kernel and of each finalist, timed in interleaved
+    rounds the way ``conv2d`` runs them (through the extension, weights packed before),
+    so that the machine's drift hits every contender alike."""
+    import ctypes
+    from . import _kernels
+    x, w, y = bench.copies[0]
+    generic_w = _kernels.pack_weights(w, 32)
+    runs = [lambda: _kernels.conv2d_generic_packed(x, generic_w, y, spec.stride_h,
+                                                   spec.stride_w, spec.pad_top,
+                                                   spec.pad_left, threads)]
+    for kernel, library in finalists:
+        address = ctypes.cast(getattr(library.handle, kernel.name), ctypes.c_void_p).value
+        packed = _kernels.pack_weights(w, kernel.panel)
+        runs.append(lambda a=address, p=packed: _kernels.run_compiled(
+            a, x, p, y, threads, x.shape, p.shape, y.shape))
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(rounds + 1):
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            if round_:  # round 0 warms up
+                times[i].append(time.perf_counter() - t0)
+    medians = [statistics.median(t) for t in times]
+    return medians[0], medians[1:]
 
 
 def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
@@ -183,15 +215,14 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     chosen, _ = candidates(spec, threads, settings, started + settings.model_fraction * budget,
                            cache_root)
     bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)
-    generic_seconds = _time_generic(spec, bench.copies, threads, 5)
+    generic_seconds = _screen_generic(spec, bench.copies, threads, 5)
     calls = int(max(3, min(25, settings.target_seconds_per_kernel / generic_seconds)))
     flops = spec.flops
-    best: Optional[tuple[float, object, object, object]] = None  # seconds, cand, kernel, lib
-    measured = 0
+    screened: list[tuple[float, object, object, object]] = []  # seconds, cand, kernel, lib
     extra = tuple(os.environ.get("TTILE_JIT_CFLAGS", "").split())
     step = settings.batch_size * settings.jobs
     for start in range(0, len(chosen), step):
-        if start and time.monotonic() - started > 0.85 * budget:
+        if start and time.monotonic() - started > 0.7 * budget:
             break
         group = chosen[start:start + step]
         batches = [group[i:i + settings.batch_size]
@@ -203,8 +234,8 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
             if isinstance(library, BuildError):
                 continue
             for candidate, kernel in zip(batch, kernels):
-                if measured and time.monotonic() - started > budget:
-                    break  # the budget is spent; at least one candidate was timed
+                if screened and time.monotonic() - started > 0.85 * budget:
+                    break  # keep the rest of the budget for the final comparison
                 x, w, y = bench.copies[0]
                 y.fill(np.nan)
                 library.run(kernel, x, w, y, threads)
@@ -212,15 +243,20 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
                     continue  # a wrong kernel is never kept
                 seconds = statistics.median(library.time_each(kernel, bench.copies, calls,
                                                               threads)[1:])
-                measured += 1
-                if best is None or seconds < best[0]:
-                    best = (seconds, candidate, kernel, library)
+                screened.append((seconds, candidate, kernel, library))
+    screened.sort(key=lambda item: item[0])
+    finalists = screened[:settings.finalists]
+    rounds = int(max(5, min(30, settings.final_seconds / max(generic_seconds, 1e-6)
+                             / (1 + len(finalists)))))
+    generic_seconds, final = _head_to_head(spec, bench, [(k, lib) for _, _, k, lib in finalists],
+                                           threads, rounds)
     elapsed = time.monotonic() - started
     generic_gflops = flops / generic_seconds / 1e9
-    if best is None or best[0] * MIN_SPEEDUP > generic_seconds:
+    best = min(range(len(finalists)), key=final.__getitem__, default=None)
+    if best is None or final[best] * MIN_SPEEDUP > generic_seconds:
         return JitResult("generic", "", "", "", 32, None, generic_gflops, generic_gflops,
-                         elapsed, measured)
-    seconds, candidate, kernel, library = best
+                         elapsed, len(screened))
+    _, candidate, kernel, library = finalists[best]
     return JitResult("jit", str(candidate.scheme), candidate.microkernel_text, kernel.name,
-                     kernel.panel, library.path, flops / seconds / 1e9, generic_gflops,
-                     elapsed, measured)
+                     kernel.panel, library.path, flops / final[best] / 1e9, generic_gflops,
+                     elapsed, len(screened))
