@@ -76,6 +76,13 @@ def _memory_limit_bytes() -> int:
         return 1 << 40
 
 
+#: Largest stride or padding accepted: the kernels index with 64-bit offsets but take
+#: these as C ints.
+MAX_EXTENT = 2**31 - 1
+#: More threads than this is a mistake, not a request (OpenMP would try to start them).
+MAX_THREADS = 1024
+
+
 def _as_pair(value, name: str, minimum: int) -> tuple[int, int]:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
@@ -93,6 +100,8 @@ def _as_pair(value, name: str, minimum: int) -> tuple[int, int]:
             raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
         if number < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+        if number > MAX_EXTENT:
+            raise ValueError(f"{name} must be <= {MAX_EXTENT}, got {value!r}")
         pair.append(number)
     return pair[0], pair[1]
 
@@ -149,6 +158,8 @@ def _threads(threads) -> int:
         raise TypeError(f"threads must be a positive int or None, got {threads!r}") from None
     if count < 1:
         raise ValueError(f"threads must be >= 1, got {count}")
+    if count > MAX_THREADS:
+        raise ValueError(f"threads must be <= {MAX_THREADS}, got {count}")
     return count
 
 
@@ -321,7 +332,8 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     x_arr = _as_float32(x, "input")
     w_arr = _as_float32(w, "weights")
     plan = _plan(x_arr.shape, w_arr.shape, stride, padding, layout)
-    nthreads = _threads(threads) if type(threads) is not int or threads < 1 else threads
+    nthreads = threads if type(threads) is int and 0 < threads <= MAX_THREADS else \
+        _threads(threads)
     choice = _choice(plan, nthreads)
 
     if layout == "NCHW":

@@ -163,6 +163,9 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C compiler found (set CC or put cc/gcc/clang on PATH)", "")
+    # $TTILE_JIT_CFLAGS adds flags to every kernel compiled at run time (e.g. the
+    # sanitizers, when the extension itself was built with TTILE_SANITIZE).
+    extra_flags = (*extra_flags, *os.environ.get("TTILE_JIT_CFLAGS", "").split())
     parts = ["#include <time.h>"] if timers else []
     for kernel in kernels:
         parts.append(kernel.code)

@@ -15,7 +15,6 @@ missing and the caller keeps the generic kernel.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -219,7 +218,6 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     calls = int(max(3, min(25, settings.target_seconds_per_kernel / generic_seconds)))
     flops = spec.flops
     screened: list[tuple[float, object, object, object]] = []  # seconds, cand, kernel, lib
-    extra = tuple(os.environ.get("TTILE_JIT_CFLAGS", "").split())
     step = settings.batch_size * settings.jobs
     for start in range(0, len(chosen), step):
         if start and time.monotonic() - started > 0.7 * budget:
@@ -229,7 +227,7 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
                    for i in range(0, len(group), settings.batch_size)]
         sources = [[generate(c.scheme, spec, "ttile.conv2d (run-time tuning)") for c in batch]
                    for batch in batches]
-        libraries = build_batches(sources, jobs=settings.jobs, timers=True, extra_flags=extra)
+        libraries = build_batches(sources, jobs=settings.jobs, timers=True)
         for batch, kernels, library in zip(batches, sources, libraries):
             if isinstance(library, BuildError):
                 continue
