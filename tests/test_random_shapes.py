@@ -1,5 +1,12 @@
-"""Hypothesis-generated shapes: odd sizes, K and C not multiples of 16, strides 1-3,
-kernels 1-7, batch 1-3, both layouts, both kernel families, checked against float64."""
+"""Hypothesis-generated shapes: odd sizes, K and C not multiples of 16, strides 1-4,
+kernels 1-7, padding 0-3, batch 1-4, threads 1-2, both layouts, both kernel families,
+checked against float64.
+
+CI runs 150 shapes per kernel family; the long run sets the count with an environment
+variable, e.g. ``TTILE_FUZZ_EXAMPLES=10000 python -m pytest tests/test_random_shapes.py``.
+"""
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -12,14 +19,14 @@ from ttile.reference import assert_conv_close
 
 @st.composite
 def conv_cases(draw):
-    n = draw(st.integers(1, 3))
+    n = draw(st.integers(1, 4))
     c = draw(st.integers(1, 40))
     k = draw(st.integers(1, 70))
     r = draw(st.integers(1, 7))
     s = draw(st.integers(1, 7))
     h = draw(st.integers(1, 23))
     w = draw(st.integers(1, 23))
-    stride = draw(st.tuples(st.integers(1, 3), st.integers(1, 3)))
+    stride = draw(st.tuples(st.integers(1, 4), st.integers(1, 4)))
     padding = draw(st.one_of(st.integers(0, 3), st.tuples(st.integers(0, 3), st.integers(0, 3)),
                              st.just("valid"), st.just("same")))
     layout = draw(st.sampled_from(["NCHW", "NHWC"]))
@@ -37,7 +44,7 @@ def conv_cases(draw):
 
 
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS, indirect=True)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("TTILE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=conv_cases(), seed=st.integers(0, 2**32 - 1))
 def test_random_shape_matches_reference(isa, case, seed):
     n, c, k, h, w, r, s, stride, padding, pads, layout, threads = case
