@@ -1,12 +1,14 @@
 /* Generic AVX-512 convolution: runtime shapes, any stride and padding, K tails masked.
  *
- * The fallback for shapes with no tuned kernel. It uses one fixed register block of
- * WB outputs along w by 2 vectors of 16 along k (12 x 2 accumulators + 2 weight
- * vectors + 1 broadcast = 27 zmm registers, no spills). Padding is handled without
+ * The fallback for shapes with no tuned kernel. Its register block is up to 4 vectors
+ * of 16 output channels by 6 outputs along w (24 accumulators + 4 weight vectors + 1
+ * broadcast = 29 zmm registers, no spills); 3 x 8, 2 x 12 or 1 x 24 when K is smaller.
+ * Padding is handled without
  * copying the input: an out-of-range input pixel is read from a zero row instead.
  *
- * The weights are packed once per call into panels w_p[K/32][R][S][C][32]. In RSCK
- * the 32 weights of one (r, s, c) step are K floats away from the next step's; with K
+ * The weights are packed once per call into panels w_p[K/P][R][S][C][P], P = 16 x the
+ * block's vector count (ttile_generic_panel). In RSCK
+ * the P weights of one (r, s, c) step are K floats away from the next step's; with K
  * in the hundreds that is a new page per step, and the TLB misses dominated (12 % of
  * peak on Yolo9000-18 before packing). The panel is read sequentially instead, and its
  * zero-filled tail lets the weight loads go unmasked; outputs use masked stores. */
@@ -14,60 +16,112 @@
 #include <stdlib.h>
 #include "ttile_runtime.h"
 
-#define WB 12
+#define MAX_KV 4
 #define L1_PANEL_BYTES 24576
 #define L2_PANEL_BYTES 524288
 
-static inline __attribute__((always_inline)) void
-conv_block(const ttile_conv_shape *sh, const float *x_n, const float *panel, float *y_row,
-           int64_t oh, int64_t ow0, const int nw, const int kv, int64_t k0,
-           __mmask16 m0, __mmask16 m1, const float *zeros, int64_t c0, int64_t c1)
+/* Widest block for each vector count: 24 accumulators (the shapes the microkernel
+ * table measured best: [U6 w; U4 k], [U8 w; U3 k], [U12 w; U2 k]). */
+static const int WIDEST[MAX_KV + 1] = {0, 24, 12, 8, 6};
+
+/* The block's vector count for k output channels and rows of wo outputs: the one that
+ * keeps the most accumulators busy on average, once the row is split into blocks of
+ * nearly equal width and k into chunks of kv vectors (7-wide rows of 512 channels: 3 x 7,
+ * not 4 x (4 + 3)); ties go to more vectors (fewer broadcasts per FMA). */
+static int generic_vectors(int64_t k, int64_t wo)
 {
-    const int64_t H = sh->h, W = sh->w, C = sh->c, K = sh->k, S = sh->s;
-    const int64_t R = sh->r;
-    __m512 acc0[WB], acc1[WB];
-    for (int j = 0; j < nw; j++) {
-        if (c0 == 0) {
-            acc0[j] = _mm512_setzero_ps();
-            acc1[j] = _mm512_setzero_ps();
-        } else {  /* later channel chunks add to what the earlier ones stored */
-            const float *yp = y_row + (ow0 + j) * K + k0;
-            acc0[j] = _mm512_maskz_loadu_ps(m0, yp);
-            acc1[j] = kv > 1 ? _mm512_maskz_loadu_ps(m1, yp + 16) : _mm512_setzero_ps();
+    const int64_t vectors = (k + 15) / 16;
+    int best = 1;
+    double best_score = 0.0;
+    for (int kv = 1; kv <= MAX_KV && kv <= vectors; kv++) {
+        const int64_t blocks = (wo + WIDEST[kv] - 1) / WIDEST[kv];
+        const int64_t chunks = (vectors + kv - 1) / kv;
+        const double score = (double)kv * (double)wo / (double)blocks
+                             * (double)vectors / (double)(chunks * kv);
+        if (score >= best_score) {
+            best_score = score;
+            best = kv;
         }
     }
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t ih = oh * sh->stride_h + r - sh->pad_top;
-        if (ih < 0 || ih >= H)
-            continue;
-        const float *x_row = x_n + ih * W * C;
-        for (int64_t s = 0; s < S; s++) {
-            const float *xp[WB];
-            for (int j = 0; j < nw; j++) {
-                const int64_t iw = (ow0 + j) * sh->stride_w + s - sh->pad_left;
-                xp[j] = (iw >= 0 && iw < W) ? x_row + iw * C : zeros;
-            }
-            const float *wp = panel + (r * S + s) * C * 32;
-            for (int64_t c = c0; c < c1; c++) {
-                const __m512 w0 = _mm512_loadu_ps(wp + c * 32);
-                const __m512 w1 = kv > 1 ? _mm512_loadu_ps(wp + c * 32 + 16)
-                                         : _mm512_setzero_ps();
-                for (int j = 0; j < nw; j++) {
-                    const __m512 b = _mm512_set1_ps(xp[j][c]);
-                    acc0[j] = _mm512_fmadd_ps(b, w0, acc0[j]);
-                    if (kv > 1)
-                        acc1[j] = _mm512_fmadd_ps(b, w1, acc1[j]);
-                }
-            }
-        }
-    }
-    for (int j = 0; j < nw; j++) {
-        float *yp = y_row + (ow0 + j) * K + k0;
-        _mm512_mask_storeu_ps(yp, m0, acc0[j]);
-        if (kv > 1)
-            _mm512_mask_storeu_ps(yp + 16, m1, acc1[j]);
-    }
+    return best;
 }
+
+int64_t ttile_generic_panel(int64_t k, int64_t wo)
+{
+    return 16 * generic_vectors(k, wo);
+}
+
+/* One register block: NW output pixels along w by KV vectors of 16 output channels,
+ * NW * KV accumulators + KV weight vectors + 1 broadcast <= 32 zmm (see WIDEST). Each
+ * (NW, KV) gets its own function with literal array sizes: with sizes passed as
+ * arguments the arrays are VLAs, which GCC keeps on the stack (2x slower). */
+#define DEFINE_BLOCK(NW, KV)                                                           \
+static inline __attribute__((always_inline)) void                                      \
+conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float *panel,\
+                       float *y_row, int64_t oh, int64_t ow0, const int64_t P,         \
+                       int64_t k0, const __mmask16 *mask, const float *zeros,          \
+                       int64_t c0, int64_t c1)                                         \
+{                                                                                      \
+    const int64_t H = sh->h, W = sh->w, K = sh->k, S = sh->s;                          \
+    const int64_t C = sh->c, R = sh->r;                                                \
+    __m512 acc[NW][KV];                                                                \
+    _Pragma("GCC unroll 32")                                                           \
+    for (int j = 0; j < NW; j++) {                                                     \
+        _Pragma("GCC unroll 32")                                                       \
+        for (int v = 0; v < KV; v++)                                                   \
+            acc[j][v] = c0 == 0 ? _mm512_setzero_ps()                                  \
+                : _mm512_maskz_loadu_ps(mask[v], y_row + (ow0 + j) * K + k0 + 16 * v);\
+    }                                                                                  \
+    for (int64_t r = 0; r < R; r++) {                                                  \
+        const int64_t ih = oh * sh->stride_h + r - sh->pad_top;                        \
+        if (ih < 0 || ih >= H)                                                         \
+            continue;                                                                  \
+        const float *x_row = x_n + ih * W * C;                                         \
+        for (int64_t s = 0; s < S; s++) {                                              \
+            const float *xp[NW];                                                       \
+            _Pragma("GCC unroll 32")                                                   \
+            for (int j = 0; j < NW; j++) {                                             \
+                const int64_t iw = (ow0 + j) * sh->stride_w + s - sh->pad_left;        \
+                xp[j] = (iw >= 0 && iw < W) ? x_row + iw * C : zeros;                  \
+            }                                                                          \
+            const float *wp = panel + (r * S + s) * C * P;                             \
+            for (int64_t c = c0; c < c1; c++) {                                        \
+                __m512 wv[KV];                                                         \
+                _Pragma("GCC unroll 32")                                               \
+                for (int v = 0; v < KV; v++)                                           \
+                    wv[v] = _mm512_loadu_ps(wp + c * P + 16 * v);                      \
+                _Pragma("GCC unroll 32")                                               \
+                for (int j = 0; j < NW; j++) {                                         \
+                    const __m512 b = _mm512_set1_ps(xp[j][c]);                         \
+                    _Pragma("GCC unroll 32")                                           \
+                    for (int v = 0; v < KV; v++)                                       \
+                        acc[j][v] = _mm512_fmadd_ps(b, wv[v], acc[j][v]);              \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+    }                                                                                  \
+    _Pragma("GCC unroll 32")                                                           \
+    for (int j = 0; j < NW; j++) {                                                     \
+        _Pragma("GCC unroll 32")                                                       \
+        for (int v = 0; v < KV; v++)                                                   \
+            _mm512_mask_storeu_ps(y_row + (ow0 + j) * K + k0 + 16 * v, mask[v],        \
+                                  acc[j][v]);                                          \
+    }                                                                                  \
+}
+
+DEFINE_BLOCK(6, 4) DEFINE_BLOCK(5, 4) DEFINE_BLOCK(4, 4) DEFINE_BLOCK(3, 4)
+DEFINE_BLOCK(2, 4) DEFINE_BLOCK(1, 4)
+DEFINE_BLOCK(8, 3) DEFINE_BLOCK(7, 3) DEFINE_BLOCK(6, 3) DEFINE_BLOCK(5, 3)
+DEFINE_BLOCK(4, 3) DEFINE_BLOCK(3, 3) DEFINE_BLOCK(2, 3) DEFINE_BLOCK(1, 3)
+DEFINE_BLOCK(12, 2) DEFINE_BLOCK(11, 2) DEFINE_BLOCK(10, 2) DEFINE_BLOCK(9, 2)
+DEFINE_BLOCK(8, 2) DEFINE_BLOCK(7, 2) DEFINE_BLOCK(6, 2) DEFINE_BLOCK(5, 2)
+DEFINE_BLOCK(4, 2) DEFINE_BLOCK(3, 2) DEFINE_BLOCK(2, 2) DEFINE_BLOCK(1, 2)
+DEFINE_BLOCK(24, 1) DEFINE_BLOCK(23, 1) DEFINE_BLOCK(22, 1) DEFINE_BLOCK(21, 1)
+DEFINE_BLOCK(20, 1) DEFINE_BLOCK(19, 1) DEFINE_BLOCK(18, 1) DEFINE_BLOCK(17, 1)
+DEFINE_BLOCK(16, 1) DEFINE_BLOCK(15, 1) DEFINE_BLOCK(14, 1) DEFINE_BLOCK(13, 1)
+DEFINE_BLOCK(12, 1) DEFINE_BLOCK(11, 1) DEFINE_BLOCK(10, 1) DEFINE_BLOCK(9, 1)
+DEFINE_BLOCK(8, 1) DEFINE_BLOCK(7, 1) DEFINE_BLOCK(6, 1) DEFINE_BLOCK(5, 1)
+DEFINE_BLOCK(4, 1) DEFINE_BLOCK(3, 1) DEFINE_BLOCK(2, 1) DEFINE_BLOCK(1, 1)
 
 static inline __mmask16 tail_mask(int64_t remaining)
 {
@@ -78,24 +132,41 @@ static inline __mmask16 tail_mask(int64_t remaining)
     return (__mmask16)((1u << remaining) - 1u);
 }
 
-/* One call per (width, vector count) pair so that every block is fully unrolled. */
-#define BLOCK_CASE(NW)                                                                 \
+#define CASE(NW, KV)                                                                   \
     case NW:                                                                           \
-        if (kv == 2)                                                                   \
-            conv_block(sh, x_n, panel, y_row, oh, ow0, NW, 2, k0, m0, m1, zeros, c0, c1);          \
-        else                                                                           \
-            conv_block(sh, x_n, panel, y_row, oh, ow0, NW, 1, k0, m0, m1, zeros, c0, c1);          \
+        conv_block_##NW##_##KV(sh, x_n, panel, y_row, oh, ow0, pw, k0, mask, zeros,    \
+                               c0, c1);                                                \
         break;
+
+#define RUN_BLOCK()                                                                    \
+    do {                                                                               \
+        switch (kv) {                                                                  \
+        case 4: switch (nw) { CASE(6, 4) CASE(5, 4) CASE(4, 4) CASE(3, 4) CASE(2, 4)   \
+                              CASE(1, 4) } break;                                      \
+        case 3: switch (nw) { CASE(8, 3) CASE(7, 3) CASE(6, 3) CASE(5, 3) CASE(4, 3)   \
+                              CASE(3, 3) CASE(2, 3) CASE(1, 3) } break;                \
+        case 2: switch (nw) { CASE(12, 2) CASE(11, 2) CASE(10, 2) CASE(9, 2)           \
+                              CASE(8, 2) CASE(7, 2) CASE(6, 2) CASE(5, 2) CASE(4, 2)   \
+                              CASE(3, 2) CASE(2, 2) CASE(1, 2) } break;                \
+        default: switch (nw) { CASE(24, 1) CASE(23, 1) CASE(22, 1) CASE(21, 1)         \
+                              CASE(20, 1) CASE(19, 1) CASE(18, 1) CASE(17, 1)          \
+                              CASE(16, 1) CASE(15, 1) CASE(14, 1) CASE(13, 1)          \
+                              CASE(12, 1) CASE(11, 1) CASE(10, 1) CASE(9, 1)           \
+                              CASE(8, 1) CASE(7, 1) CASE(6, 1) CASE(5, 1) CASE(4, 1)   \
+                              CASE(3, 1) CASE(2, 1) CASE(1, 1) } break;                \
+        }                                                                              \
+    } while (0)
 
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
                               float *y, int nthreads)
 {
-    const int64_t kchunks = (sh->k + 31) / 32;
+    const int64_t P = ttile_generic_panel(sh->k, sh->wo);
+    const int64_t kchunks = (sh->k + P - 1) / P;
     const int64_t rsc = sh->r * sh->s * sh->c;
-    float *packed = aligned_alloc(64, (size_t)(kchunks * rsc * 32) * sizeof(float));
+    float *packed = aligned_alloc(64, (size_t)(kchunks * rsc * P) * sizeof(float));
     if (packed == NULL)
         return -1;
-    ttile_pack_weights(w, rsc, sh->k, 32, packed, nthreads);
+    ttile_pack_weights(w, rsc, sh->k, P, packed, nthreads);
     const int status = ttile_conv_generic_avx512_packed(sh, x, packed, y, nthreads);
     free(packed);
     return status;
@@ -105,11 +176,12 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
                                      const float *packed, float *y, int nthreads)
 {
     const int64_t N = sh->n, K = sh->k, HO = sh->ho, WO = sh->wo;
-    const int64_t kchunks = (K + 31) / 32;
+    const int64_t P = ttile_generic_panel(K, WO);
+    const int64_t kchunks = (K + P - 1) / P;
     const int64_t rsc = sh->r * sh->s * sh->c;
-    /* Channels per chunk: the chunk's part of a panel (R*S*cchunk steps of 128 bytes)
+    /* Channels per chunk: the chunk's part of a panel (R*S*cchunk steps of 4P bytes)
      * fits in half of a 48 KiB L1 and is reused by every block of an output row. */
-    int64_t cchunk = L1_PANEL_BYTES / (sh->r * sh->s * 128);
+    int64_t cchunk = L1_PANEL_BYTES / (sh->r * sh->s * 4 * P);
     cchunk = cchunk < 8 ? 8 : cchunk;
     /* A row of zeros stands in for input pixels in the padding. */
     float *zeros = calloc((size_t)sh->c + 16, sizeof(float));
@@ -119,7 +191,7 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
     /* Panels are visited in groups that fit in L2, each group for every output row, so
      * a weight tensor larger than the caches is read from memory once rather than once
      * per output row (Yolo9000-23 has 115 MB of weights and 17 rows). */
-    const int64_t panel_bytes = rsc * 32 * (int64_t)sizeof(float);
+    const int64_t panel_bytes = rsc * P * (int64_t)sizeof(float);
     const int64_t group = L2_PANEL_BYTES / panel_bytes > 1 ? L2_PANEL_BYTES / panel_bytes : 1;
     const int64_t ngroups = (kchunks + group - 1) / group;
 
@@ -131,24 +203,24 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
               for (int64_t kc = g * group; kc < kc_end; kc++) {
                 const float *x_n = x + n * sh->h * sh->w * sh->c;
                 float *y_row = y + (n * HO + oh) * WO * K;
-                const int64_t k0 = kc * 32;
-                const float *panel = packed + kc * rsc * 32;
-                const int kv = K - k0 > 16 ? 2 : 1;
-                const __mmask16 m0 = tail_mask(K - k0), m1 = tail_mask(K - k0 - 16);
+                const int64_t k0 = kc * P, pw = P;
+                const float *panel = packed + kc * rsc * P;
+                int kv = (int)((K - k0 + 15) / 16);
+                kv = kv < (int)(P / 16) ? kv : (int)(P / 16);
+                __mmask16 mask[MAX_KV];
+                for (int v = 0; v < MAX_KV; v++)
+                    mask[v] = tail_mask(K - k0 - 16 * v);
                 /* Split the row into blocks of nearly equal width (17 -> 9 + 8, not
                  * 12 + 5) so that no block is left with too few accumulators. */
-                const int64_t nblocks = (WO + WB - 1) / WB;
+                const int64_t widest = WIDEST[kv];
+                const int64_t nblocks = (WO + widest - 1) / widest;
                 const int64_t base = WO / nblocks, wider = WO % nblocks;
                 for (int64_t c0 = 0; c0 < sh->c; c0 += cchunk) {
                     const int64_t c1 = c0 + cchunk < sh->c ? c0 + cchunk : sh->c;
                     int64_t ow0 = 0;
                     for (int64_t b = 0; b < nblocks; b++) {
                         const int nw = (int)(base + (b < wider ? 1 : 0));
-                        switch (nw) {
-                            BLOCK_CASE(12) BLOCK_CASE(11) BLOCK_CASE(10) BLOCK_CASE(9)
-                            BLOCK_CASE(8) BLOCK_CASE(7) BLOCK_CASE(6) BLOCK_CASE(5)
-                            BLOCK_CASE(4) BLOCK_CASE(3) BLOCK_CASE(2) BLOCK_CASE(1)
-                        }
+                        RUN_BLOCK();
                         ow0 += nw;
                     }
                 }

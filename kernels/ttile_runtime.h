@@ -29,8 +29,11 @@ void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads);
 int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                               const float *w, float *y, int nthreads);
-/* The same on weights already packed by ttile_pack_weights with panel 32 (what a
- * pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. */
+/* The panel width the AVX-512 generic kernel reads for k output channels and output
+ * rows of wo pixels: 16 times its register block's vector count (16, 32, 48 or 64). */
+int64_t ttile_generic_panel(int64_t k, int64_t wo);
+/* The same on weights already packed by ttile_pack_weights with that panel width (what
+ * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. */
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads);
 

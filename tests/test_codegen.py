@@ -154,3 +154,27 @@ def test_microkernel_keeps_accumulators_in_registers(case, text):
     asm = assembly(generate(Scheme.parse(text), spec))
     spills = _ZMM_STACK_STORE.findall(asm)
     assert not spills, f"vector registers spilled to the stack: {spills[:5]}"
+
+
+@requires_avx512
+def test_generic_kernel_stores_vectors_only_to_the_output():
+    """The hand-written generic kernel's register blocks stay in registers: its only
+    vector stores are the masked output stores at the end of each block. (Register
+    arrays sized by function arguments become stack VLAs; that once halved its speed.)"""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    source = root / "kernels" / "generic_avx512.c"
+    if not source.exists():
+        pytest.skip("not a source checkout")
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    import subprocess
+    proc = subprocess.run([compiler, "-O3", "-mavx512f", "-mfma", "-fopenmp", "-fno-math-errno",
+                           "-I", str(root / "kernels"), "-S", "-o", "-", str(source)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    stores = re.findall(r"vmov\w*\s+%zmm\d+,\s*[^%\s].*", proc.stdout)
+    assert stores, "no vector stores found: is this the generic kernel?"
+    unmasked = [s for s in stores if "{%k" not in s]
+    assert not unmasked, f"vector registers stored outside the output: {unmasked[:5]}"

@@ -71,7 +71,8 @@ def test_generic_kernels_stay_in_bounds(family, case, side):
     isa = _kernels.ISA_PORTABLE if family == "portable" else _kernels.ISA_AVX512F
     for threads in (1, 2):
         if family == "avx512f-packed":
-            _run_guarded(spec, side, _kernels.pack_weights(w, 32), lambda gx, gw, gy:
+            _run_guarded(spec, side, _kernels.pack_weights(w, _kernels.generic_panel(spec.k, spec.wo)),
+                         lambda gx, gw, gy:
                          _kernels.conv2d_generic_packed(gx, gw, gy, spec.stride_h,
                                                         spec.stride_w, spec.pad_top,
                                                         spec.pad_left, threads))

@@ -21,6 +21,7 @@ cdef extern from "ttile_runtime.h" nogil:
                                      const float *w, float *y, int nthreads)
     int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                                   const float *w, float *y, int nthreads)
+    int64_t ttile_generic_panel(int64_t k, int64_t wo)
     int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                          const float *packed, float *y, int nthreads)
     double ttile_fma_peak_avx512(int64_t iterations)
@@ -137,15 +138,24 @@ cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel) except -1:
     return 0
 
 
+def generic_panel(int64_t k, int64_t wo):
+    """Panel width the AVX-512F generic kernel reads for ``k`` output channels and
+    output rows ``wo`` pixels wide."""
+    if k < 1 or wo < 1:
+        raise ValueError("k and wo must be >= 1")
+    return ttile_generic_panel(k, wo)
+
+
 def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           int64_t stride_h, int64_t stride_w,
                           int64_t pad_top, int64_t pad_left, int nthreads):
-    """The AVX-512F generic kernel on weights packed by ``pack_weights(w, 32)``."""
+    """The AVX-512F generic kernel on weights packed by
+    ``pack_weights(w, generic_panel(K, Wo))``."""
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
     _check_f32_c4(y, "y")
     cdef int64_t k = cnp.PyArray_DIMS(y)[3]
-    _check_packed(w, k, 32)
+    _check_packed(w, k, ttile_generic_panel(k, cnp.PyArray_DIMS(y)[2]))
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef ttile_conv_shape shape
     _fill_shape(&shape, x, y, ws[1], ws[2], ws[3], k, stride_h, stride_w, pad_top, pad_left,

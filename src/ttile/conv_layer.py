@@ -3,7 +3,7 @@
 ``conv2d`` converts and packs the weights on every call because it cannot know they
 repeat; a network layer's weights do, and packing Yolo9000-23's 115 MB per call costs
 more than some layers' whole convolution. Conv2d keeps the weights in RSCK once and the
-packed panels per panel width a kernel asks for (the generic kernel's 32, each tuned or
+packed panels per panel width a kernel asks for (the generic kernel's, each tuned or
 JIT kernel's own), made on first use and shared by every later call and thread.
 """
 from __future__ import annotations

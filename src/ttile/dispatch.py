@@ -26,7 +26,6 @@ from .spec import ConvSpec
 
 TUNED, JIT, GENERIC = "tuned", "jit", "generic"
 MODES = ("now", "background", "never")
-GENERIC_PANEL = 32
 
 
 @dataclass(frozen=True)
@@ -146,9 +145,11 @@ def warn_once(cause: str, message: str) -> None:
         warnings.warn(f"ttile: {message}", RuntimeWarning, stacklevel=4)
 
 
-def generic_choice(isa: str, note: str = "", final: bool = True) -> KernelChoice:
+def generic_choice(isa: str, spec: ConvSpec, note: str = "", final: bool = True
+                   ) -> KernelChoice:
     if isa == "avx512f":
-        return KernelChoice(GENERIC, GENERIC_PANEL, note=note, final=final)
+        return KernelChoice(GENERIC, _kernels.generic_panel(spec.k, spec.wo), note=note,
+                            final=final)
     return KernelChoice(GENERIC, 0, note=note or "portable C (no AVX-512F)", final=final)
 
 
@@ -201,11 +202,12 @@ def _open_cache():
 
 
 # -- loading a cached entry ----------------------------------------------------------------
-def _load(entry) -> KernelChoice:
+def _load(entry, spec: ConvSpec) -> KernelChoice:
     """A KernelChoice from a cache entry (a JIT entry's library is loaded here)."""
     import ctypes
     if entry.kind != JIT:
-        return KernelChoice(GENERIC, GENERIC_PANEL, gflops=entry.generic_gflops or None,
+        return KernelChoice(GENERIC, _kernels.generic_panel(spec.k, spec.wo),
+                            gflops=entry.generic_gflops or None,
                             note="tuned here: no scheme beat the generic kernel")
     # Load a private copy of the bytes: the dynamic loader would hand back a library
     # already loaded under the same path (stale once the entry is rebuilt), and the
@@ -237,7 +239,7 @@ def cached_choice(spec: ConvSpec, layout: str, threads: int) -> Optional[KernelC
     if entry is None:
         return None
     try:
-        return _load(entry)
+        return _load(entry, spec)
     except (OSError, AttributeError):
         return None
 
@@ -261,7 +263,7 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: str) -> Kern
     if compiler is None:
         warn_once("compiler", "no C compiler on PATH: shapes without a tuned kernel run "
                               "the generic kernel (set CC or install gcc/clang to tune them)")
-        return generic_choice(isa, "no C compiler to tune with")
+        return generic_choice(isa, spec, "no C compiler to tune with")
     key = cache_key(spec, layout, threads, compiler)
     cache = _open_cache()
     policy = _policy
@@ -276,7 +278,7 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: str) -> Kern
         entry = cache.lookup(key)
         if entry is not None:
             try:
-                return _load(entry)
+                return _load(entry, spec)
             except (OSError, AttributeError):
                 pass  # unloadable: tune again and overwrite
         try:
@@ -284,18 +286,18 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: str) -> Kern
                           cache_root=cache.root if persistent else None)
         except JitUnavailable as exc:
             warn_once("jit", f"{exc}; shapes without a tuned kernel run the generic kernel")
-            return generic_choice(isa, str(exc))
+            return generic_choice(isa, spec, str(exc))
         new = CacheEntry(key, CACHED_JIT if result.kind == JIT else CACHED_GENERIC,
                          result.function, result.panel, result.scheme, result.microkernels,
                          result.gflops, result.generic_gflops, result.search_seconds)
         library = result.library
         if persistent:
             try:
-                return _load(cache.store(new, library))
+                return _load(cache.store(new, library), spec)
             except CacheUnavailable as exc:
                 warn_once("cache", f"{exc}; tuned kernels are kept in memory for this "
                                    f"process only")
-        return _load(replace(new, library=library))
+        return _load(replace(new, library=library), spec)
 
     if not persistent:
         return tune_once()
@@ -320,7 +322,7 @@ def _tune_safely(spec: ConvSpec, layout: str, threads: int, isa: str) -> KernelC
         warn_once(f"tuning-error:{type(exc).__name__}",
                   f"run-time tuning failed ({type(exc).__name__}: {exc}); "
                   f"using the generic kernel")
-        return generic_choice(isa, f"tuning failed: {exc}")
+        return generic_choice(isa, spec, f"tuning failed: {exc}")
 
 
 def _background_tune(key: tuple, spec: ConvSpec, layout: str, threads: int, isa: str) -> None:
@@ -336,7 +338,7 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: str, use_tuned: bool,
     """The kernel for a problem; with ``tune`` False nothing is searched (for ``plan``)."""
     global _background
     if isa != "avx512f":
-        return generic_choice(isa)
+        return generic_choice(isa, spec)
     index = tuned.get(threads > 1, -1)
     if use_tuned and index >= 0:
         return tuned_choice(index, registry[index])
@@ -348,10 +350,11 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: str, use_tuned: bool,
     if policy.mode == "never" or spec.flops < policy.min_mflops * 1e6:
         reason = ("run-time tuning is off" if policy.mode == "never"
                   else f"under {policy.min_mflops:g} MFLOP: not worth tuning")
-        return generic_choice(isa, reason)
+        return generic_choice(isa, spec, reason)
     if not tune:
         cached = cached_choice(spec, layout, threads)
-        return cached or generic_choice(isa, f"not tuned yet (mode {policy.mode!r})", final=False)
+        return cached or generic_choice(isa, spec, f"not tuned yet (mode {policy.mode!r})",
+                                        final=False)
     if policy.mode == "background":
         with _lock:
             if key not in _pending:
@@ -360,7 +363,7 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: str, use_tuned: bool,
                     _background = ThreadPoolExecutor(max_workers=1,
                                                      thread_name_prefix="ttile-tuner")
                 _background.submit(_background_tune, key, spec, layout, threads, isa)
-        return generic_choice(isa, "being tuned in the background", final=False)
+        return generic_choice(isa, spec, "being tuned in the background", final=False)
     with _key_lock(key):
         choice = _choices.get(key)
         if choice is None:

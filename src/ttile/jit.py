@@ -179,7 +179,7 @@ def _head_to_head(spec: ConvSpec, bench, finalists, threads: int, rounds: int
     import ctypes
     from . import _kernels
     x, w, y = bench.copies[0]
-    generic_w = _kernels.pack_weights(w, 32)
+    generic_w = _kernels.pack_weights(w, _kernels.generic_panel(spec.k, spec.wo))
     runs = [lambda: _kernels.conv2d_generic_packed(x, generic_w, y, spec.stride_h,
                                                    spec.stride_w, spec.pad_top,
                                                    spec.pad_left, threads)]
@@ -252,7 +252,7 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     generic_gflops = flops / generic_seconds / 1e9
     best = min(range(len(finalists)), key=final.__getitem__, default=None)
     if best is None or final[best] * MIN_SPEEDUP > generic_seconds:
-        return JitResult("generic", "", "", "", 32, None, generic_gflops, generic_gflops,
+        return JitResult("generic", "", "", "", 0, None, generic_gflops, generic_gflops,
                          elapsed, len(screened))
     _, candidate, kernel, library = finalists[best]
     return JitResult("jit", str(candidate.scheme), candidate.microkernel_text, kernel.name,
