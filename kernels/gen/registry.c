@@ -3,44 +3,28 @@
  */
 #include "ttile_registry.h"
 
-void ttile_f32_conv2d_38b1abb71be3__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_13eca7854f61__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_c959333691e5__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_7fd9901fe380__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_d33f6ad4417a__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_1229596f2426__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_bd3a2766598f__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_ea0ea345a482__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_a6f5dc1786d0__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_f85db90b3b6f__avx512f(const float *, const float *, float *, int);
+void ttile_f32_conv2d_630aca5af54c__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_026c27ec431f__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_61e373d23cda__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_c1b629121ed2__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_a2e71803e17b__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_9954b8a648e5__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_b262b1b2c1c9__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_485ebd7410d2__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_8045a6ea2a65__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_a0a54836dc52__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_9417c60b2541__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_90e5800aedae__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_2bb7924376a8__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_2acca6894ab9__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_eb8bb2ff224c__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_9568461d03d3__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_f098a00635c0__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_e96a86b3f4d9__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_01c9c5d8968b__avx512f(const float *, const float *, float *, int);
 
 const ttile_tuned_kernel ttile_tuned_kernels[] = {
-    {1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 16, ttile_f32_conv2d_38b1abb71be3__avx512f,
-     "ResNet18-6", "[PT2 k; PT2 k; PT28 h; PT2 k; T2 c; T2 c; Lseq w [(1,6),(1,8)]; T2 w; T32 c; U3 r; U3 s; U beta w; U1 k; V k]", 106.0},
     {1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_1b9714dc5f9d__avx512f,
      "Yolo9000-9", "[Lseq h [(1,5),(2,6)]; T2 h; T2 h; T2 k; T2 c; T68 w; T128 c; U beta h; U4 k; V k]", 82.9},
     {1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 64, ttile_f32_conv2d_13eca7854f61__avx512f,
@@ -51,63 +35,37 @@ const ttile_tuned_kernel ttile_tuned_kernels[] = {
      "Yolo9000-4", "[PT4 h; Lseq w [(2,13),(3,14)]; T2 w; T4 k; T2 c; T34 h; T2 k; T3 s; T3 r; T32 c; U beta w; U1 k; V k]", 142.5},
     {1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_9abdd2156c4c__avx512f,
      "ResNet18-5", "[Lseq h [(2,5),(3,6)]; T2 w; T14 w; T2 k; T64 c; U beta h; U4 k; V k]", 87.2},
-    {1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 0, 16, ttile_f32_conv2d_d33f6ad4417a__avx512f,
-     "ResNet18-8", "[T8 k; T2 c; T2 c; T28 h; T2 k; T4 w; T32 c; U3 r; U3 s; U7 w; U1 k; V k]", 74.8},
-    {1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 16, ttile_f32_conv2d_1229596f2426__avx512f,
-     "ResNet18-8", "[PT4 k; PT2 k; T2 c; T2 c; T28 h; T2 w; T2 k; T2 w; T32 c; U3 r; U3 s; U7 w; U1 k; V k]", 109.1},
     {1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 0, 64, ttile_f32_conv2d_bd3a2766598f__avx512f,
      "ResNet18-7", "[T2 h; T2 k; T2 k; T4 c; T4 c; T3 r; T7 h; Lseq w [(1,4),(2,5)]; T8 c; U3 s; U beta w; U4 k; V k]", 69.6},
-    {1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 32, ttile_f32_conv2d_ea0ea345a482__avx512f,
-     "ResNet18-7", "[PT2 h; PT4 k; PT14 w; PT2 k; T16 c; T8 c; U3 r; U3 s; U7 h; U2 k; V k]", 128.8},
-    {1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 64, ttile_f32_conv2d_a6f5dc1786d0__avx512f,
-     "Yolo9000-8", "[PT2 k; Lseq w [(4,4),(3,6)]; T2 w; T2 c; T4 c; T2 k; T68 h; T3 r; T16 c; U3 s; U beta w; U4 k; V k]", 138.9},
-    {1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 0, 16, ttile_f32_conv2d_f85db90b3b6f__avx512f,
-     "ResNet18-9", "[T2 c; T4 c; T16 k; T3 r; T2 c; T14 h; T16 c; U3 s; U14 w; U1 k; V k]", 75.7},
+    {1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 0, 64, ttile_f32_conv2d_630aca5af54c__avx512f,
+     "Yolo9000-8", "[T2 k; Lseq w [(2,5),(4,6)]; T2 w; T2 c; T4 c; T2 k; T68 h; T3 r; T16 c; U3 s; U beta w; U4 k; V k]", 81.7},
     {1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 16, ttile_f32_conv2d_026c27ec431f__avx512f,
      "ResNet18-9", "[PT16 k; PT2 h; PT7 h; T2 c; T4 c; T3 r; T2 c; T16 c; U3 s; U14 w; U1 k; V k]", 125.9},
     {1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_61e373d23cda__avx512f,
      "Yolo9000-13", "[Lseq h [(2,5),(4,6)]; T8 c; T2 w; T4 k; T17 w; T64 c; U beta h; U4 k; V k]", 74.5},
     {1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 64, ttile_f32_conv2d_a2d97c86c75f__avx512f,
      "Yolo9000-13", "[PT2 h; PT2 w; PT4 k; T4 c; Lseq h [(1,5),(2,6)]; T17 w; T128 c; U beta h; U4 k; V k]", 193.8},
-    {1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 0, 48, ttile_f32_conv2d_c1b629121ed2__avx512f,
-     "Yolo9000-23", "[T589 k; T8 c; T17 h; Lseq w [(1,5),(2,6)]; T128 c; U beta w; U3 k; V k]", 78.3},
-    {1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 48, ttile_f32_conv2d_a2e71803e17b__avx512f,
-     "Yolo9000-23", "[PT589 k; PT17 h; T8 c; Lseq w [(2,5),(1,7)]; T128 c; U beta w; U3 k; V k]", 150.3},
     {1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 0, 32, ttile_f32_conv2d_9954b8a648e5__avx512f,
      "Yolo9000-0", "[T136 h; Lseq w [(2,9),(5,10)]; T4 h; T8 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 75.0},
     {1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 32, ttile_f32_conv2d_b262b1b2c1c9__avx512f,
      "Yolo9000-0", "[PT136 h; Lseq w [(8,9),(20,10)]; T4 h; T2 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 147.3},
     {1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_485ebd7410d2__avx512f,
      "Yolo9000-19", "[T2 c; Lseq h [(1,5),(2,6)]; T4 c; T2 k; T4 k; T17 w; T128 c; U beta h; U4 k; V k]", 71.2},
-    {1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 0, 32, ttile_f32_conv2d_8045a6ea2a65__avx512f,
-     "ResNet18-11", "[T2 c; T8 k; T2 k; T2 c; T7 h; T16 c; T4 c; U7 w; U2 k; V k]", 72.6},
     {1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 32, ttile_f32_conv2d_80b9b9212ebd__avx512f,
      "ResNet18-11", "[PT8 k; PT2 k; PT7 h; T2 c; T2 c; T16 c; T4 c; U7 w; U2 k; V k]", 111.1},
-    {1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 0, 32, ttile_f32_conv2d_a0a54836dc52__avx512f,
-     "ResNet18-10", "[T4 k; T2 k; T8 c; T8 c; T7 w; T2 k; T8 c; U3 r; U3 s; U7 h; U2 k; V k]", 47.2},
-    {1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 32, ttile_f32_conv2d_9417c60b2541__avx512f,
-     "ResNet18-10", "[PT2 k; PT4 k; T2 c; T32 c; T7 w; T2 k; T8 c; U3 r; U3 s; U7 h; U2 k; V k]", 90.5},
     {1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 0, 32, ttile_f32_conv2d_90e5800aedae__avx512f,
      "ResNet18-12", "[T4 k; T16 c; T2 c; T4 k; T2 c; T7 w; T8 c; U3 r; U3 s; U7 h; U2 k; V k]", 83.9},
-    {1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 32, ttile_f32_conv2d_2bb7924376a8__avx512f,
-     "ResNet18-12", "[PT2 k; PT2 k; PT4 k; PT7 w; T64 c; T8 c; U3 r; U3 s; U7 h; U2 k; V k]", 115.4},
     {1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_08cced6a51dd__avx512f,
      "Yolo9000-5", "[Lseq h [(1,5),(2,6)]; T2 h; T17 w; T4 w; T4 h; T2 w; T2 c; T64 c; U beta h; U4 k; V k]", 98.3},
-    {1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 0, 16, ttile_f32_conv2d_2acca6894ab9__avx512f,
-     "Yolo9000-2", "[Lseq w [(13,14),(6,15)]; T2 k; T272 h; T2 k; T3 s; T3 r; T32 c; U beta w; U1 k; V k]", 79.3},
     {1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 16, ttile_f32_conv2d_eb8bb2ff224c__avx512f,
      "Yolo9000-2", "[PT2 h; Lseq w [(1,12),(4,14)]; T4 w; T2 k; T136 h; T2 k; T3 r; T32 c; U3 s; U beta w; U1 k; V k]", 146.0},
     {1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 0, 16, ttile_f32_conv2d_9568461d03d3__avx512f,
      "ResNet18-1", "[T7 w; T56 h; T4 k; T2 h; T7 r; T3 c; U7 s; U16 w; U1 k; V k]", 71.1},
-    {1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 64, ttile_f32_conv2d_f098a00635c0__avx512f,
-     "ResNet18-1", "[PT7 h; PT56 w; Lseq h [(2,5),(1,6)]; T2 w; T7 s; T7 r; T3 c; U beta h; U4 k; V k]", 121.1},
     {1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_226b2a78d6e3__avx512f,
      "ResNet18-3", "[Lseq h [(2,5),(3,6)]; T2 h; T14 w; T2 w; T2 w; T4 c; T16 c; U beta h; U4 k; V k]", 92.4},
     {1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 0, 64, ttile_f32_conv2d_e96a86b3f4d9__avx512f,
      "ResNet18-2", "[T4 c; T2 w; T56 h; T2 w; T3 r; Lseq w [(1,4),(2,5)]; T16 c; U3 s; U beta w; U4 k; V k]", 70.6},
-    {1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 64, ttile_f32_conv2d_01c9c5d8968b__avx512f,
-     "ResNet18-2", "[PT4 w; T4 c; Lseq w [(1,4),(2,5)]; T56 h; T2 c; T3 r; T8 c; U3 s; U beta w; U4 k; V k]", 135.0},
     {0}  /* end marker: fn == NULL */
 };
 
-const int ttile_tuned_kernel_count = 34;
+const int ttile_tuned_kernel_count = 20;

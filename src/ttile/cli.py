@@ -172,7 +172,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
     from .microkernels import load_table
     from .scheme import Scheme
     from .search import classes_for, parallel_variants, scheme_space
-    from .tune import LayerBench, TuneSettings, TuningDatabase, measure_generic, tune_layer
+    from .tune import (LayerBench, TuneSettings, TuningDatabase, compare_warm, measure_generic,
+                       tune_layer)
 
     layers = _load_layers(args)
     table = load_table(args.generator_dir / "microkernels")
@@ -217,11 +218,22 @@ def _cmd_network(args: argparse.Namespace) -> int:
     # The registry holds every layer tuned on this CPU so far, not only this run's, so
     # tuning a second network does not drop the first one's kernels.
     # A tuned kernel is shipped only where it beat the generic one, timed the same way.
+    # With --warm-check, each layer's best scheme is first timed against the generic kernel
+    # warm and side by side; that verdict, when recorded, decides over the cold one.
     for spec, name in database.layers():
         for parallel, threads in ((False, 1), (True, args.threads)):
             best = database.best(spec, threads) if threads > 1 or not parallel else None
-            generic = database.generic(spec, threads)
-            if best is not None and (generic is None or best.seconds < generic.seconds):
+            if best is None:
+                continue
+            if args.warm_check:
+                tuned_rec, generic_rec = compare_warm(name, spec, threads, best.scheme, database)
+                print(f"{name} t{threads}: tuned {tuned_rec.seconds * 1e3:.3f} ms, generic "
+                      f"{generic_rec.seconds * 1e3:.3f} ms (warm)", file=sys.stderr)
+            verdict = database.warm_verdict(spec, threads, best.scheme)
+            if verdict is None:
+                generic = database.generic(spec, threads)
+                verdict = generic is None or best.seconds < generic.seconds
+            if verdict:
                 tuned.append(TunedKernel(name, spec, Scheme.parse(best.scheme), parallel,
                                          best.gflops))
     emit(tuned, args.kernels_dir, command)
@@ -263,8 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=200, help="schemes kept after pruning")
     parser.add_argument("--parallel-from", type=int, default=4,
                         help="sequential schemes whose parallel variants are tuned")
+    parser.add_argument("--warm-check", action="store_true",
+                        help="before emitting, time each layer's best scheme against the "
+                             "generic kernel warm, side by side, and ship it only if faster")
     parser.add_argument("--from-records", action="store_true",
-                        help="emit from the tuning records without measuring anything")
+                        help="emit from the tuning records without searching (with "
+                             "--warm-check, only the warm comparisons are measured)")
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
     sub = parser.add_subparsers(dest="command")
     micro = sub.add_parser("microkernels", help="step 1: measure microkernels on this CPU")

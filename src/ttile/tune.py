@@ -33,6 +33,9 @@ from .search import Candidate
 from .spec import ConvSpec
 
 OK, WRONG, BUILD_ERROR, TIMEOUT = "ok", "wrong_answer", "build_error", "timeout"
+#: Protocol of the final warm head-to-head between a layer's best scheme and the generic
+#: kernel (interleaved rounds, same tensors, weights packed beforehand, as conv2d runs).
+WARM = "warm"
 #: Scheme text of the records that time the generic kernel, the bar a tuned kernel must
 #: clear to be shipped.
 GENERIC = "generic"
@@ -113,6 +116,20 @@ class TuningDatabase:
         """The latest timing of the generic kernel on this problem, if any."""
         records = [r for r in self.for_layer(spec, threads, "paper") if r.scheme == GENERIC]
         return records[-1] if records else None
+
+    def warm_verdict(self, spec: ConvSpec, threads: int, scheme: str) -> Optional[bool]:
+        """Whether ``scheme`` beat the generic kernel in the warm head-to-heads (the median
+        of their time ratios, over every comparison recorded: one comparison on a shared
+        machine can be off by 2x); None when they were never compared."""
+        warm = self.for_layer(spec, threads, WARM)
+        ratios = []
+        for tuned, generic in zip(warm, warm[1:]):
+            if tuned.scheme == scheme and generic.scheme == GENERIC \
+                    and generic.detail == f"against {scheme}":
+                ratios.append(tuned.seconds / generic.seconds)
+        if not ratios:
+            return None
+        return statistics.median(ratios) < 1.0
 
     def best(self, spec: ConvSpec, threads: int) -> Optional[TuningRecord]:
         """The fastest ok record of a scheme, preferring the paper protocol; ties by text."""
@@ -267,3 +284,35 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
                                                settings.paper_calls, settings.paper_drop)
                 record(candidate, status, seconds, settings.paper_calls, "paper", detail)
     return database.best(spec, threads)
+
+
+def compare_warm(name: str, spec: ConvSpec, threads: int, scheme_text: str,
+                 database: TuningDatabase, rounds: int = 15) -> tuple[TuningRecord, TuningRecord]:
+    """Time ``scheme_text`` and the generic kernel side by side, warm, and record both.
+
+    The cold-cache screening ranks schemes fairly among themselves, but a kernel serves
+    warm calls too and the generic kernel improves between searches: whether a tuned
+    kernel ships is decided by this comparison when it exists.
+    """
+    from .cbuild import build
+    from .jit import _head_to_head
+    from .scheme import Scheme
+    kernel = generate(Scheme.parse(scheme_text), spec, "ttile-generate (warm check)")
+    library = build([kernel])
+    bench = LayerBench.make(spec, copy_bytes=0, max_copies=1, seed=2)
+    x, w, y = bench.copies[0]
+    library.run(kernel, x, w, y, threads)
+    problem = bench.check(y)
+    generic_seconds, (tuned_seconds,) = _head_to_head(spec, bench, [(kernel, library)],
+                                                      threads, rounds)
+    today = datetime.date.today().isoformat()
+    records = []
+    for scheme, seconds, status, detail in (
+            (scheme_text, tuned_seconds, WRONG if problem else OK, problem or ""),
+            (GENERIC, generic_seconds, OK, f"against {scheme_text}")):
+        record = TuningRecord(name, spec.to_json(), scheme, threads, status, seconds,
+                              spec.flops / seconds / 1e9, rounds, WARM, "warm", "",
+                              database.cpu_id, GENERATOR_VERSION, today, detail)
+        database.add(record)
+        records.append(record)
+    return records[0], records[1]
