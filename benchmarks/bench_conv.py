@@ -51,7 +51,11 @@ def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3
     for _ in range(repeats):
         seconds = [0.0] * threads
 
+        cpus = sorted(os.sched_getaffinity(0))
+
         def run(i: int) -> None:
+            # one core each, whatever affinity OpenMP gave the main thread (OMP_PROC_BIND)
+            os.sched_setaffinity(0, {cpus[i % len(cpus)]})
             seconds[i] = _kernels.fma_peak_seconds(iterations)
 
         workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
