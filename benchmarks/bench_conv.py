@@ -45,13 +45,15 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3) -> float:
-    """Peak fp32 GFLOP/s of ``threads`` cores: best of ``repeats`` concurrent FMA runs."""
+def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3,
+                    cpus: list[int] | None = None) -> float:
+    """Peak fp32 GFLOP/s of ``threads`` cores: best of ``repeats`` concurrent FMA runs,
+    thread i pinned to ``cpus[i]`` (default: the CPUs this thread may use; pass them
+    explicitly when OpenMP may have bound the calling thread to one core)."""
+    cpus = sorted(cpus or os.sched_getaffinity(0))
     best = 0.0
     for _ in range(repeats):
         seconds = [0.0] * threads
-
-        cpus = sorted(os.sched_getaffinity(0))
 
         def run(i: int) -> None:
             # one core each, whatever affinity OpenMP gave the main thread (OMP_PROC_BIND)
@@ -215,7 +217,8 @@ def main(argv=None) -> int:
     for threads in args.threads:
         os.sched_setaffinity(0, cpus[:threads])
         torch.set_num_threads(threads)
-        peak = fma_peak_gflops(threads) if ttile.has_avx512f() else float("nan")
+        peak = fma_peak_gflops(threads, cpus=cpus[:threads]) if ttile.has_avx512f() \
+            else float("nan")
         lines += [f"### {threads} thread{'s' if threads > 1 else ''} "
                   f"(FMA peak measured: {peak:.0f} GFLOP/s)", ""]
         lines += compare_table(layers, threads, args.reps, torch, peak,

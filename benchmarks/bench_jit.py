@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                f"{first:.1f} | {plan.kind} | `{plan.scheme or '-'}` |")
         lines.append(row)
         print(row, flush=True)
-    peak = fma_peak_gflops(args.threads)
+    peak = fma_peak_gflops(args.threads, cpus=cpus[:args.threads])
     lines += ["", f"FMA peak measured: {peak:.0f} GFLOP/s", ""]
 
     def kind_of(layer):
