@@ -233,6 +233,20 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1):
     return out
 
 
+cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:
+    """What every generated kernel needs: AVX-512F, float32 C-contiguous 4-D x and
+    writeable y, a positive thread count."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("generated kernels need AVX-512F")
+    _check_f32_c4(x, "x")
+    _check_f32_c4(y, "y")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    return 0
+
+
 def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads):
     """Run registry entry ``index`` on x (N,H,W,C), weights packed in panels
     (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K).
@@ -242,14 +256,7 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     """
     if index < 0 or index >= ttile_tuned_kernel_count:
         raise IndexError(f"no tuned kernel {index}")
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("tuned kernels need AVX-512F")
-    _check_f32_c4(x, "x")
-    _check_f32_c4(y, "y")
-    if not cnp.PyArray_ISWRITEABLE(y):
-        raise ValueError("y must be writeable")
-    if nthreads < 1:
-        raise ValueError("nthreads must be >= 1")
+    _check_run(x, y, nthreads)
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
     _check_packed(w, e.k, e.panel)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
@@ -280,14 +287,7 @@ def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, in
     """
     if address == 0:
         raise ValueError("null kernel address")
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("compiled kernels need AVX-512F")
-    _check_f32_c4(x, "x")
-    _check_f32_c4(y, "y")
-    if not cnp.PyArray_ISWRITEABLE(y):
-        raise ValueError("y must be writeable")
-    if nthreads < 1:
-        raise ValueError("nthreads must be >= 1")
+    _check_run(x, y, nthreads)
     if len(w_shape) != 5:
         raise ValueError("w_shape must have 5 entries")
     _check_packed(w, cnp.PyArray_DIMS(y)[3], w_shape[4])

@@ -83,6 +83,17 @@ MAX_EXTENT = 2**31 - 1
 MAX_THREADS = 1024
 
 
+def _strict_int(item, message: str) -> int:
+    """``item`` as an int if it is an integer (numpy ones included) and not a bool;
+    otherwise TypeError(message)."""
+    if isinstance(item, (bool, np.bool_)):
+        raise TypeError(message)
+    try:
+        return operator.index(item)
+    except TypeError:
+        raise TypeError(message) from None
+
+
 def _as_pair(value, name: str, minimum: int) -> tuple[int, int]:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
@@ -92,12 +103,7 @@ def _as_pair(value, name: str, minimum: int) -> tuple[int, int]:
         items = (value, value)
     pair = []
     for item in items:
-        if isinstance(item, (bool, np.bool_)):
-            raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-        try:
-            number = operator.index(item)
-        except TypeError:
-            raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+        number = _strict_int(item, f"{name} must be an int or a pair of ints, got {value!r}")
         if number < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
         if number > MAX_EXTENT:
@@ -150,12 +156,7 @@ def _padding(padding, r: int, s: int, stride: tuple[int, int]) -> tuple[int, int
 def _threads(threads) -> int:
     if threads is None:
         return _default_threads()
-    if isinstance(threads, (bool, np.bool_)):
-        raise TypeError(f"threads must be a positive int or None, got {threads!r}")
-    try:
-        count = operator.index(threads)
-    except TypeError:
-        raise TypeError(f"threads must be a positive int or None, got {threads!r}") from None
+    count = _strict_int(threads, f"threads must be a positive int or None, got {threads!r}")
     if count < 1:
         raise ValueError(f"threads must be >= 1, got {count}")
     if count > MAX_THREADS:
@@ -391,12 +392,7 @@ def _shape_tuple(shape, name: str) -> tuple[int, ...]:
         raise TypeError(f"{name} must be a sequence of ints, got {shape!r}")
     dims = []
     for item in shape:
-        if isinstance(item, (bool, np.bool_)):
-            raise TypeError(f"{name} must hold ints, got {shape!r}")
-        try:
-            value = operator.index(item)
-        except TypeError:
-            raise TypeError(f"{name} must hold ints, got {shape!r}") from None
+        value = _strict_int(item, f"{name} must hold ints, got {shape!r}")
         if value < 0:
             raise ValueError(f"{name} has a negative size: {shape!r}")
         dims.append(value)
