@@ -5,7 +5,7 @@ Builds ttile with ``-C cmake.define.TTILE_SANITIZE=ON`` into a fresh virtual
 environment, then runs a representative subset of the test suite there with the
 compiler's ASan runtime preloaded into Python and ``TTILE_JIT_CFLAGS`` carrying the same
 sanitizers into every kernel compiled by the tests. Any finding aborts that run, and
-this test fails with the sanitizer's report. About two minutes; deselect with
+this test fails with the sanitizer's report. About four minutes; deselect with
 ``-m 'not sanitize'``.
 """
 import os
