@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -85,7 +81,7 @@ _choices: dict[tuple, KernelChoice] = {}
 _lock = threading.Lock()
 _key_locks: dict[tuple, threading.Lock] = {}
 _warned: set[str] = set()
-_background: Optional[ThreadPoolExecutor] = None
+_background = None  # a one-worker ThreadPoolExecutor, made by the first background tuning
 _pending: set[tuple] = set()
 _memory_dir: Optional[Path] = None
 
@@ -173,6 +169,8 @@ _compiler_id: Optional[str] = None
 def compiler_identity() -> Optional[str]:
     """Path and version of the C compiler JIT kernels are built with (None: none found)."""
     global _compiler_id
+    import shutil
+    import subprocess
     candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
     path = next((p for p in map(shutil.which, candidates) if p), None)
     if path is None:
@@ -214,6 +212,7 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
     # cache file may be replaced or damaged while this process runs. The copy is
     # unlinked at once; the mapping stays.
     payload = entry.payload if entry.payload is not None else Path(entry.library).read_bytes()
+    import tempfile
     fd, private = tempfile.mkstemp(dir=_memory_directory(), suffix=".so")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -249,6 +248,8 @@ def _memory_directory() -> Path:
     global _memory_dir
     if _memory_dir is None:
         import atexit
+        import shutil
+        import tempfile
         _memory_dir = Path(tempfile.mkdtemp(prefix="ttile-jit-"))
         atexit.register(shutil.rmtree, _memory_dir, True)
     return _memory_dir
@@ -360,6 +361,7 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: str, use_tuned: bool,
             if key not in _pending:
                 _pending.add(key)
                 if _background is None:
+                    from concurrent.futures import ThreadPoolExecutor
                     _background = ThreadPoolExecutor(max_workers=1,
                                                      thread_name_prefix="ttile-tuner")
                 _background.submit(_background_tune, key, spec, layout, threads, isa)
