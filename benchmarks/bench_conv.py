@@ -209,6 +209,8 @@ def main(argv=None) -> int:
         layers.extend(NETWORKS.get(name.lower(), ()) or [find_layer(name)])
 
     cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < max(args.threads):  # OMP_PROC_BIND bound this thread when torch loaded
+        cpus = list(range(os.cpu_count() or 1))
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              f"torch {torch.__version__}, ttile {ttile.__version__} "
              f"({len(ttile.tuned_kernels())} tuned kernels, {ttile.get_isa()} generic kernel); "
