@@ -302,6 +302,18 @@ def _run(choice: dispatch.KernelChoice, spec: ConvSpec, x: np.ndarray, weights: 
                                      _kernels.ISA_PORTABLE)
 
 
+def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
+             weights: np.ndarray, nthreads: int) -> np.ndarray:
+    """Run ``choice`` on input ``x`` in the plan's layout (NCHW is transposed to NHWC and
+    back) with weights already in the kernel's format; returns the output."""
+    nchw = plan.layout == "NCHW"
+    if nchw:
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    y = np.empty(plan.out_shape, dtype=_FLOAT32)
+    _run(choice, plan.spec, x, weights, y, nthreads)
+    return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if nchw else y
+
+
 def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
            layout: str = "NCHW", threads: int | None = None) -> np.ndarray:
     """2D convolution with the semantics of ``torch.nn.functional.conv2d`` (no bias).
@@ -338,14 +350,9 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     choice = _choice(plan, nthreads)
 
     if layout == "NCHW":
-        x_arr = np.ascontiguousarray(x_arr.transpose(0, 2, 3, 1))
         w_arr = np.ascontiguousarray(w_arr.transpose(2, 3, 1, 0))
-    y = np.empty(plan.out_shape, dtype=_FLOAT32)
     weights = _kernels.pack_weights(w_arr, choice.panel, nthreads) if choice.panel else w_arr
-    _run(choice, plan.spec, x_arr, weights, y, nthreads)
-    if layout == "NCHW":
-        return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
-    return y
+    return _execute(plan, choice, x_arr, weights, nthreads)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,16 @@ def find_compiler() -> str | None:
     return None
 
 
+def compiler_version(compiler: str) -> str:
+    """First line of ``compiler --version`` (the compiler itself when it says nothing)."""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+    return out.splitlines()[0].strip() if out else compiler
+
+
 @dataclass(frozen=True)
 class BuiltLibrary:
     """A loaded shared object holding compiled kernels, callable on numpy arrays."""

@@ -14,8 +14,8 @@ from typing import Optional, Union
 import numpy as np
 
 from . import _kernels
-from .api import (IntPair, _as_float32, _choice, _FLOAT32, _plan, _run, _threads,
-                  make_spec)
+from .api import (IntPair, _as_float32, _as_pair, _choice, _execute, _padding, _plan,
+                  _threads)
 
 
 class Conv2d:
@@ -47,15 +47,8 @@ class Conv2d:
         else:
             rsck = weights.copy()
         rsck.flags.writeable = False
-        r, s, c, _ = rsck.shape
-        # Validate stride and padding now (with a stand-in input as large as the kernel)
-        # so a bad layer fails where it is made, not at its first call.
-        probe = (1, c, max(r, 1), max(s, 1)) if layout == "NCHW" else (1, max(r, 1), max(s, 1), c)
-        try:
-            make_spec(probe, weights.shape, stride, padding, layout)
-        except ValueError as exc:
-            if "larger than the padded input" not in str(exc):
-                raise
+        # Stride and padding are checked now, so a bad layer fails where it is made.
+        _padding(padding, rsck.shape[0], rsck.shape[1], _as_pair(stride, "stride", 1))
         self._rsck = rsck
         self._w_shape = tuple(weights.shape)
         self.stride = stride
@@ -90,13 +83,7 @@ class Conv2d:
             threads = self.threads
         nthreads = _threads(threads)
         choice = _choice(plan, nthreads)
-        if self.layout == "NCHW":
-            x_arr = np.ascontiguousarray(x_arr.transpose(0, 2, 3, 1))
-        y = np.empty(plan.out_shape, dtype=_FLOAT32)
-        _run(choice, plan.spec, x_arr, self._weights_for(choice.panel), y, nthreads)
-        if self.layout == "NCHW":
-            return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
-        return y
+        return _execute(plan, choice, x_arr, self._weights_for(choice.panel), nthreads)
 
     def __repr__(self) -> str:
         return (f"ttile.Conv2d(weights {self._w_shape}, stride={self.stride!r}, "

@@ -169,19 +169,12 @@ _compiler_id: Optional[str] = None
 def compiler_identity() -> Optional[str]:
     """Path and version of the C compiler JIT kernels are built with (None: none found)."""
     global _compiler_id
-    import shutil
-    import subprocess
-    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
-    path = next((p for p in map(shutil.which, candidates) if p), None)
+    from .cbuild import compiler_version, find_compiler
+    path = find_compiler()
     if path is None:
         return None
     if _compiler_id is None or not _compiler_id.startswith(path + "|"):
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        _compiler_id = path + "|" + (out.splitlines()[0].strip() if out else "")
+        _compiler_id = path + "|" + compiler_version(path)
     return _compiler_id
 
 

@@ -171,7 +171,7 @@ def _screen_generic(spec: ConvSpec, copies, threads: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def _head_to_head(spec: ConvSpec, bench, finalists, threads: int, rounds: int
+def head_to_head(spec: ConvSpec, bench, finalists, threads: int, rounds: int
                   ) -> tuple[float, list[float]]:
     """Median seconds of the generic kernel and of each finalist, timed in interleaved
     rounds the way ``conv2d`` runs them (through the extension, weights packed before),
@@ -246,7 +246,7 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     finalists = screened[:settings.finalists]
     rounds = int(max(5, min(30, settings.final_seconds / max(generic_seconds, 1e-6)
                              / (1 + len(finalists)))))
-    generic_seconds, final = _head_to_head(spec, bench, [(k, lib) for _, _, k, lib in finalists],
+    generic_seconds, final = head_to_head(spec, bench, [(k, lib) for _, _, k, lib in finalists],
                                            threads, rounds)
     elapsed = time.monotonic() - started
     generic_gflops = flops / generic_seconds / 1e9

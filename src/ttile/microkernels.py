@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from .cbuild import BuildError, BuiltLibrary, build_batches, find_compiler
+from .cbuild import BuildError, BuiltLibrary, build_batches, compiler_version, find_compiler
 from .codegen import KERNEL_CFLAGS, KernelSource, generate
 from .cpuinfo import CpuFingerprint, fingerprint
 from .reference import conv_mismatch
@@ -384,15 +384,6 @@ def load_table(directory: Path, cpu: Optional[CpuFingerprint] = None) -> Microke
     return MicrokernelTable.from_json(json.loads(path.read_text()))
 
 
-def _compiler_version(compiler: str) -> str:
-    import subprocess
-    try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        return out.splitlines()[0].strip() if out else compiler
-    except OSError:
-        return compiler
-
-
 def explore(directory: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
             axes: Iterable[str] = ("h", "w"), threshold: float = DEFAULT_THRESHOLD,
             reduction: int = DEFAULT_REDUCTION, protocol: TimingProtocol = TimingProtocol(),
@@ -472,7 +463,7 @@ def explore(directory: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
     measurements = tuple(done[s] for s in all_shapes)
     table = MicrokernelTable(
         cpu=cpu, peak_gflops=peak, threshold=threshold, reduction=reduction,
-        compiler=_compiler_version(compiler), cflags=KERNEL_CFLAGS,
+        compiler=compiler_version(compiler), cflags=KERNEL_CFLAGS,
         measured_on=datetime.date.today().isoformat(), measurements=measurements,
         classes=tuple(select_classes(measurements, threshold)))
     table.save(directory)

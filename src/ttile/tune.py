@@ -298,7 +298,7 @@ def compare_warm(name: str, spec: ConvSpec, threads: int, scheme_text: str,
     kernel ships is decided by this comparison when it exists.
     """
     from .cbuild import build
-    from .jit import _head_to_head
+    from .jit import head_to_head
     from .scheme import Scheme
     kernel = generate(Scheme.parse(scheme_text), spec, "ttile-generate (warm check)")
     library = build([kernel])
@@ -306,7 +306,7 @@ def compare_warm(name: str, spec: ConvSpec, threads: int, scheme_text: str,
     x, w, y = bench.copies[0]
     library.run(kernel, x, w, y, threads)
     problem = bench.check(y)
-    generic_seconds, (tuned_seconds,) = _head_to_head(spec, bench, [(kernel, library)],
+    generic_seconds, (tuned_seconds,) = head_to_head(spec, bench, [(kernel, library)],
                                                       threads, rounds)
     today = datetime.date.today().isoformat()
     records = []
