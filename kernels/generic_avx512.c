@@ -14,6 +14,7 @@
  * zero-filled tail lets the weight loads go unmasked; outputs use masked stores. */
 #include <immintrin.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include "ttile_runtime.h"
 
 #define MAX_KV 4
@@ -184,13 +185,32 @@ static inline __mmask16 tail_mask(int64_t remaining)
         }                                                                              \
     } while (0)
 
+/* A scratch buffer for weights packed per call. Large ones are 2 MiB-aligned and asked
+ * for transparent huge pages: a weight panel read from L2 over and over on 4 KiB pages
+ * maps to a few L2 sets by chance, and a 1.2 MB panel (Yolo9000-18) then ran at half
+ * speed in some runs and not in others (numpy asks for huge pages for its large arrays,
+ * so ttile.Conv2d's packed weights never showed it). */
+static float *alloc_packed(size_t bytes)
+{
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < huge)
+        return aligned_alloc(64, (bytes + 63) / 64 * 64);
+    bytes = (bytes + huge - 1) / huge * huge;
+    float *buffer = aligned_alloc(huge, bytes);
+#ifdef MADV_HUGEPAGE
+    if (buffer != NULL)
+        madvise(buffer, bytes, MADV_HUGEPAGE); /* advice only: failure changes nothing */
+#endif
+    return buffer;
+}
+
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
                               float *y, int nthreads)
 {
     const int64_t P = ttile_generic_panel(sh->k, sh->wo);
     const int64_t kchunks = (sh->k + P - 1) / P;
     const int64_t rsc = sh->r * sh->s * sh->c;
-    float *packed = aligned_alloc(64, (size_t)(kchunks * rsc * P) * sizeof(float));
+    float *packed = alloc_packed((size_t)(kchunks * rsc * P) * sizeof(float));
     if (packed == NULL)
         return -1;
     ttile_pack_weights(w, rsc, sh->k, P, packed, nthreads);
@@ -199,11 +219,28 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const 
     return status;
 }
 
-int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
+/* A 1x1 convolution with stride 1 and no padding reads and writes every image as one
+ * row of H*W pixels (NHWC keeps them contiguous). Split into register blocks as one row,
+ * 17 x 17 pixels make 49 blocks of 5-6 pixels instead of 17 rows of 6 + 6 + 5. */
+static ttile_conv_shape as_one_row_if_pointwise(const ttile_conv_shape *sh)
+{
+    ttile_conv_shape flat = *sh;
+    if (sh->r == 1 && sh->s == 1 && sh->stride_h == 1 && sh->stride_w == 1
+        && sh->pad_top == 0 && sh->pad_left == 0 && sh->ho == sh->h && sh->wo == sh->w) {
+        flat.h = flat.ho = 1;
+        flat.w = flat.wo = sh->h * sh->w;
+    }
+    return flat;
+}
+
+int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads)
 {
+    /* The panel width follows the shape as given (the caller packed for it). */
+    const int64_t P = ttile_generic_panel(shape->k, shape->wo);
+    const ttile_conv_shape flat = as_one_row_if_pointwise(shape);
+    const ttile_conv_shape *sh = &flat;
     const int64_t N = sh->n, K = sh->k, HO = sh->ho, WO = sh->wo;
-    const int64_t P = ttile_generic_panel(K, WO);
     const int64_t kchunks = (K + P - 1) / P;
     const int64_t rsc = sh->r * sh->s * sh->c;
     /* Channels per chunk: the chunk's part of a panel (R*S*cchunk steps of 4P bytes) is
@@ -224,15 +261,20 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
     const int64_t panel_bytes = rsc * P * (int64_t)sizeof(float);
     const int64_t group = L2_PANEL_BYTES / panel_bytes > 1 ? L2_PANEL_BYTES / panel_bytes : 1;
     const int64_t ngroups = (kchunks + group - 1) / group;
+    /* Each row's blocks are run in `segments` runs of consecutive blocks: one per row,
+     * except for a flattened 1x1 layer, whose single row is cut into as many runs as the
+     * image had rows, so that threads still have that many pieces to share. */
+    const int64_t segments = HO == shape->ho ? 1 : shape->ho;
 
 #pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t g = 0; g < ngroups; g++) {
-            for (int64_t oh = 0; oh < HO; oh++) {
+            for (int64_t row = 0; row < HO * segments; row++) {
+              const int64_t oh = row / segments, segment = row % segments;
+              const float *x_n = x + n * sh->h * sh->w * sh->c;
+              float *y_row = y + (n * HO + oh) * WO * K;
               const int64_t kc_end = (g + 1) * group < kchunks ? (g + 1) * group : kchunks;
               for (int64_t kc = g * group; kc < kc_end; kc++) {
-                const float *x_n = x + n * sh->h * sh->w * sh->c;
-                float *y_row = y + (n * HO + oh) * WO * K;
                 const int64_t k0 = kc * P, pw = P;
                 const float *panel = packed + kc * rsc * P;
                 int kv = (int)((K - k0 + 15) / 16);
@@ -245,10 +287,12 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *sh, const float *x,
                 const int64_t widest = WIDEST[kv];
                 const int64_t nblocks = (WO + widest - 1) / widest;
                 const int64_t base = WO / nblocks, wider = WO % nblocks;
+                const int64_t b_lo = nblocks * segment / segments;
+                const int64_t b_hi = nblocks * (segment + 1) / segments;
                 for (int64_t c0 = 0; c0 < sh->c; c0 += cchunk) {
                     const int64_t c1 = c0 + cchunk < sh->c ? c0 + cchunk : sh->c;
-                    int64_t ow0 = 0;
-                    for (int64_t b = 0; b < nblocks; b++) {
+                    int64_t ow0 = b_lo * base + (b_lo < wider ? b_lo : wider);
+                    for (int64_t b = b_lo; b < b_hi; b++) {
                         const int nw = (int)(base + (b < wider ? 1 : 0));
                         RUN_BLOCK();
                         ow0 += nw;

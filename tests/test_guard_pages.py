@@ -17,7 +17,7 @@ from ttile.spec import ConvSpec
 SIDES = ["end", "start"]
 
 #: (n, h, w, c, k, r, s, stride, (top, bottom, left, right)): K, C, H, W off the vector
-#: and unroll sizes, strides 1-3, no / symmetric / asymmetric padding.
+#: and unroll sizes, strides 1-3, no / symmetric / asymmetric padding, pointwise layers.
 TAIL_SHAPES = [
     (1, 7, 9, 3, 17, 3, 3, (1, 1), (1, 1, 1, 1)),
     (2, 11, 5, 13, 33, 5, 3, (2, 1), (2, 2, 1, 1)),
@@ -25,6 +25,9 @@ TAIL_SHAPES = [
     (1, 6, 10, 1, 1, 1, 1, (1, 2), (0, 0, 0, 0)),
     (3, 9, 8, 5, 70, 4, 2, (2, 3), (1, 2, 0, 1)),
     (1, 17, 17, 31, 129, 1, 1, (2, 2), (0, 0, 0, 0)),
+    # 1x1, stride 1, no padding: the generic kernel runs each image as one row of H*W.
+    (2, 9, 7, 21, 50, 1, 1, (1, 1), (0, 0, 0, 0)),
+    (1, 23, 1, 5, 65, 1, 1, (1, 1), (0, 0, 0, 0)),
 ]
 
 

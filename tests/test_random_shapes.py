@@ -1,5 +1,6 @@
 """Hypothesis-generated shapes: odd sizes, K and C not multiples of 16, strides 1-4,
-kernels 1-7, padding 0-3, batch 1-4, threads 1-2, both layouts, both kernel families,
+kernels 1-7, padding 0-3, batch 1-4, threads 1-2, both layouts, both kernel families (and
+pointwise layers on their own, which random shapes almost never are),
 checked against float64.
 
 CI runs 150 shapes per kernel family; the long run sets the count with an environment
@@ -57,3 +58,28 @@ def test_random_shape_matches_reference(isa, case, seed):
         wt = rng.uniform(-1, 1, (r, s, c, k)).astype(np.float32)
     y = ttile.conv2d(x, wt, stride=stride, padding=padding, layout=layout, threads=threads)
     assert_conv_close(y, x, wt, stride, pads, layout=layout)
+
+
+@st.composite
+def pointwise_cases(draw):
+    """1x1, stride 1, no padding: the generic AVX-512 kernel runs every image as one row
+    of H*W pixels, split into register blocks (and among threads) across the old rows."""
+    return (draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.integers(1, 70)),
+            draw(st.integers(1, 23)), draw(st.integers(1, 23)), draw(st.integers(1, 2)),
+            draw(st.sampled_from([0, "valid"])), draw(st.booleans()))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS, indirect=True)
+@settings(max_examples=int(os.environ.get("TTILE_FUZZ_EXAMPLES", "150")) // 3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=pointwise_cases(), seed=st.integers(0, 2**32 - 1))
+def test_pointwise_shape_matches_reference(isa, case, seed):
+    n, c, k, h, w, threads, padding, prepacked = case
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
+    wt = rng.uniform(-1, 1, (1, 1, c, k)).astype(np.float32)
+    if prepacked:
+        y = ttile.Conv2d(wt, padding=padding, layout="NHWC", threads=threads)(x)
+    else:
+        y = ttile.conv2d(x, wt, padding=padding, layout="NHWC", threads=threads)
+    assert_conv_close(y, x, wt, (1, 1), (0, 0, 0, 0), layout="NHWC")
