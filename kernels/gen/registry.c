@@ -6,17 +6,13 @@
 void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_13eca7854f61__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_a2811196fa10__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_61e373d23cda__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_9954b8a648e5__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_b262b1b2c1c9__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_4410da8beff5__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_2bb7924376a8__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *, const float *, float *, int);
 void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_01c9c5d8968b__avx512f(const float *, const float *, float *, int);
 
 const ttile_tuned_kernel ttile_tuned_kernels[] = {
     {1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_1b9714dc5f9d__avx512f,
@@ -25,18 +21,12 @@ const ttile_tuned_kernel ttile_tuned_kernels[] = {
      "Yolo9000-9", "[PT2 h; Lseq h [(1,5),(2,6)]; T2 h; T2 k; T2 c; T17 w; T4 w; T128 c; U beta h; U4 k; V k]", 104.7},
     {1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_9abdd2156c4c__avx512f,
      "ResNet18-5", "[Lseq h [(2,5),(3,6)]; T2 w; T14 w; T2 k; T64 c; U beta h; U4 k; V k]", 87.2},
-    {1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 64, ttile_f32_conv2d_a2811196fa10__avx512f,
-     "ResNet18-4", "[PT2 k; PT28 h; PT7 w; T2 c; T2 c; T3 r; T16 c; U3 s; U4 w; U4 k; V k]", 86.8},
-    {1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_61e373d23cda__avx512f,
-     "Yolo9000-13", "[Lseq h [(2,5),(4,6)]; T8 c; T2 w; T4 k; T17 w; T64 c; U beta h; U4 k; V k]", 74.5},
     {1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 64, ttile_f32_conv2d_a2d97c86c75f__avx512f,
      "Yolo9000-13", "[PT2 h; PT2 w; PT4 k; T4 c; Lseq h [(1,5),(2,6)]; T17 w; T128 c; U beta h; U4 k; V k]", 193.8},
     {1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 0, 32, ttile_f32_conv2d_9954b8a648e5__avx512f,
      "Yolo9000-0", "[T136 h; Lseq w [(2,9),(5,10)]; T4 h; T8 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 75.0},
     {1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 32, ttile_f32_conv2d_b262b1b2c1c9__avx512f,
      "Yolo9000-0", "[PT136 h; Lseq w [(8,9),(20,10)]; T4 h; T2 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 147.3},
-    {1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 64, ttile_f32_conv2d_4410da8beff5__avx512f,
-     "Yolo9000-19", "[T2 c; T4 c; PT2 k; PT4 k; Lseq h [(1,5),(2,6)]; T17 w; T128 c; U beta h; U4 k; V k]", 110.8},
     {1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 32, ttile_f32_conv2d_80b9b9212ebd__avx512f,
      "ResNet18-11", "[PT8 k; PT2 k; PT7 h; T2 c; T2 c; T16 c; T4 c; U7 w; U2 k; V k]", 111.1},
     {1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 32, ttile_f32_conv2d_2bb7924376a8__avx512f,
@@ -45,9 +35,7 @@ const ttile_tuned_kernel ttile_tuned_kernels[] = {
      "Yolo9000-5", "[Lseq h [(1,5),(2,6)]; T2 h; T17 w; T4 w; T4 h; T2 w; T2 c; T64 c; U beta h; U4 k; V k]", 98.3},
     {1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 0, 64, ttile_f32_conv2d_226b2a78d6e3__avx512f,
      "ResNet18-3", "[Lseq h [(2,5),(3,6)]; T2 h; T14 w; T2 w; T2 w; T4 c; T16 c; U beta h; U4 k; V k]", 92.4},
-    {1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 64, ttile_f32_conv2d_01c9c5d8968b__avx512f,
-     "ResNet18-2", "[PT4 w; T4 c; Lseq w [(1,4),(2,5)]; T56 h; T2 c; T3 r; T8 c; U3 s; U beta w; U4 k; V k]", 135.0},
     {0}  /* end marker: fn == NULL */
 };
 
-const int ttile_tuned_kernel_count = 14;
+const int ttile_tuned_kernel_count = 10;
