@@ -13,7 +13,8 @@ to that many CPUs, then for every layer times, interleaved round by round:
 * ttile's generic kernel on the same call (tuned kernels switched off), for reference,
 
 and reports medians, the best of torch's three ways, GFLOP/s, % of the FMA peak
-measured here by ttile's microbenchmark, and the ratio torch/ttile (> 1: ttile faster).
+measured here by ttile's microbenchmark, and torch/ttile (> 1: ttile faster) as the median
+over rounds of each round's ratio (see ``paired_ratio``).
 Every ttile result is checked against torch's before it is timed.
 """
 from __future__ import annotations
@@ -138,7 +139,23 @@ def bench_layer(layer, threads: int, reps: int, torch):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-    return spec, {name: statistics.median(ts) for name, ts in times.items()}
+    return spec, times
+
+
+#: torch's three ways; the per-round torch time is the fastest of them in that round.
+TORCH_WAYS = ("nchw", "channels_last", "mkldnn")
+
+
+def paired_ratio(times: dict, ttile_name: str) -> float:
+    """Median over rounds of (torch's fastest way in the round) / (ttile in the round).
+
+    The rounds interleave every contender, so a round's ratio compares calls made a few
+    milliseconds apart: when the shared machine slows down for a while (it does, by up
+    to 2x), both sides of a round slow down together, where a ratio of two medians
+    taken over different rounds would carry the swing into the result. Taking torch's
+    best way per round favours torch slightly; the ratio is conservative."""
+    rounds = zip(*(times[way] for way in TORCH_WAYS), times[ttile_name])
+    return statistics.median(min(t[:-1]) / t[-1] for t in rounds)
 
 
 def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) -> list[str]:
@@ -152,10 +169,11 @@ def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) 
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios, ratios_call = [], []
     for layer in layers:
-        spec, med = bench_layer(layer, threads, reps, torch)
-        best = min(("nchw", "channels_last", "mkldnn"), key=med.get)
+        spec, times = bench_layer(layer, threads, reps, torch)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        best = min(TORCH_WAYS, key=med.get)
         gflops = spec.flops / med["prepacked"] / 1e9
-        ratio, ratio_call = med[best] / med["prepacked"], med[best] / med["ttile"]
+        ratio, ratio_call = paired_ratio(times, "prepacked"), paired_ratio(times, "ttile")
         ratios.append(ratio)
         ratios_call.append(ratio_call)
         row = (f"| {layer.name} | {kind_of(layer)} | {best} | {med[best] * 1e3:.3f} | "
@@ -189,7 +207,7 @@ def _is_tuned(layer, threads: int) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--reps", type=int, default=7, help="timed rounds per layer")
+    parser.add_argument("--reps", type=int, default=11, help="timed rounds per layer")
     parser.add_argument("--layers", nargs="+", default=None,
                         help="layer names (e.g. Yolo9000-12) or network names; default all")
     parser.add_argument("--output", help="also write the markdown tables to this file")
@@ -214,8 +232,9 @@ def main(argv=None) -> int:
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              f"torch {torch.__version__}, ttile {ttile.__version__} "
              f"({len(ttile.tuned_kernels())} tuned kernels, {ttile.get_isa()} generic kernel); "
-             f"batch 1, fp32, ttile in NHWC; median of {args.reps} interleaved rounds, warm "
-             f"cache (the same tensors every call).", ""]
+             f"batch 1, fp32, ttile in NHWC; {args.reps} interleaved rounds, warm cache (the "
+             f"same tensors every call); times are medians, torch/ttile the median of the "
+             f"rounds' ratios (torch's fastest way in each round over ttile).", ""]
     for threads in args.threads:
         os.sched_setaffinity(0, cpus[:threads])
         torch.set_num_threads(threads)
