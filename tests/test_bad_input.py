@@ -123,3 +123,21 @@ def test_import_is_light():
             "print(sorted(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_packing_copies_only_when_the_layout_changes():
+    """Weights with K equal to the panel width are already one panel: packing returns a
+    read-only view; otherwise a copy whose tail past K is zero."""
+    from ttile import _kernels
+    rng = np.random.default_rng(0)
+    w = rng.uniform(-1, 1, (3, 3, 5, 32)).astype(np.float32)
+    view = _kernels.pack_weights(w, 32)
+    assert view.shape == (1, 3, 3, 5, 32) and np.shares_memory(view, w)
+    assert not view.flags.writeable
+    np.testing.assert_array_equal(view[0], w)
+    packed = _kernels.pack_weights(w, 48)
+    assert packed.shape == (1, 3, 3, 5, 48) and not np.shares_memory(packed, w)
+    np.testing.assert_array_equal(packed[0, ..., :32], w)
+    assert not packed[0, ..., 32:].any()
+    halves = _kernels.pack_weights(w, 16)
+    np.testing.assert_array_equal(halves[1], w[..., 16:])

@@ -217,12 +217,20 @@ def tuned_kernels():
 
 
 def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1):
-    """RSCK weights (R,S,C,K) -> panels (ceil(K/panel), R, S, C, panel), tail zero-filled."""
+    """RSCK weights (R,S,C,K) -> panels (ceil(K/panel), R, S, C, panel), tail zero-filled.
+
+    When K is the panel width, RSCK already is that single panel: the result is then a
+    read-only view of ``w``, not a copy (conv2d packs per call; Yolo9000-2, ResNet18-1 and
+    every other 64-filter layer would copy their weights for nothing)."""
     _check_f32_c4(w, "w")
     if panel < 1 or nthreads < 1:
         raise ValueError("panel and nthreads must be >= 1")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef int64_t k = ws[3]
+    if k == panel:
+        view = (<object>w).reshape((1,) + (<object>w).shape)
+        view.flags.writeable = False
+        return view
     cdef int64_t rsc = ws[0] * ws[1] * ws[2]
     out = cnp.PyArray_EMPTY(5, [(k + panel - 1) // panel, ws[0], ws[1], ws[2], panel],
                             cnp.NPY_FLOAT32, 0)
