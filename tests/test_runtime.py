@@ -140,6 +140,27 @@ def test_unwritable_cache_degrades_to_memory_with_one_warning(jit_cache, prefer_
     _expect_one_warning(record, "kept in memory")
 
 
+def test_a_cpu_without_a_shipped_machine_model_tunes_with_an_unwritable_cache(
+        jit_cache, prefer_jit, tmp_path, monkeypatch):
+    """A CPU ttile has no bandwidth table for, and nowhere to save one: the bandwidths are
+    measured in memory and the shape is still tuned."""
+    real_directories = jit._data_directories
+    monkeypatch.setattr(jit, "_data_directories", lambda kind, root: [] if kind == "machine"
+                        else real_directories(kind, root))
+    jit._measured_in_memory.cache_clear()
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    ttile.set_tuning(cache_dir=blocker / "cache")
+    x, w = random_tensors(np.random.default_rng(8), X_SHAPE, W_SHAPE)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        y = _call(x, w)
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    _expect_one_warning(record, "kept in memory")
+    assert jit._measured_in_memory.cache_info().currsize == 1
+
+
 def test_full_disk_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, monkeypatch):
     import errno
 

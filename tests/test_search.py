@@ -19,9 +19,10 @@ pytest.importorskip("scipy")
 
 from ttile.emit import TunedKernel, emit  # noqa: E402
 from ttile.iomodel import CacheLevel  # noqa: E402
-from ttile.search import (Candidate, SpacePoint, class_fits, completions,  # noqa: E402
-                          microkernel_choices, parallel_variants, prune, scheme_space,
-                          scheme_text)
+from ttile.search import (MODEL_ORDER, REDUCTION_INNERMOST, Candidate,  # noqa: E402
+                          SpacePoint, class_fits, completions, microkernel_choices,
+                          model_loop_order, parallel_variants, prune,
+                          reduction_innermost_orders, scheme_space, scheme_text)
 from ttile.tune import (BUILD_ERROR, OK, WRONG, LayerBench, TuneSettings,  # noqa: E402
                         TuningDatabase, tune_layer)
 
@@ -44,11 +45,44 @@ def test_every_completion_is_a_valid_scheme_covering_the_problem():
     shape = MicrokernelShape(1, 1, "h", 2, 9)
     permutation = rank_permutations(spec, shape, CACHES, top=1)[0]
     cls = MicrokernelClass(1, 1, "h", 2, 8, 9, 90.0)
-    points = completions(spec, cls, permutation)
+    points = completions(spec, cls, model_loop_order(permutation))
     assert points and any(p.lseq_at is not None for p in points)
     for point in points[:: max(1, len(points) // 40)]:
         scheme = Scheme.parse(scheme_text(point, cls))
         lower(scheme, spec)  # raises unless exact
+
+
+def test_reduction_innermost_orders_keep_r_s_and_all_of_c_above_the_block():
+    spec = ConvSpec(1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1)
+    cls = MicrokernelClass(1, 1, "w", 4, 5, 6, 95.0)
+    orders = reduction_innermost_orders(spec, cls)
+    assert orders and all(o[-3:] == ("r", "s", "c") for o in orders)
+    unrolled_s = MicrokernelClass(1, 3, "w", 4, 5, 6, 95.0)
+    assert all(o[-2:] == ("r", "c") and "s" not in o
+               for o in reduction_innermost_orders(spec, unrolled_s))
+    texts = set()
+    for order in orders:
+        for point in completions(spec, cls, order):
+            text = scheme_text(point, cls)
+            texts.add(text)
+            scheme = Scheme.parse(text)
+            lower(scheme, spec)  # raises unless exact
+            assert str(scheme).endswith("T3 r; T3 s; T128 c; U beta w; U4 k; V k]")
+    # 28 = 2 x 5 + 3 x 6 under a lambda-seq, rows outermost, k panels inside
+    assert "[T28 h; T4 k; Lseq w [(2,5),(3,6)]; T3 r; T3 s; T128 c; U beta w; U4 k; V k]" \
+        in texts
+
+
+def test_scheme_space_holds_both_loop_order_families():
+    spec = ConvSpec(1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1)
+    cls = MicrokernelClass(1, 1, "w", 4, 5, 6, 95.0)
+    space = scheme_space(spec, [cls], CACHES, top=40)
+    origins = [c.origin for c in space]
+    assert {MODEL_ORDER, REDUCTION_INNERMOST} <= set(origins)
+    # interleaved: both families among the first few the tuner measures
+    assert {MODEL_ORDER, REDUCTION_INNERMOST} <= set(origins[:2])
+    for c in space:
+        lower(c.scheme, spec)
 
 
 def test_class_fits_needs_k_vectors_divisible_and_matching_unrolls():
@@ -70,6 +104,18 @@ def test_pruning_keeps_largest_reductions_then_least_data_movement():
     assert all(c.reduction_above >= 32 for c in kept)
     assert [c.model_cost for c in kept] == sorted(c.model_cost for c in kept)
     assert len(kept) == 2
+
+
+def test_pruning_applies_within_each_family_and_interleaves_them():
+    model = [_candidate(f"[T{i + 1} h; T8 c; V k]", 8, float(i)) for i in range(5)]
+    inner = [Candidate(Scheme.parse(f"[T{i + 1} w; T64 c; V k]"),
+                       (MicrokernelShape(1, 1, "h", 1, 1),), 64, 100.0 + i,
+                       origin=REDUCTION_INNERMOST) for i in range(5)]
+    kept = prune(model + inner, keep_fraction=1.0, top=6)
+    # the reduction-innermost family is not crowded out by its larger modelled cost
+    # nor does its larger reduction crowd the model's family out
+    assert [c.origin for c in kept] == [MODEL_ORDER, REDUCTION_INNERMOST] * 3
+    assert [c.model_cost for c in kept] == [0.0, 100.0, 1.0, 101.0, 2.0, 102.0]
 
 
 def test_three_parallel_strategies_are_expressible_and_valid():

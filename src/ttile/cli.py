@@ -52,6 +52,12 @@ class _Progress:
 
 def _cmd_microkernels(args: argparse.Namespace) -> int:
     from .microkernels import explore
+    if args.plot:
+        try:  # say so now, not after minutes of measurement
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'ttile[plot]'", file=sys.stderr)
+            return 2
     out_dir = args.generator_dir / "microkernels"
     progress = _Progress("microkernels")
     started = time.monotonic()

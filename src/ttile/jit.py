@@ -14,6 +14,8 @@ missing and the caller keeps the generic kernel.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import statistics
 import time
@@ -110,9 +112,21 @@ def _load_caches(cache_root: Optional[Path]):
         path = directory / f"{cpu.id}.json"
         if path.exists():
             return MachineModel.from_json(json.loads(path.read_text())).caches()
-    if cache_root is None:
-        raise JitUnavailable("no machine model for this CPU and no cache to measure into")
-    return load_or_measure(cache_root / "machine").caches()  # about a second, once
+    if cache_root is not None:
+        try:
+            return load_or_measure(cache_root / "machine").caches()  # about a second, once
+        except OSError:
+            pass  # a read-only or full cache: measure without saving
+    return _measured_in_memory().caches()
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_in_memory():
+    """This CPU's bandwidths, measured once per process when no cache can keep them (a
+    CPU ttile ships no machine model for, with a read-only or full cache): tuning then
+    costs a second more per process instead of not happening at all."""
+    from .machine import measure
+    return measure()
 
 
 def _require_libraries() -> None:
