@@ -129,6 +129,22 @@ def test_three_parallel_strategies_are_expressible_and_valid():
         lower(v.scheme, spec)
 
 
+def test_a_scheme_opening_with_its_lambda_seq_gets_a_parallel_variant():
+    spec = ConvSpec(1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1)
+    text = "[Lseq h [(8,13),(2,16)]; T136 w; T8 k; T3 r; T3 s; T64 c; U beta h; U1 k; V k]"
+    base = Candidate(Scheme.parse(text), (MicrokernelShape(1, 1, "h", 1, 13),
+                                          MicrokernelShape(1, 1, "h", 1, 16)), 64, 1.0)
+    variants = parallel_variants(base, spec, 2)
+    assert [str(v.scheme) for v in variants] == [
+        "[PT136 w; PT8 k; Lseq h [(8,13),(2,16)]; T3 r; T3 s; T64 c; U beta h; U1 k; V k]"]
+    lower(variants[0].scheme, spec)
+    # nothing to hoist when the loops below the sequence run along its own axis
+    along_axis = Candidate(Scheme.parse("[Lseq h [(8,13),(2,16)]; T3 r; T3 s; T64 c; "
+                                        "U beta h; U1 k; V k]"), base.microkernels, 64, 1.0)
+    assert parallel_variants(along_axis, ConvSpec(1, 16, 64, 136, 1, 3, 3, 1, 1, 1, 1, 1, 1),
+                             2) == []
+
+
 def test_database_resumes_and_skips_measured_schemes(tmp_path):
     from ttile.tune import TuningRecord
     from ttile.codegen import GENERATOR_VERSION

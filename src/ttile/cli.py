@@ -199,7 +199,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
         spec = layer.spec()
         progress(done, len(layers), layer.name)
         if not args.from_records:
-            candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top)
+            candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top,
+                                      keep_fraction=args.keep_fraction)
             bench = LayerBench.make(spec)
             for threads in sorted({1, args.threads}):
                 measure_generic(layer.name, spec, threads, database, bench)
@@ -207,10 +208,14 @@ def _cmd_network(args: argparse.Namespace) -> int:
             if args.threads > 1:
                 screened = sorted(database.for_layer(spec, 1, "screen"), key=lambda r: r.seconds)
                 by_text = {str(c.scheme): c for c in candidates}
-                parallel = []
-                for record in screened[:args.parallel_from]:
+                parallel, sources = [], 0
+                for record in screened:  # the fastest that have a loop to parallelize
+                    if sources == args.parallel_from:
+                        break
                     if record.scheme in by_text:
-                        parallel += parallel_variants(by_text[record.scheme], spec, args.threads)
+                        variants = parallel_variants(by_text[record.scheme], spec, args.threads)
+                        parallel += variants
+                        sources += bool(variants)
                 parallel_settings = TuneSettings(budget_seconds=args.budget / 2)
                 tune_layer(layer.name, spec, parallel, args.threads, database, bench,
                            parallel_settings, verbose, command)
@@ -279,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(half as much for the parallel one)")
     parser.add_argument("--threads", type=int, default=2, help="threads of the parallel variant")
     parser.add_argument("--top", type=int, default=200, help="schemes kept after pruning")
+    parser.add_argument("--keep-fraction", type=float, default=0.4,
+                        help="pruning's first cut: the fraction of each loop-order family "
+                             "with the largest reduction loop above the microkernel")
     parser.add_argument("--parallel-from", type=int, default=4,
                         help="sequential schemes whose parallel variants are tuned")
     parser.add_argument("--warm-check", action="store_true",
@@ -319,6 +327,9 @@ def main(argv=None) -> int:
         if not (args.network or args.layers_file):
             parser.error("give a command (microkernels, model) or --network / --layers-file")
         args.run = _cmd_network
+    if args.command is None and not 0 < args.keep_fraction <= 1:
+        print("--keep-fraction must be in (0, 1]", file=sys.stderr)
+        return 2
     if args.command == "microkernels" and not 0 < args.threshold <= 1:
         print("--threshold must be in (0, 1]", file=sys.stderr)
         return 2

@@ -14,9 +14,11 @@ paper's. Beside it, a few orders keep the whole reduction (the r and s loops not
 then all of c) innermost, above the block, with k, h and w outside: the accumulators then
 stay in registers over every reduction step, and each output is stored once. The IOOpt
 model counts data movement between cache levels only, so it ranks those orders low (their
-weight panel is re-read from L2 for each block), yet they are the ones that run at the
+weight panel is re-read from L2 for each block), yet they are the ones that run near the
 FMA peak on large layers: the hand-written generic kernel has exactly that structure, and
-the model's orders, which split c into two to four loops, lost to it by up to 2x.
+the model's orders, which split c into two to four loops, lost to it by up to 2x
+(Yolo9000-12 on an Intel Xeon: 52 ms against 28). On 3-channel layers the family wins
+outright: Yolo9000-0 on an AMD EPYC ran at 107 GFLOP/s against the generic kernel's 67.
 
 Pruning keeps the fraction (40 %) with the largest reduction loop right above the
 microkernel, sorts those by the model's data movement and keeps the best (200). It does
@@ -312,14 +314,32 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
     return prune(candidates, keep_fraction, top)
 
 
+def hoist_above_lambda_seq(specs: Sequence, first_block: int) -> list:
+    """``specs`` with the tile loops right below its opening lambda-seq that run along
+    neither the sequence's axis nor a reduction moved above it. The iterations are the
+    same, the sequence now runs inside each of them; without this, a scheme like
+    ``[Lseq h [(8,13),(2,16)]; T136 w; T8 k; ...]``, which the search often finds best,
+    has no loop to run in parallel."""
+    lseq = specs[0]
+    end = 1
+    while (end < first_block and specs[end].kind == "T" and not specs[end].is_parametric
+           and specs[end].dim != lseq.dim and specs[end].dim not in REDUCTION_DIMS):
+        end += 1
+    return list(specs[1:end]) + [lseq] + list(specs[end:])
+
+
 def parallel_variants(candidate: Candidate, spec: ConvSpec, threads: int) -> list[Candidate]:
     """The three parallel strategies of section 5.5 applied to a sequential scheme.
 
     Only loops above the first lambda-seq can be parallel; a variant whose parallel band
-    runs fewer iterations than ``threads`` is dropped.
+    runs fewer iterations than ``threads`` is dropped. A scheme that opens with its
+    lambda-seq first has the tile loops right below it hoisted above it (see
+    :func:`hoist_above_lambda_seq`).
     """
     specs = list(candidate.scheme.specifiers)
     first_block = next(i for i, s in enumerate(specs) if s.kind in ("U", "V"))
+    if specs[0].kind == "Lseq":
+        specs = hoist_above_lambda_seq(specs, first_block)
     first_lseq = next((i for i, s in enumerate(specs) if s.kind == "Lseq"), first_block)
     head, tail = specs[:first_lseq], specs[first_lseq:]
     loops = [s for s in head if s.kind in ("T", "R")]

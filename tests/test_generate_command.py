@@ -1,0 +1,119 @@
+"""``ttile-generate --layers-file``, end to end on two small layers: search, records, the
+final table, emitted kernels and registry, and a deterministic re-emission from the
+records that measures nothing."""
+import json
+import re
+
+import pytest
+
+from conftest import requires_avx512
+from ttile.cpuinfo import fingerprint
+from ttile.microkernels import Measurement, MicrokernelShape, MicrokernelTable, select_classes
+
+pytest.importorskip("islpy")
+pytest.importorskip("scipy")
+
+from ttile.cli import main  # noqa: E402
+from ttile.machine import Bandwidths, MachineModel  # noqa: E402
+
+pytestmark = requires_avx512
+
+LAYERS_TOML = """
+[[layers]]
+name = "tiny-3x3"
+k = 32
+c = 8
+hw = 12
+rs = 3
+
+[[layers]]
+name = "tiny-1x1"
+k = 16
+c = 16
+hw = 7
+rs = 1
+"""
+
+
+def _generator_dir(root):
+    """A microkernel table and a machine model for this CPU, made up rather than measured
+    (minutes): the search only needs their classes and bandwidths."""
+    cpu = fingerprint()
+    measurements = tuple(
+        Measurement(MicrokernelShape(1, 1, axis, alpha, beta), "ok", gflops=g,
+                    percent_of_peak=g)
+        for axis in ("h", "w") for alpha in (1, 2) for beta in range(2, 13)
+        for g in [90.0 - abs(beta - 7) - (5 if axis == "h" else 0)])
+    table = MicrokernelTable(cpu=cpu, peak_gflops=100.0, threshold=0.85, reduction=512,
+                             compiler="cc", cflags=(), measured_on="today",
+                             measurements=measurements,
+                             classes=tuple(select_classes(measurements, 0.85)))
+    (root / "microkernels").mkdir(parents=True)
+    (root / "microkernels" / f"{cpu.id}.json").write_text(json.dumps(table.to_json()))
+    machine = MachineModel(cpu, Bandwidths(l1=200e9, l2=80e9, l3=40e9, dram=15e9))
+    (root / "machine").mkdir()
+    (root / "machine" / f"{cpu.id}.json").write_text(json.dumps(machine.to_json()))
+    return root
+
+
+def _records(generator):
+    [path] = (generator / "records").glob("*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path, capsys):
+    generator = _generator_dir(tmp_path / "generator")
+    layers = tmp_path / "layers.toml"
+    layers.write_text(LAYERS_TOML)
+    kernels = tmp_path / "gen"
+    common = ["--layers-file", str(layers), "--generator-dir", str(generator),
+              "--kernels-dir", str(kernels), "--threads", "2"]
+    assert main(common + ["--budget", "3", "--top", "12"]) == 0
+    out = capsys.readouterr().out
+
+    records = _records(generator)
+    for name in ("tiny-3x3", "tiny-1x1"):
+        mine = [r for r in records if r["layer"] == name]
+        assert {r["threads"] for r in mine} == {1, 2}
+        assert any(r["protocol"] == "screen" and r["status"] == "ok" for r in mine)
+        assert any(r["protocol"] == "paper" and r["scheme"] != "generic" for r in mine)
+        assert any(r["scheme"] == "generic" for r in mine)
+        assert all(r["status"] == "ok" for r in mine), [r["detail"] for r in mine]
+        assert re.search(rf"^\| {name} \| `\[.*\]` \|", out, re.M), out   # the final table
+    assert "search time:" in out
+
+    # What shipped is exactly the variants whose best scheme beat the generic kernel.
+    registry = (kernels / "registry.c").read_text()
+    sources = sorted(kernels.glob("ttile_f32_conv2d_*.c"))
+    assert registry.count('"tiny-') == len(sources)
+    for path in sources:
+        text = path.read_text()
+        assert "command: ttile-generate --layers-file" in text
+        scheme = re.search(r"scheme:\s+(\[.*\])", text).group(1)
+        assert f'"{scheme}"' in registry
+    for name in ("tiny-3x3", "tiny-1x1"):
+        for threads in (1, 2):
+            mine = [r for r in records if r["layer"] == name and r["threads"] == threads]
+            generic = [r for r in mine if r["scheme"] == "generic"][-1]["seconds"]
+            tuned = [r for r in mine if r["scheme"] != "generic"]
+            ranked = [r for r in tuned if r["protocol"] == "paper"] or tuned
+            best = min(ranked, key=lambda r: (r["seconds"], r["scheme"]))
+            entry = f'     "{name}", "{best["scheme"]}"'
+            assert (entry in registry) == (best["seconds"] < generic), (name, threads)
+
+    # Regenerating from the records measures nothing and writes the same files.
+    before = {p.name: p.read_bytes() for p in kernels.iterdir()}
+    count = len(records)
+    assert main(common + ["--from-records"]) == 0
+    assert len(_records(generator)) == count
+    assert {p.name: p.read_bytes() for p in kernels.iterdir()} == before
+
+
+def test_bad_layers_file_and_pruning_fraction_are_refused(tmp_path, capsys):
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps([{"name": "x", "k": 16, "c": "many", "hw": 7, "rs": 3}]))
+    generator = _generator_dir(tmp_path / "generator")
+    assert main(["--layers-file", str(layers), "--generator-dir", str(generator)]) == 2
+    assert "layer 0 needs integer k, c, hw, rs" in capsys.readouterr().err
+    assert main(["--layers-file", str(layers), "--keep-fraction", "0"]) == 2
+    assert "--keep-fraction must be in (0, 1]" in capsys.readouterr().err
