@@ -162,6 +162,27 @@ def test_database_resumes_and_skips_measured_schemes(tmp_path):
     assert again.layers() == [(spec, "L")]
 
 
+def test_a_tuned_kernel_ships_only_clearly_faster_than_the_generic_one(tmp_path):
+    from ttile.codegen import GENERATOR_VERSION
+    from ttile.tune import GENERIC, SHIP_MARGIN, WARM, TuningRecord, _against
+    spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
+    db = TuningDatabase(tmp_path, cpu_id="cpu-z")
+
+    def compare(scheme, ratio):
+        for text, seconds, detail in ((scheme, ratio * 1e-3, ""),
+                                      (GENERIC, 1e-3, _against(scheme))):
+            db.add(TuningRecord("L", spec.to_json(), text, 1, OK, seconds, 1.0, 15, WARM,
+                                "warm", "", "cpu-z", GENERATOR_VERSION, "today", detail))
+
+    tie, win = "[T6 h; T6 w; T4 c; V k]", "[T6 w; T6 h; T4 c; V k]"
+    assert db.warm_verdict(spec, 1, tie) is None          # never compared
+    compare(tie, 1.0 - SHIP_MARGIN / 2)                   # faster, but within the noise
+    assert db.warm_verdict(spec, 1, tie) is False
+    for ratio in (0.9, 1.5, 0.92):                        # the median decides, not one run
+        compare(win, ratio)
+    assert db.warm_verdict(spec, 1, win) is True
+
+
 @requires_avx512
 def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
     spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
