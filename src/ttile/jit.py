@@ -42,6 +42,7 @@ class JitSettings:
     max_classes: int = 4             # microkernel classes ranked, best measured first
     per_class: int = 4               # schemes kept per class
     max_candidates: int = 12
+    max_points: int = 20_000         # completions ranked per loop order (a wide class has 100 000+)
     batch_size: int = 4
     jobs: int = 2
     target_seconds_per_kernel: float = 0.15  # timing calls per candidate add up to this
@@ -153,7 +154,8 @@ def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: fl
     for cls in fitting:
         if per_class and time.monotonic() > deadline:
             break
-        space = scheme_space(spec, [cls], caches, top=settings.per_class)
+        space = scheme_space(spec, [cls], caches, top=settings.per_class,
+                             max_points=settings.max_points)
         if space:
             per_class.append(space)
     chosen = []  # round robin over classes, each class's best first

@@ -222,14 +222,14 @@ def model_costs(spec: ConvSpec, cls: MicrokernelClass, points: Sequence[SpacePoi
     return costs
 
 
-def prune(candidates: list[Candidate], keep_fraction: float = 0.4,
-          top: int = 200) -> list[Candidate]:
+def prune(candidates: list, keep_fraction: float = 0.4, top: int = 200) -> list:
     """Paper section 5.4, within each loop-order family: the ``keep_fraction`` with the
     largest reduction loop above the microkernel, sorted by modelled data movement; the
     families' lists are then interleaved (in the order the families first appear) and
     the first ``top`` kept, so the tuner, which measures in this order until its budget
-    runs out, reaches the best of every family early."""
-    families: dict[str, list[Candidate]] = {}
+    runs out, reaches the best of every family early. Takes anything with ``origin``,
+    ``reduction_above``, ``model_cost`` and ``scheme`` (candidates, or ranked points)."""
+    families: dict[str, list] = {}
     for candidate in candidates:
         families.setdefault(candidate.origin, []).append(candidate)
     ranked = []
@@ -268,16 +268,38 @@ def classes_for(spec: ConvSpec, table, thresholds: Sequence[float] = (0.75, 0.65
     return found
 
 
+@dataclass(frozen=True)
+class _RankedPoint:
+    """A completion with what pruning needs, before its text is parsed into a Scheme:
+    a wide class (beta 4 to 18) has over 100 000 completions, and parsing them all cost
+    more than ranking them, to keep 200."""
+
+    scheme: str
+    cls: MicrokernelClass
+    betas: tuple[tuple[int, int], ...]
+    reduction_above: int
+    model_cost: float
+    origin: str
+
+    def candidate(self) -> Candidate:
+        shapes = tuple(MicrokernelShape(self.cls.unroll_r, self.cls.unroll_s, self.cls.axis,
+                                        self.cls.alpha, b) for _, b in self.betas)
+        return Candidate(Scheme.parse(self.scheme), shapes, self.reduction_above,
+                         self.model_cost, origin=self.origin)
+
+
 def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
                  caches: Sequence[CacheLevel], permutations_per_class: int = 1,
                  keep_fraction: float = 0.4, top: int = 200,
-                 max_classes: int = 8) -> list[Candidate]:
+                 max_classes: int = 8, max_points: int = 200_000) -> list[Candidate]:
     """Steps 3-4 for one layer: every completion of the best fitting classes, pruned.
 
     The permutation is analysed once per unroll of k, r and s (and axis), as in the
     paper: it does not change with the microkernel's size along the spatial axis.
+    ``max_points`` caps the completions of one loop order (the run-time tuner, on a
+    budget of seconds, asks for fewer).
     """
-    candidates: list[Candidate] = []
+    candidates: list[_RankedPoint] = []
     seen: set[str] = set()
     fitting = sorted((c for c in classes if class_fits(spec, c)),
                      key=lambda c: -c.best_percent)[:max_classes]
@@ -297,7 +319,7 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
         orders = [(model_loop_order(p), MODEL_ORDER) for p in permutations[key]]
         orders += [(o, REDUCTION_INNERMOST) for o in reduction_innermost_orders(spec, cls)]
         for order, origin in orders:
-            points = completions(spec, cls, order)
+            points = completions(spec, cls, order, max_points)
             if not points:
                 continue
             costs = model_costs(spec, cls, points, caches)
@@ -306,12 +328,9 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
                 if text in seen:
                     continue
                 seen.add(text)
-                shapes = tuple(MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis,
-                                                cls.alpha, b) for _, b in point.betas)
-                candidates.append(Candidate(Scheme.parse(text), shapes,
-                                            _reduction_above(point), float(cost),
-                                            origin=origin))
-    return prune(candidates, keep_fraction, top)
+                candidates.append(_RankedPoint(text, cls, point.betas, _reduction_above(point),
+                                               float(cost), origin))
+    return [point.candidate() for point in prune(candidates, keep_fraction, top)]
 
 
 def hoist_above_lambda_seq(specs: Sequence, first_block: int) -> list:
