@@ -85,6 +85,16 @@ def test_scheme_space_holds_both_loop_order_families():
         lower(c.scheme, spec)
 
 
+def test_a_capped_space_ranks_fewer_completions_and_stays_valid():
+    spec = ConvSpec(1, 48, 48, 28, 28, 5, 5, 1, 1, 2, 2, 2, 2)
+    wide = MicrokernelClass(1, 5, "w", 1, 4, 18, 100.0)   # 100 000+ lambda-seq completions
+    capped = scheme_space(spec, [wide], CACHES, top=50, max_points=500)
+    assert capped and len(capped) <= 50
+    for c in capped:
+        lower(c.scheme, spec)
+        assert c.microkernels[0].alpha == 1 and c.microkernels[0].unroll_s == 5
+
+
 def test_class_fits_needs_k_vectors_divisible_and_matching_unrolls():
     spec = ConvSpec(1, 48, 8, 10, 10, 3, 3)      # 3 vectors along k
     assert class_fits(spec, MicrokernelClass(1, 1, "h", 3, 2, 5, 90))
