@@ -15,7 +15,6 @@ missing and the caller keeps the generic kernel.
 from __future__ import annotations
 
 import functools
-
 import json
 import statistics
 import time

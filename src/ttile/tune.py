@@ -204,7 +204,7 @@ def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDat
 
     Its weights are packed before timing, as every tuned candidate's are (``time_each``):
     timed through the per-call entry point, the generic kernel also paid for packing, and
-    a small layer's generic time came out 4x too slow (Yolo9000-5: 24 GFLOP/s cold, 107
+    a small layer's generic time came out 4x too slow (Yolo9000-5: 24 GFLOP/s cold, 101
     warm), which made the cold verdict favour tuned kernels."""
     from . import _kernels
     panel = _kernels.generic_panel(spec.k, spec.wo)
