@@ -407,6 +407,7 @@ def tileopt(cost: Optional[SymbolicCost], sizes: dict[str, int], fixed_tile: dic
 
     constraints, upper = [], []
     even_split = np.zeros(len(names))    # a point meeting every equality: shares of log size
+    small_tiles = np.zeros(len(names))   # the same with free tiles at 1 (inside any capacity)
     for d in dims:
         target = math.log(sizes[d]) - (0.0 if d in free_tile else math.log(fixed_tile.get(d, 1)))
         idx = [i for i, (kind, key) in enumerate(names)
@@ -414,6 +415,13 @@ def tileopt(cost: Optional[SymbolicCost], sizes: dict[str, int], fixed_tile: dic
         if not idx:
             continue
         even_split[idx] = target / len(idx)
+        loops_only = [i for i in idx if names[i][0] == "t"]
+        if tile_capacity is not None and loops_only:
+            # Tiles of one element fit any cache: start there, the loops doing all the work.
+            small_tiles[idx] = 0.0
+            small_tiles[loops_only] = target / len(loops_only)
+        else:
+            small_tiles[idx] = target / len(idx)
         row = np.zeros(len(names))
         row[idx] = 1.0
         constraints.append({"type": "eq", "fun": lambda z, row=row, target=target: row @ z - target,
@@ -448,15 +456,27 @@ def tileopt(cost: Optional[SymbolicCost], sizes: dict[str, int], fixed_tile: dic
         return all(abs(c["fun"](z)) < 1e-6 if c["type"] == "eq" else c["fun"](z) >= -1e-6
                    for c in constraints)
 
+    # SLSQP works on the objective divided by its value at a feasible start: raw counts
+    # of loads (1e8 and more) made its line search stop at once ("positive directional
+    # derivative") with scipy >= 1.15.
+    scale = f(small_tiles)
+    scale = scale if 0 < scale < 1e300 else 1.0
+
+    def scaled(z):
+        return f(z) / scale
+
+    scaled_jac = None if jac is None else (lambda z: jac(z) / scale)
     rng = np.random.default_rng(seed)
     best: Optional[TileSolution] = None
     candidates = []
     for attempt in range(starts):
-        z0 = even_split if attempt == 0 else rng.uniform(0, 1, len(upper)) * upper
-        result = minimize(f, z0, jac=jac, method="SLSQP", bounds=bounds, constraints=constraints,
+        # Start inside the capacity: from a point where the tiles do not fit, the
+        # objective is flat (infinite) and SLSQP's subproblem can be singular.
+        z0 = small_tiles if attempt == 0 else rng.uniform(0, 1, len(upper)) * upper
+        result = minimize(scaled, z0, jac=scaled_jac, method="SLSQP", bounds=bounds, constraints=constraints,
                           options={"maxiter": maxiter, "ftol": 1e-10})
         candidates.append(result.x)
-    candidates.append(even_split)  # when the solver strays, the even split still stands
+    candidates += [even_split, small_tiles]  # when the solver strays, these still stand
     for z in candidates:
         if feasible(z):
             tile, counts = unpack(z)
