@@ -32,7 +32,8 @@ import numpy as np
 
 import ttile
 from ttile import _kernels
-from ttile.networks import ALL_LAYERS, NETWORKS, layer as find_layer
+from ttile.runtime import registry
+from ttile.generator.networks import ALL_LAYERS, NETWORKS, layer as find_layer
 
 
 def cpu_model() -> str:
@@ -195,13 +196,7 @@ def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) 
 
 def _is_tuned(layer, threads: int) -> bool:
     """Whether conv2d serves this layer at this thread count with a tuned kernel."""
-    spec = layer.spec()
-    fields = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_top",
-              "pad_bottom", "pad_left", "pad_right")
-    for entry in ttile.tuned_kernels():
-        if all(entry[f] == getattr(spec, f) for f in fields) and entry["parallel"] == (threads > 1):
-            return True
-    return False
+    return registry.lookup(layer.spec(), threads) is not None
 
 
 def main(argv=None) -> int:

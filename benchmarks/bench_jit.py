@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_conv import compare_table, cpu_model, fma_peak_gflops  # noqa: E402
 
 import ttile  # noqa: E402
-from ttile.networks import Layer  # noqa: E402
+from ttile.generator.networks import Layer  # noqa: E402
 
 #: Shapes no built-in network has: odd maps, K not a multiple of 16, stride 2, 1x1, 5x5,
 #: 7x7 on 3 channels.

@@ -25,9 +25,22 @@
 #define L2_PANEL_BYTES 524288
 #endif
 
-/* Widest block for each vector count: 24 accumulators (the shapes the microkernel
- * table measured best: [U6 w; U4 k], [U8 w; U3 k], [U12 w; U2 k]). */
-static const int WIDEST[MAX_KV + 1] = {0, 24, 12, 8, 6};
+/* The block set, kept in one place (an X-macro, as BLIS keeps its kernel lists): for each
+ * vector count KV, blocks of 1 to WIDEST outputs, WIDEST = 24 accumulators / KV (the
+ * shapes the microkernel table measured best: [U6 w; U4 k], [U8 w; U3 k], [U12 w; U2 k]).
+ * GENERIC_KV(X) calls X(KV, WIDEST) once per vector count; WIDTHS_<W>(X, KV) calls
+ * X(NW, KV) for NW = W down to 1. The block functions, the widest-block table and the
+ * dispatch switch below are all expanded from it. */
+#define GENERIC_KV(X) X(4, 6) X(3, 8) X(2, 12) X(1, 24)
+
+#define WIDTHS_6(X, KV) X(6, KV) X(5, KV) X(4, KV) X(3, KV) X(2, KV) X(1, KV)
+#define WIDTHS_8(X, KV) X(8, KV) X(7, KV) WIDTHS_6(X, KV)
+#define WIDTHS_12(X, KV) X(12, KV) X(11, KV) X(10, KV) X(9, KV) WIDTHS_8(X, KV)
+#define WIDTHS_24(X, KV) X(24, KV) X(23, KV) X(22, KV) X(21, KV) X(20, KV) X(19, KV)      \
+    X(18, KV) X(17, KV) X(16, KV) X(15, KV) X(14, KV) X(13, KV) WIDTHS_12(X, KV)
+
+#define WIDEST_ENTRY(KV, W) [KV] = W,
+static const int WIDEST[MAX_KV + 1] = { GENERIC_KV(WIDEST_ENTRY) };
 
 /* The block's vector count for k output channels and rows of wo outputs: the one that
  * keeps the most accumulators busy on average, once the row is split into blocks of
@@ -137,19 +150,8 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
     }                                                                                  \
 }
 
-DEFINE_BLOCK(6, 4) DEFINE_BLOCK(5, 4) DEFINE_BLOCK(4, 4) DEFINE_BLOCK(3, 4)
-DEFINE_BLOCK(2, 4) DEFINE_BLOCK(1, 4)
-DEFINE_BLOCK(8, 3) DEFINE_BLOCK(7, 3) DEFINE_BLOCK(6, 3) DEFINE_BLOCK(5, 3)
-DEFINE_BLOCK(4, 3) DEFINE_BLOCK(3, 3) DEFINE_BLOCK(2, 3) DEFINE_BLOCK(1, 3)
-DEFINE_BLOCK(12, 2) DEFINE_BLOCK(11, 2) DEFINE_BLOCK(10, 2) DEFINE_BLOCK(9, 2)
-DEFINE_BLOCK(8, 2) DEFINE_BLOCK(7, 2) DEFINE_BLOCK(6, 2) DEFINE_BLOCK(5, 2)
-DEFINE_BLOCK(4, 2) DEFINE_BLOCK(3, 2) DEFINE_BLOCK(2, 2) DEFINE_BLOCK(1, 2)
-DEFINE_BLOCK(24, 1) DEFINE_BLOCK(23, 1) DEFINE_BLOCK(22, 1) DEFINE_BLOCK(21, 1)
-DEFINE_BLOCK(20, 1) DEFINE_BLOCK(19, 1) DEFINE_BLOCK(18, 1) DEFINE_BLOCK(17, 1)
-DEFINE_BLOCK(16, 1) DEFINE_BLOCK(15, 1) DEFINE_BLOCK(14, 1) DEFINE_BLOCK(13, 1)
-DEFINE_BLOCK(12, 1) DEFINE_BLOCK(11, 1) DEFINE_BLOCK(10, 1) DEFINE_BLOCK(9, 1)
-DEFINE_BLOCK(8, 1) DEFINE_BLOCK(7, 1) DEFINE_BLOCK(6, 1) DEFINE_BLOCK(5, 1)
-DEFINE_BLOCK(4, 1) DEFINE_BLOCK(3, 1) DEFINE_BLOCK(2, 1) DEFINE_BLOCK(1, 1)
+#define DEFINE_BLOCKS_OF(KV, W) WIDTHS_##W(DEFINE_BLOCK, KV)
+GENERIC_KV(DEFINE_BLOCKS_OF)
 
 static inline __mmask16 tail_mask(int64_t remaining)
 {
@@ -166,22 +168,13 @@ static inline __mmask16 tail_mask(int64_t remaining)
                                c0, c1);                                                \
         break;
 
+#define CASE_KV(KV, W)                                                                 \
+    case KV: switch (nw) { WIDTHS_##W(CASE, KV) } break;
+
 #define RUN_BLOCK()                                                                    \
     do {                                                                               \
         switch (kv) {                                                                  \
-        case 4: switch (nw) { CASE(6, 4) CASE(5, 4) CASE(4, 4) CASE(3, 4) CASE(2, 4)   \
-                              CASE(1, 4) } break;                                      \
-        case 3: switch (nw) { CASE(8, 3) CASE(7, 3) CASE(6, 3) CASE(5, 3) CASE(4, 3)   \
-                              CASE(3, 3) CASE(2, 3) CASE(1, 3) } break;                \
-        case 2: switch (nw) { CASE(12, 2) CASE(11, 2) CASE(10, 2) CASE(9, 2)           \
-                              CASE(8, 2) CASE(7, 2) CASE(6, 2) CASE(5, 2) CASE(4, 2)   \
-                              CASE(3, 2) CASE(2, 2) CASE(1, 2) } break;                \
-        default: switch (nw) { CASE(24, 1) CASE(23, 1) CASE(22, 1) CASE(21, 1)         \
-                              CASE(20, 1) CASE(19, 1) CASE(18, 1) CASE(17, 1)          \
-                              CASE(16, 1) CASE(15, 1) CASE(14, 1) CASE(13, 1)          \
-                              CASE(12, 1) CASE(11, 1) CASE(10, 1) CASE(9, 1)           \
-                              CASE(8, 1) CASE(7, 1) CASE(6, 1) CASE(5, 1) CASE(4, 1)   \
-                              CASE(3, 1) CASE(2, 1) CASE(1, 1) } break;                \
+        GENERIC_KV(CASE_KV)                                                            \
         }                                                                              \
     } while (0)
 

@@ -32,7 +32,7 @@ def random_tensors(rng: np.random.Generator, x_shape, w_shape):
 def jit_cache(tmp_path):
     """Run-time tuning on ("now", short budget, every size), into a fresh cache directory;
     the previous policy and the process's remembered choices are restored afterwards."""
-    from ttile import dispatch
+    from ttile.runtime import dispatch
     previous = ttile.set_tuning(mode="now", budget_seconds=4.0, min_mflops=0.0,
                                 cache_dir=tmp_path / "cache")
     dispatch.forget_choices()
@@ -45,6 +45,6 @@ def jit_cache(tmp_path):
 
 
 def _forget_plans():
-    from ttile import api
+    from ttile.runtime import api
     for call_plan in list(api._plans.values()):
         call_plan.choices.clear()

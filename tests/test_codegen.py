@@ -10,12 +10,12 @@ import re
 import numpy as np
 import pytest
 
-from ttile.cbuild import assembly, build, find_compiler
-from ttile.codegen import generate, kernel_name
-from ttile.scheme import Scheme
-from ttile.spec import ConvSpec
+from ttile.core.cbuild import assembly, build, find_compiler
+from ttile.core.codegen import generate, kernel_name
+from ttile.core.scheme import Scheme
+from ttile.core.spec import ConvSpec
 from conftest import random_tensors, requires_avx512
-from ttile.reference import assert_conv_close
+from ttile.core.reference import assert_conv_close
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on PATH")
 

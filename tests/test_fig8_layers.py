@@ -1,21 +1,32 @@
 """Every Fig. 8 layer of the TTile paper through ttile.conv2d, against float64."""
+import zlib
+
 import numpy as np
 import pytest
 
 import ttile
-from ttile.networks import ALL_LAYERS, RESNET18
+from ttile.generator.networks import ALL_LAYERS, RESNET18
 from conftest import AVAILABLE_ISAS, random_tensors
-from ttile.reference import assert_conv_close
+from ttile.runtime import registry
+from ttile.core.reference import assert_conv_close
 
 
-def _run_layer(layer, layout, threads):
+def _run_layer(layer, layout, threads, expect_tuned=None):
+    """Run and check one layer; ``expect_tuned`` True asserts that the registry's tuned
+    kernel serves it (where one was tuned for it), False that none does."""
     spec = layer.spec()
-    rng = np.random.default_rng(abs(hash(layer.name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(layer.name.encode()))  # the same in every process
     pad = layer.rs // 2
     if layout == "NHWC":
         x, w = random_tensors(rng, (1, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
     else:
         x, w = random_tensors(rng, (1, spec.c, spec.h, spec.w), (spec.k, spec.c, spec.r, spec.s))
+    plan = ttile.plan(x.shape, w.shape, stride=layer.stride, padding=pad, layout=layout,
+                      threads=threads)
+    if expect_tuned and registry.lookup(spec, threads) is not None:
+        assert plan.kind == ttile.KernelKind.TUNED, plan
+    elif expect_tuned is False:
+        assert plan.kind != ttile.KernelKind.TUNED, plan
     y = ttile.conv2d(x, w, stride=layer.stride, padding=pad, layout=layout, threads=threads)
     expected_shape = ((1, spec.ho, spec.wo, spec.k) if layout == "NHWC"
                       else (1, spec.k, spec.ho, spec.wo))
@@ -35,7 +46,7 @@ def kernel_choice(request):
 
 @pytest.mark.parametrize("layer", ALL_LAYERS, ids=lambda l: l.name)
 def test_layer_nhwc_default_kernel(layer, kernel_choice):
-    _run_layer(layer, "NHWC", threads=2)
+    _run_layer(layer, "NHWC", threads=2, expect_tuned=kernel_choice == "tuned")
 
 
 @pytest.mark.parametrize("layer", [l for l in ALL_LAYERS if l.k * l.c <= 512 * 512],

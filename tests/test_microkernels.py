@@ -3,14 +3,16 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from ttile.cbuild import assembly, find_compiler
-from ttile.codegen import generate
-from ttile.cpuinfo import fingerprint
-from ttile.microkernels import (Measurement, MicrokernelShape, MicrokernelTable, TimingProtocol,
+from ttile.core.cbuild import assembly, find_compiler
+from ttile.core.codegen import generate
+from ttile.core.cpuinfo import fingerprint
+from ttile.generator.microkernels import (Measurement, MicrokernelShape, MicrokernelTable, TimingProtocol,
                                 enumerate_shapes, explore, load_table, select_classes)
-from ttile.scheme import lower
+from ttile.core.scheme import lower
+from ttile.tuning.records import RecordStatus
 from conftest import requires_avx512
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ def test_microkernel_scheme_is_the_papers_and_covers_its_problem(shape):
 
 
 def _m(family, axis, alpha, beta, gflops):
-    return Measurement(MicrokernelShape(*family, axis, alpha, beta), "ok", gflops=gflops,
+    return Measurement(MicrokernelShape(*family, axis, alpha, beta), RecordStatus.OK, gflops=gflops,
                        percent_of_peak=gflops)
 
 
@@ -53,7 +55,7 @@ def test_selection_keeps_better_axis_and_groups_beta_intervals():
     ms += [_m((1, 1), "w", 2, 11, 90)]            # w beats h at beta = 11
     ms += [_m((1, 1), "h", 1, b, 86) for b in (3, 4)]
     ms += [_m((3, 3), "h", 1, 5, 40), _m((3, 3), "h", 1, 6, 36), _m((3, 3), "h", 1, 7, 30)]
-    ms += [Measurement(MicrokernelShape(1, 1, "h", 3, 3), "wrong_answer", detail="x")]
+    ms += [Measurement(MicrokernelShape(1, 1, "h", 3, 3), RecordStatus.WRONG, detail="x")]
     classes = select_classes(ms, threshold=0.85)
     got = {(c.unroll_r, c.unroll_s, c.axis, c.alpha, c.beta_min, c.beta_max) for c in classes}
     assert got == {(1, 1, "h", 2, 7, 10), (1, 1, "w", 2, 11, 11), (1, 1, "h", 2, 12, 12),
@@ -67,13 +69,13 @@ def test_explore_measures_checks_saves_and_resumes(tmp_path):
     shapes = [MicrokernelShape(1, 1, "h", 2, b) for b in (4, 5, 6)]
     fast = TimingProtocol(sample_seconds=0.0005, samples=3, max_rounds=1)
     first = explore(tmp_path, shapes=shapes[:2], reduction=64, protocol=fast)
-    assert all(m.status == "ok" and m.gflops > 0 for m in first.measurements)
-    saved = json.loads((tmp_path / f"{fingerprint().id}.json").read_text())
+    assert all(m.status is RecordStatus.OK and m.gflops > 0 for m in first.measurements)
+    saved = json.loads((tmp_path / "microkernels" / f"{fingerprint().id}.json").read_text())
     assert MicrokernelTable.from_json(saved) == first
     assert load_table(tmp_path) == first
 
     # An interrupted run leaves its partial log; the next run measures only the rest.
-    partial = tmp_path / f"{fingerprint().id}.partial.jsonl"
+    partial = tmp_path / "microkernels" / f"{fingerprint().id}.partial.jsonl"
     partial.write_text("\n".join(json.dumps(m.to_json()) for m in first.measurements)
                        + "\n{\"cut\": ")
     seen = []
@@ -120,7 +122,7 @@ def test_microkernel_inner_loop_never_spills_vector_registers(shape):
 
 
 def _committed_table():
-    directory = REPO / "generator" / "microkernels"
+    directory = REPO / "data"
     try:
         return load_table(directory)
     except FileNotFoundError:
@@ -132,7 +134,7 @@ def _committed_table():
 def test_committed_table_for_this_cpu_is_consistent():
     table = _committed_table()
     assert table.classes, "a table without selected microkernels"
-    ok = [m for m in table.measurements if m.status == "ok"]
+    ok = [m for m in table.measurements if m.status is RecordStatus.OK]
     assert len(ok) == len(table.measurements), "some microkernels failed to build or check"
     assert select_classes(table.measurements, table.threshold) == list(table.classes)
     best = table.best_per_family()
@@ -144,17 +146,26 @@ def test_committed_table_for_this_cpu_is_consistent():
 
 def test_plot_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from ttile.plot import plot_microkernels
+    from ttile.generator.plot import plot_microkernels
     ms = tuple(_m((1, 1), "h", a, b, 50 + a + b) for a in (1, 2) for b in range(1, 10))
     table = MicrokernelTable(cpu=fingerprint(), peak_gflops=100.0, threshold=0.85,
                              reduction=512, compiler="cc", cflags=(), measured_on="today",
                              measurements=ms, classes=tuple(select_classes(ms)))
     path = plot_microkernels(table, tmp_path / "fig7.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+    pixels = imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.shape[1] > 200
+    # a heatmap, not a blank canvas: many distinct colours
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[2]).round(2), axis=0)) > 20
 
 
-def test_cli_lists_the_microkernels_command(capsys):
-    from ttile.cli import build_parser
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["microkernels", "--help"])
-    assert "--plot" in capsys.readouterr().out
+def test_cli_parses_the_microkernels_command():
+    from pathlib import Path
+    from ttile.cli import _cmd_microkernels, build_parser
+    args = build_parser().parse_args(["--data-dir", "elsewhere", "microkernels", "--plot",
+                                      "fig.png", "--threshold", "0.9", "--kernel-sizes", "3"])
+    assert args.run is _cmd_microkernels and args.plot == Path("fig.png")
+    assert args.threshold == 0.9 and args.kernel_sizes == [3]
+    assert args.data_dir == Path("elsewhere")
+    legacy = build_parser().parse_args(["--generator-dir", "old", "microkernels"])
+    assert legacy.data_dir == Path("old")       # the flag's former name still works

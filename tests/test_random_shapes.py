@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ttile
 from conftest import AVAILABLE_ISAS
-from ttile.reference import assert_conv_close
+from ttile.core.reference import assert_conv_close
 
 
 @st.composite

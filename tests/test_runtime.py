@@ -1,6 +1,7 @@
 """The run-time path: JIT tuning of unseen shapes, the disk cache and each way it
 degrades, plan(), the pre-packed Conv2d."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,9 +17,9 @@ from hypothesis import strategies as st
 
 import ttile
 from conftest import random_tensors, requires_avx512
-from ttile import dispatch, jit
-from ttile.cache import KernelCache, _json_checksum
-from ttile.reference import assert_conv_close
+from ttile.runtime import dispatch, jit
+from ttile.runtime.cache import KernelCache, _json_checksum
+from ttile.core.reference import assert_conv_close
 
 pytestmark = requires_avx512
 
@@ -26,11 +27,16 @@ pytestmark = requires_avx512
 X_SHAPE, W_SHAPE = (1, 23, 23, 24), (3, 3, 24, 40)
 
 
+#: Ships any correct tuned kernel, even one the noise makes look slower than the generic
+#: kernel, so that the JIT path is what runs.
+SHIP_ANY = ttile.ShipPolicy(max_time_ratio=math.inf)
+
+
 @pytest.fixture
-def prefer_jit(monkeypatch):
-    """Keep any correct tuned kernel, even one the noise makes look slower than the
-    generic kernel, so the JIT path is what runs."""
-    monkeypatch.setattr(jit, "MIN_SPEEDUP", 0.0)
+def prefer_jit(jit_cache):
+    previous = ttile.set_tuning(ship=SHIP_ANY)
+    yield
+    ttile.restore_tuning(previous)
 
 
 def _call(x, w, **kw):
@@ -39,7 +45,7 @@ def _call(x, w, **kw):
 
 
 def _entries(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / "kernels-v1").glob("*.json"))
+    return sorted((cache_dir / "kernels-v2").glob("*.json"))
 
 
 def test_first_call_tunes_and_caches(jit_cache, prefer_jit):
@@ -62,7 +68,7 @@ def test_later_process_reuses_the_entry_without_searching(jit_cache, prefer_jit)
     _call(x, w)
     script = textwrap.dedent(f"""
         import time, numpy as np, ttile
-        from ttile import jit
+        from ttile.runtime import jit
         def forbidden(*a, **k):
             raise AssertionError("searched again")
         jit.tune = forbidden
@@ -110,7 +116,7 @@ def test_damaged_or_foreign_entry_is_not_loaded(jit_cache, prefer_jit, damage):
     elif damage == "writable_by_others":
         os.chmod(library, 0o666)
     cache = KernelCache(jit_cache)
-    key = dispatch.cache_key(ttile.api.make_spec(X_SHAPE, W_SHAPE, 1, 1, "NHWC"), "NHWC", 1,
+    key = dispatch.cache_key(ttile.runtime.api.make_spec(X_SHAPE, W_SHAPE, 1, 1, "NHWC"), "NHWC", 1,
                              dispatch.compiler_identity())
     assert cache.lookup(key) is None            # refused ...
     y = _call(x, w)                              # ... so the call tunes again
@@ -144,9 +150,10 @@ def test_a_cpu_without_a_shipped_machine_model_tunes_with_an_unwritable_cache(
         jit_cache, prefer_jit, tmp_path, monkeypatch):
     """A CPU ttile has no bandwidth table for, and nowhere to save one: the bandwidths are
     measured in memory and the shape is still tuned."""
-    real_directories = jit._data_directories
-    monkeypatch.setattr(jit, "_data_directories", lambda kind, root: [] if kind == "machine"
-                        else real_directories(kind, root))
+    from ttile.generator import data
+    real_installed = data.installed_directory
+    monkeypatch.setattr(data, "installed_directory", lambda kind: None
+                        if kind is data.DataKind.MACHINE else real_installed(kind))
     jit._measured_in_memory.cache_clear()
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the cache directory should be")
@@ -164,10 +171,11 @@ def test_a_cpu_without_a_shipped_machine_model_tunes_with_an_unwritable_cache(
 def test_full_disk_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, monkeypatch):
     import errno
 
-    def disk_full(path, payload):
+    def disk_full(path, payload, mode=0o644):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(KernelCache, "_atomic_write", staticmethod(disk_full))
+    import ttile.runtime.cache as cache_module
+    monkeypatch.setattr(cache_module, "atomic_write", disk_full)
     x, w = random_tensors(np.random.default_rng(4), X_SHAPE, W_SHAPE)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -177,7 +185,7 @@ def test_full_disk_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, mo
     _expect_one_warning(record, "No space left")
     assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
     assert _entries(jit_cache) == []             # nothing half-written left behind
-    assert not list((jit_cache / "kernels-v1").glob("*.so"))
+    assert not list((jit_cache / "kernels-v2").glob("*.so"))
 
 
 def test_no_compiler_degrades_to_generic_with_one_warning(jit_cache, monkeypatch):
@@ -212,14 +220,14 @@ def test_missing_libraries_degrade_to_generic_with_one_warning(jit_cache, monkey
 def test_two_processes_tuning_the_same_shape_leave_one_valid_entry(jit_cache, prefer_jit):
     script = textwrap.dedent(f"""
         import numpy as np, ttile
-        from ttile import jit
-        jit.MIN_SPEEDUP = 0.0
-        ttile.set_tuning(mode="now", budget_seconds=4, min_mflops=0, cache_dir={str(jit_cache)!r})
+        from ttile.runtime import jit
+        ttile.set_tuning(mode="now", budget_seconds=4, min_mflops=0, cache_dir={str(jit_cache)!r},
+                         ship=ttile.ShipPolicy(float("inf")))
         rng = np.random.default_rng(0)
         x = rng.uniform(-1, 1, {X_SHAPE}).astype(np.float32)
         w = rng.uniform(-1, 1, {W_SHAPE}).astype(np.float32)
         y = ttile.conv2d(x, w, 1, 1, "NHWC", threads=1)
-        from ttile.reference import assert_conv_close
+        from ttile.core.reference import assert_conv_close
         assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
         print(ttile.plan(x.shape, w.shape, 1, 1, "NHWC", threads=1).kind)
     """)
@@ -230,8 +238,8 @@ def test_two_processes_tuning_the_same_shape_leave_one_valid_entry(jit_cache, pr
     assert [o[0].strip() for o in outs] == ["jit", "jit"]
     entries = KernelCache(jit_cache).entries()
     assert len(entries) == 1 and entries[0]["valid"]
-    assert len(list((jit_cache / "kernels-v1").glob("*.so"))) == 1
-    assert not list((jit_cache / "kernels-v1").glob(".*.tmp"))
+    assert len(list((jit_cache / "kernels-v2").glob("*.so"))) == 1
+    assert not list((jit_cache / "kernels-v2").glob(".*.tmp"))
 
 
 def test_background_mode_serves_generic_then_the_tuned_kernel(jit_cache, prefer_jit):
@@ -297,16 +305,22 @@ def test_jit_kernels_on_random_shapes_match_reference(case, seed, tmp_path_facto
     x_shape, w_shape, stride, pad, threads = case
     cache_dir = tmp_path_factory.mktemp("jitcache")
     previous = ttile.set_tuning(mode="now", budget_seconds=2.0, min_mflops=0.0,
-                                cache_dir=cache_dir)
-    saved, jit.MIN_SPEEDUP = jit.MIN_SPEEDUP, 0.0
+                                cache_dir=cache_dir, ship=SHIP_ANY)
     try:
         x, w = random_tensors(np.random.default_rng(seed), x_shape, w_shape)
         y = ttile.conv2d(x, w, stride, pad, "NHWC", threads=threads)
         assert_conv_close(y, x, w, (stride, stride), (pad,) * 4, layout="NHWC")
-        assert ttile.plan(x_shape, w_shape, stride, pad, "NHWC", threads=threads).kind in (
-            "jit", "generic")
+        [meta] = _entries(cache_dir)
+        entry = json.loads(meta.read_text())
+        # Every candidate the search compiled was right: a generator bug that made them
+        # all wrong would otherwise pass as "the generic kernel won".
+        assert entry["wrong"] == 0, entry
+        kind = ttile.plan(x_shape, w_shape, stride, pad, "NHWC", threads=threads).kind
+        # With every correct kernel shipped, the generic kernel serves only when the
+        # search measured nothing (no scheme of the space fits the shape).
+        assert kind == ("jit" if entry["measured"] else "generic"), entry
+        assert entry["kind"] == kind
     finally:
-        jit.MIN_SPEEDUP = saved
         ttile.restore_tuning(previous)
         dispatch.forget_choices()
 

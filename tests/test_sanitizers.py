@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ttile.cbuild import find_compiler
+from ttile.core.cbuild import find_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ttile.scheme import Block, Loop, Scheme, SchemeError, Seq, lower
-from ttile.spec import ConvSpec
+from ttile.core.scheme import Block, Loop, Scheme, SchemeError, Seq, lower
+from ttile.core.spec import ConvSpec
 
 PAPER_YOLO13 = ("[T16 k; T1 h; Lseq h [(2,11),(1,12)]; T17 w; T1 h; T1 h; T3 s; T3 r; T2 w; "
                 "T256 c; U beta h; U2 k; V k]")

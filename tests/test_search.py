@@ -8,23 +8,29 @@ import numpy as np
 import pytest
 
 import ttile
-from ttile.microkernels import MicrokernelClass, MicrokernelShape
-from ttile.reference import assert_conv_close
-from ttile.scheme import Scheme, lower
-from ttile.spec import ConvSpec
+from ttile.generator.microkernels import MicrokernelClass, MicrokernelShape
+from ttile.core.reference import assert_conv_close
+from ttile.core.scheme import Scheme, lower
+from ttile.core.spec import ConvSpec
 from conftest import requires_avx512
 
 pytest.importorskip("islpy")
 pytest.importorskip("scipy")
 
-from ttile.emit import TunedKernel, emit  # noqa: E402
-from ttile.iomodel import CacheLevel  # noqa: E402
-from ttile.search import (MODEL_ORDER, REDUCTION_INNERMOST, Candidate,  # noqa: E402
-                          SpacePoint, class_fits, completions, microkernel_choices,
-                          model_loop_order, parallel_variants, prune,
-                          reduction_innermost_orders, scheme_space, scheme_text)
-from ttile.tune import (BUILD_ERROR, OK, WRONG, LayerBench, TuneSettings,  # noqa: E402
-                        TuningDatabase, tune_layer)
+from ttile.generator.emit import TunedKernel, emit  # noqa: E402
+from ttile.generator.autotune import TuneSettings, tune_layer  # noqa: E402
+from ttile.generator.costmodel import CostModel  # noqa: E402
+from ttile.generator.machine import CacheLevel  # noqa: E402
+from ttile.generator.search import (Candidate, LoopFamily, SpacePoint,  # noqa: E402
+                                    class_fits, completions, microkernel_choices,
+                                    model_loop_order, parallel_variants, prune,
+                                    reduction_innermost_orders, scheme_space, scheme_text)
+from ttile.tuning.bench import LayerBench  # noqa: E402
+from ttile.tuning.records import (Contender, Protocol, RecordStatus, Strategy,  # noqa: E402
+                                  TuningDatabase, TuningRecord)
+
+MODEL_ORDER, REDUCTION_INNERMOST = LoopFamily.MODEL_ORDER, LoopFamily.REDUCTION_INNERMOST
+OK, WRONG, BUILD_ERROR = RecordStatus.OK, RecordStatus.WRONG, RecordStatus.BUILD_ERROR
 
 CACHES = (CacheLevel("L1", 48 << 10, 1 / 50e9), CacheLevel("L2", 2 << 20, 1 / 20e9),
           CacheLevel("L3", 32 << 20, 1 / 10e9))
@@ -41,9 +47,8 @@ def test_lambda_seq_pairs_cover_uncooperative_sizes_like_the_paper():
 
 def test_every_completion_is_a_valid_scheme_covering_the_problem():
     spec = ConvSpec(1, 64, 32, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1)
-    from ttile.model import rank_permutations
     shape = MicrokernelShape(1, 1, "h", 2, 9)
-    permutation = rank_permutations(spec, shape, CACHES, top=1)[0]
+    permutation = CostModel(spec, CACHES).rank_permutations(shape, top=1)[0]
     cls = MicrokernelClass(1, 1, "h", 2, 8, 9, 90.0)
     points = completions(spec, cls, model_loop_order(permutation))
     assert points and any(p.lseq_at is not None for p in points)
@@ -132,9 +137,11 @@ def test_three_parallel_strategies_are_expressible_and_valid():
     spec = ConvSpec(1, 64, 32, 8, 8, 3, 3, 1, 1, 1, 1, 1, 1)
     base = _candidate("[T2 k; T3 r; T4 h; T3 s; T8 w; T32 c; U2 h; U2 k; V k]", 32, 1.0)
     variants = {v.strategy: v for v in parallel_variants(base, spec, 2)}
-    assert str(variants["parallel outer band"].scheme).startswith("[PT2 k; T3 r")
-    assert str(variants["reductions innermost"].scheme).startswith("[PT2 k; PT4 h; PT8 w; T3 r")
-    assert str(variants["reductions outermost"].scheme).startswith("[T3 r; T3 s; T32 c; PT2 k")
+    assert str(variants[Strategy.PARALLEL_OUTER_BAND].scheme).startswith("[PT2 k; T3 r")
+    assert str(variants[Strategy.REDUCTIONS_INNERMOST].scheme).startswith(
+        "[PT2 k; PT4 h; PT8 w; T3 r")
+    assert str(variants[Strategy.REDUCTIONS_OUTERMOST].scheme).startswith(
+        "[T3 r; T3 s; T32 c; PT2 k")
     for v in variants.values():
         lower(v.scheme, spec)
 
@@ -155,42 +162,115 @@ def test_a_scheme_opening_with_its_lambda_seq_gets_a_parallel_variant():
                              2) == []
 
 
+def _record(spec, scheme, seconds, protocol=Protocol.SCREEN, threads=1, cpu="cpu-x",
+            **extra):
+    from ttile.core.codegen import GENERATOR_VERSION
+    generic = scheme == ""
+    fields = dict(layer="L", spec=spec, threads=threads, status=OK, seconds=seconds,
+                  gflops=1.0, calls=7, protocol=protocol,
+                  contender=Contender.GENERIC if generic else Contender.SCHEME,
+                  scheme=scheme, strategy=None if generic else Strategy.SEQUENTIAL,
+                  microkernels="", cpu=cpu, generator_version=GENERATOR_VERSION,
+                  measured_on="today")
+    fields.update(extra)
+    return TuningRecord(**fields)
+
+
 def test_database_resumes_and_skips_measured_schemes(tmp_path):
-    from ttile.tune import TuningRecord
-    from ttile.codegen import GENERATOR_VERSION
     spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
     db = TuningDatabase(tmp_path, cpu_id="cpu-x")
     for scheme, seconds in (("[T6 h; T6 w; T4 c; V k]", 2e-5), ("[T6 w; T6 h; T4 c; V k]", 1e-5)):
-        db.add(TuningRecord("L", spec.to_json(), scheme, 1, OK, seconds, 1.0, 7, "screen",
-                            "sequential", "", "cpu-x", GENERATOR_VERSION, "today"))
+        db.add(_record(spec, scheme, seconds))
     with db.path.open("a") as f:
-        f.write('{"cut": ')
-    again = TuningDatabase(tmp_path, cpu_id="cpu-x")
-    assert again.has(spec, "[T6 h; T6 w; T4 c; V k]", 1, "screen")
-    assert not again.has(spec, "[T6 h; T6 w; T4 c; V k]", 2, "screen")
+        f.write('{"cut": ')                       # an append cut by an interruption
+    with pytest.warns(RuntimeWarning, match=r"cpu-x.jsonl:3: dropped an incomplete"):
+        again = TuningDatabase(tmp_path, cpu_id="cpu-x")
+    assert again.has(spec, "[T6 h; T6 w; T4 c; V k]", 1, Protocol.SCREEN)
+    assert not again.has(spec, "[T6 h; T6 w; T4 c; V k]", 2, Protocol.SCREEN)
     assert again.best(spec, 1).scheme == "[T6 w; T6 h; T4 c; V k]"
     assert again.layers() == [(spec, "L")]
 
 
+def test_a_record_that_cannot_be_read_is_an_error_naming_file_and_line(tmp_path):
+    from ttile.tuning.records import RecordError
+    spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
+    db = TuningDatabase(tmp_path, cpu_id="cpu-e")
+    db.add(_record(spec, "[T6 h; T6 w; T4 c; V k]", 1e-5, cpu="cpu-e"))
+    good = db.path.read_text()
+    renamed = good.replace('"seconds"', '"time_s"')       # a renamed field
+    db.path.write_text(good + renamed)
+    with pytest.raises(RecordError, match=r"cpu-e.jsonl:2: .*unknown field\(s\) time_s"):
+        TuningDatabase(tmp_path, cpu_id="cpu-e")
+    db.path.write_text(good.replace('"ok"', '"fine"'))    # a value no enum has
+    with pytest.raises(RecordError, match=r"cpu-e.jsonl:1: .*'fine'"):
+        TuningDatabase(tmp_path, cpu_id="cpu-e")
+    db.path.write_text('not json\n' + good)              # garbage that is not a cut append
+    with pytest.raises(RecordError, match=r"cpu-e.jsonl:1: not a JSON record"):
+        TuningDatabase(tmp_path, cpu_id="cpu-e")
+
+
+def test_format_1_records_are_migrated_with_their_warm_pairs(tmp_path):
+    spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
+    scheme = "[T6 h; T6 w; T4 c; V k]"
+    common = {"calls": 15, "cpu": "cpu-m", "generator_version": 3, "gflops": 1.0,
+              "layer": "L", "measured_on": "2026-11-22", "microkernels": "",
+              "spec": spec.to_json(), "status": "ok", "threads": 1}
+    v1 = [dict(common, protocol="screen", scheme=scheme, seconds=2e-3, strategy="sequential",
+               detail=""),
+          dict(common, protocol="paper", scheme="generic", seconds=1e-3, strategy="generic",
+               detail=""),
+          dict(common, protocol="warm", scheme=scheme, seconds=0.9e-3, strategy="warm",
+               detail=""),
+          dict(common, protocol="warm", scheme="generic", seconds=1e-3, strategy="warm",
+               detail=f"against {scheme} (generic r5)")]
+    path = tmp_path / "cpu-m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in v1))
+    db = TuningDatabase(tmp_path, cpu_id="cpu-m")
+    generic = [r for r in db.records if r.contender is Contender.GENERIC]
+    assert [(r.protocol, r.scheme) for r in generic] == [(Protocol.PAPER, ""), (Protocol.WARM, "")]
+    warm = [r for r in db.records if r.protocol is Protocol.WARM]
+    assert warm[0].comparison == warm[1].comparison == "v1-3"
+    assert warm[0].strategy is Strategy.SEQUENTIAL and warm[1].generic_revision == 5
+    assert db.warm_ratios(spec, 1, scheme) == [pytest.approx(0.9)]
+    db.rewrite()                                           # records migrate
+    assert all(json.loads(line)["format"] == 2 for line in path.read_text().splitlines())
+    assert TuningDatabase(tmp_path, cpu_id="cpu-m").records == db.records
+
+
 def test_a_tuned_kernel_ships_only_clearly_faster_than_the_generic_one(tmp_path):
-    from ttile.codegen import GENERATOR_VERSION
-    from ttile.tune import GENERIC, SHIP_MARGIN, WARM, TuningRecord, _against
+    from ttile.tuning.policy import ShipPolicy
+    from ttile.tuning.records import GENERIC_REVISION, new_comparison_id
     spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
     db = TuningDatabase(tmp_path, cpu_id="cpu-z")
 
-    def compare(scheme, ratio):
-        for text, seconds, detail in ((scheme, ratio * 1e-3, ""),
-                                      (GENERIC, 1e-3, _against(scheme))):
-            db.add(TuningRecord("L", spec.to_json(), text, 1, OK, seconds, 1.0, 15, WARM,
-                                "warm", "", "cpu-z", GENERATOR_VERSION, "today", detail))
+    def compare(scheme, ratio, revision=GENERIC_REVISION):
+        pair = new_comparison_id()
+        db.add(_record(spec, scheme, ratio * 1e-3, Protocol.WARM, cpu="cpu-z", comparison=pair))
+        db.add(_record(spec, "", 1e-3, Protocol.WARM, cpu="cpu-z", comparison=pair,
+                       generic_revision=revision))
 
     tie, win = "[T6 h; T6 w; T4 c; V k]", "[T6 w; T6 h; T4 c; V k]"
-    assert db.warm_verdict(spec, 1, tie) is None          # never compared
-    compare(tie, 1.0 - SHIP_MARGIN / 2)                   # faster, but within the noise
-    assert db.warm_verdict(spec, 1, tie) is False
+    best_tie = _record(spec, tie, 1e-3)
+    assert not db.ships(spec, 1, best_tie)                # never compared, no generic timing
+    compare(tie, 0.985)                                   # faster, but within the noise
+    assert db.warm_ratios(spec, 1, tie) == [pytest.approx(0.985)]
+    assert not db.ships(spec, 1, best_tie)
     for ratio in (0.9, 1.5, 0.92):                        # the median decides, not one run
         compare(win, ratio)
-    assert db.warm_verdict(spec, 1, win) is True
+    assert db.ships(spec, 1, _record(spec, win, 1e-3))
+    compare(tie, 0.5, revision=GENERIC_REVISION - 1)      # against an older generic kernel
+    assert db.warm_ratios(spec, 1, tie) == [pytest.approx(0.985)]
+    # the cold path asks for the same margin, and a generic timing to compare with
+    spec2 = ConvSpec(1, 16, 4, 7, 7, 1, 1)
+    assert not db.ships(spec2, 1, _record(spec2, tie, 0.99e-3))
+    db.add(_record(spec2, "", 1e-3, Protocol.PAPER))
+    assert not db.ships(spec2, 1, _record(spec2, tie, 0.99e-3, Protocol.PAPER))
+    assert db.ships(spec2, 1, _record(spec2, tie, 0.9e-3, Protocol.PAPER))
+    # one policy value decides everywhere, and it is a parameter, not a module global
+    lenient = TuningDatabase(tmp_path, cpu_id="cpu-z", ship=ShipPolicy(max_time_ratio=1.0))
+    assert lenient.ships(spec, 1, best_tie)
+    assert not ShipPolicy().ships([]) and ShipPolicy().ships([0.96])
+    assert not ShipPolicy().ships([0.97]) and ShipPolicy(2.0).beats(1.5, 1.0)
 
 
 @requires_avx512
@@ -203,20 +283,20 @@ def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
     settings = TuneSettings(budget_seconds=30, batch_size=1, screen_calls=3, paper_calls=5,
                             paper_drop=1)
     best = tune_layer("tiny", spec, [good], 1, db, bench, settings)
-    assert best is not None and best.status == OK and best.protocol == "paper"
+    assert best is not None and best.status is OK and best.protocol is Protocol.PAPER
 
     bench.expected = bench.expected + 1.0          # every answer now looks wrong
     tune_layer("tiny", spec, [broken], 1, db, bench, settings)
     assert [r.status for r in db.records if r.scheme == str(broken.scheme)] == [WRONG]
 
-    import ttile.tune as tune_module
-    real_generate = tune_module.generate
+    import ttile.tuning.bench as bench_module
+    real_generate = bench_module.generate
 
     def bad_generate(scheme, spec_, command):
         source = real_generate(scheme, spec_, command)
         return type(source)(source.name, source.spec, source.scheme, source.code + "\n#error x\n")
 
-    monkeypatch.setattr(tune_module, "generate", bad_generate)
+    monkeypatch.setattr(bench_module, "generate", bad_generate)
     third = _candidate("[T3 w; T6 h; T3 r; T3 s; T8 c; U2 w; V k]", 8, 3.0)
     tune_layer("tiny", spec, [third], 1, db, bench, settings)
     assert [r.status for r in db.records if r.scheme == str(third.scheme)] == [BUILD_ERROR]
@@ -238,30 +318,3 @@ def test_emission_is_deterministic_and_removes_stale_kernels(tmp_path):
     kernel_file = next(p for p in first if p.name != "registry.c")
     assert "scheme:  [T6 h; T3 r; T3 s; T8 c; U6 w; V k]" in kernel_file.read_text()
     assert "command: ttile-generate test" in kernel_file.read_text()
-
-
-def _registry_cases():
-    return [pytest.param(e, id=f"{e['layer']}-{'par' if e['parallel'] else 'seq'}")
-            for e in ttile.tuned_kernels()]
-
-
-@requires_avx512
-@pytest.mark.parametrize("entry", _registry_cases())
-def test_every_shipped_tuned_kernel_matches_the_reference(entry):
-    spec = ConvSpec(**{f: entry[f] for f in ("n", "k", "c", "h", "w", "r", "s", "stride_h",
-                                             "stride_w", "pad_top", "pad_bottom", "pad_left",
-                                             "pad_right")})
-    rng = np.random.default_rng(entry["index"])
-    x = rng.uniform(-1, 1, (spec.n, spec.h, spec.w, spec.c)).astype(np.float32)
-    w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
-    y = np.full((spec.n, spec.ho, spec.wo, spec.k), np.nan, np.float32)
-    from ttile import _kernels
-    _kernels.run_tuned(entry["index"], x, _kernels.pack_weights(w, entry["panel"]), y,
-                       2 if entry["parallel"] else 1)
-    assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
-                      (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
-    # and conv2d dispatches to it for the matching call
-    threads = 2 if entry["parallel"] else 1
-    out = ttile.conv2d(x, w, stride=(spec.stride_h, spec.stride_w),
-                       padding=(spec.pad_top, spec.pad_left), layout="NHWC", threads=threads)
-    np.testing.assert_array_equal(out, y)

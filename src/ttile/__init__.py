@@ -5,21 +5,29 @@
 without a tuned kernel are handled (tuned on first call and cached on disk, tuned in the
 background, or never). Importing ttile loads numpy and the compiled extension only; the
 scheme language, code generator and search are imported on demand.
-"""
-__version__ = "0.1.0"
 
-from .api import (KernelPlan, conv2d, get_isa, has_avx512f, plan, set_isa, tuned_kernels,
-                  use_tuned_kernels)
-from .conv_layer import Conv2d
-from .dispatch import TuningPolicy, restore_tuning, set_tuning, tuning_policy
-from .spec import ConvSpec
+The package is layered, each layer importing only those before it:
+
+* ``ttile.core``: problem, scheme, code generator, compiler driver, float64 reference;
+* ``ttile.tuning``: build -> check -> time, the ship policy, the tuning records;
+* ``ttile.generator``: the offline TTile search (``ttile-generate``);
+* ``ttile.runtime``: ``conv2d``, ``Conv2d``, dispatch, the kernel cache, run-time tuning.
+"""
+from ._version import __version__
+from .core.kinds import Isa, KernelKind
+from .core.spec import ConvSpec
+from .runtime.api import (KernelPlan, conv2d, get_isa, has_avx512f, plan, set_isa,
+                          tuned_kernels, use_tuned_kernels)
+from .runtime.conv_layer import Conv2d
+from .runtime.dispatch import TuningPolicy, restore_tuning, set_tuning, tuning_policy
+from .tuning.policy import ShipPolicy
 
 
 def cache_clear() -> int:
     """Delete every kernel tuned at run time from the disk cache and forget this
     process's choices; returns the number of files removed."""
-    from . import api, dispatch
-    from .cache import KernelCache
+    from .runtime import api, dispatch
+    from .runtime.cache import KernelCache
     removed = KernelCache(dispatch.tuning_policy().cache_dir).clear()
     dispatch.forget_choices()
     for call_plan in list(api._plans.values()):
@@ -29,4 +37,5 @@ def cache_clear() -> int:
 
 __all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "get_isa",
            "set_isa", "tuned_kernels", "use_tuned_kernels", "set_tuning", "restore_tuning",
-           "tuning_policy", "TuningPolicy", "cache_clear", "__version__"]
+           "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind", "Isa", "cache_clear",
+           "__version__"]

@@ -1,14 +1,19 @@
-"""``ttile-generate``: the offline generator's command line.
+"""``ttile-generate``: the command line over the generator and the run-time cache.
 
 Subcommands:
   microkernels   step 1: measure microkernels on this CPU, save the table under
-                 generator/microkernels/ (resumes if interrupted), optionally plot it.
+                 data/microkernels/ (resumes if interrupted), optionally plot it.
   model          step 2: rank loop permutations above a microkernel for one layer with
                  the IOOpt model, beside IOOpt's lower bound.
+  records        migrate a tuning-records file to the current format.
   cache          list or clear the kernels ttile.conv2d tuned at run time.
 With --network NAME (or --layers-file F): steps 3-5 for every layer (scheme space,
-pruning, autotuning into generator/records/), then the kernels and their registry are
+pruning, autotuning into data/records/), then the kernels and their registry are
 written to kernels/gen/ for the build to compile.
+
+Tables are read from --data-dir (default ./data) and then from the copies installed
+with ttile; measurements are written under --data-dir. This module sits above both the
+generator and the runtime (its ``cache`` command), and nothing imports it.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_GENERATOR_DIR = Path("generator")
+from .core.kinds import KernelKind
+from .generator.data import DEFAULT_DATA_DIR
 
 
 class _Progress:
@@ -51,18 +57,18 @@ class _Progress:
 
 
 def _cmd_microkernels(args: argparse.Namespace) -> int:
-    from .microkernels import explore
+    from .generator.microkernels import explore
     if args.plot:
         try:  # say so now, not after minutes of measurement
             import matplotlib  # noqa: F401
         except ImportError:
             print("--plot needs matplotlib: pip install 'ttile[plot]'", file=sys.stderr)
             return 2
-    out_dir = args.generator_dir / "microkernels"
+    out_dir = args.data_dir / "microkernels"
     progress = _Progress("microkernels")
     started = time.monotonic()
     try:
-        table = explore(out_dir, kernel_sizes=args.kernel_sizes, threshold=args.threshold,
+        table = explore(args.data_dir, kernel_sizes=args.kernel_sizes, threshold=args.threshold,
                         jobs=args.jobs, progress=progress)
     finally:
         progress.close()
@@ -79,32 +85,33 @@ def _cmd_microkernels(args: argparse.Namespace) -> int:
     print(f"{selected} selected (>= {100 * table.threshold:.0f} % of their scheme's best) "
           f"in {len(table.classes)} classes; table: {out_dir / (table.cpu.id + '.json')}")
     if args.plot:
-        from .plot import plot_microkernels
+        from .generator.plot import plot_microkernels
         print(f"plot: {plot_microkernels(table, args.plot)}")
     return 0
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from .machine import load_or_measure
-    from .microkernels import MicrokernelShape, load_table
-    from .model import compare_with_lower_bound, default_microkernel, rank_permutations
-    from .networks import layer
+    from .generator.costmodel import CostModel, default_microkernel
+    from .generator.machine import load_or_measure
+    from .generator.microkernels import MicrokernelShape, load_table
+    from .generator.networks import layer
 
     spec = layer(args.layer).spec()
-    machine = load_or_measure(args.generator_dir / "machine")
-    caches = machine.caches()
+    machine = load_or_measure(args.data_dir)
+    model = CostModel(spec, machine.caches())
+    caches = model.caches
     if args.microkernel:
         r, s, axis, alpha, beta = args.microkernel
         shape = MicrokernelShape(int(r), int(s), axis, int(alpha), int(beta))
     else:
         try:
-            table = load_table(args.generator_dir / "microkernels")
+            table = load_table(args.data_dir)
         except FileNotFoundError as exc:
             print(f"note: {exc}; using a default microkernel", file=sys.stderr)
             table = None
         shape = default_microkernel(spec, table)
     started = time.monotonic()
-    ranked = rank_permutations(spec, shape, caches, top=args.top)
+    ranked = model.rank_permutations(shape, top=args.top)
     elapsed = time.monotonic() - started
     b = machine.bandwidths
     print(f"{args.layer}: K={spec.k} C={spec.c} H=W={spec.h} R=S={spec.r} stride "
@@ -117,15 +124,28 @@ def _cmd_model(args: argparse.Namespace) -> int:
         print(f"{rank}. {rp.notation()}  counts {rp.notation(with_counts=True)}")
         print(f"   data moved (floats): {volumes}; estimated {rp.estimate.cost * 1e3:.3f} ms")
     print("best permutation against IOOpt's lower bound (floats loaded into each cache):")
-    for report in compare_with_lower_bound(spec, ranked[0], caches):
+    for report in model.lower_bounds(ranked[0]):
         print(f"   {report.cache}: upper {report.volume:.3g} (this scheme), lower "
               f"{report.lower_bound:.3g}, dominant term: {report.dominant_term}")
     print(f"({elapsed:.1f} s)")
     return 0
 
 
+def _cmd_records(args: argparse.Namespace) -> int:
+    from .tuning.records import RECORD_FORMAT, TuningDatabase
+    for path in args.files:
+        if path.suffix != ".jsonl" or not path.exists():
+            print(f"ttile-generate: {path}: not a records file (<cpu-id>.jsonl)",
+                  file=sys.stderr)
+            return 2
+        database = TuningDatabase(path.parent, path.stem)
+        database.rewrite()
+        print(f"{path}: {len(database.records)} records in format {RECORD_FORMAT}")
+    return 0
+
+
 def _cmd_cache(args: argparse.Namespace) -> int:
-    from .cache import KernelCache
+    from .runtime.cache import KernelCache
     cache = KernelCache(args.cache_dir)
     if args.action == "clear":
         print(f"removed {cache.clear()} files from {cache.directory}")
@@ -136,7 +156,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         key = e.get("key", {}) if isinstance(e.get("key"), dict) else {}
         state = "" if e["valid"] else "  (invalid: will be rebuilt)"
         kind = e.get("kind", "?")
-        rate = f"{e.get('gflops', 0):.1f} GFLOP/s" if kind == "jit" else \
+        rate = f"{e.get('gflops', 0):.1f} GFLOP/s" if kind == KernelKind.JIT.value else \
             f"generic {e.get('generic_gflops', 0):.1f} GFLOP/s"
         print(f"{e['file']}: {key.get('problem', '?')} {key.get('layout', '?')} "
               f"t{key.get('threads', '?')} {kind} {e.get('scheme', '')} {rate}{state}")
@@ -144,7 +164,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _load_layers(args: argparse.Namespace):
-    from .networks import NETWORKS, Layer
+    from .generator.networks import NETWORKS, Layer
     if args.network:
         layers = []
         for network in args.network:
@@ -173,18 +193,29 @@ def _load_layers(args: argparse.Namespace):
 
 
 def _cmd_network(args: argparse.Namespace) -> int:
-    from .emit import TunedKernel, emit
-    from .machine import load_or_measure
-    from .microkernels import load_table
-    from .scheme import Scheme
-    from .search import classes_for, parallel_variants, scheme_space
-    from .tune import (LayerBench, TuneSettings, TuningDatabase, compare_warm, measure_generic,
-                       tune_layer)
+    from .core.cpuinfo import fingerprint
+    from .core.scheme import Scheme
+    from .generator.autotune import TuneSettings, compare_warm, measure_generic, tune_layer
+    from .generator.emit import TunedKernel, emit
+    from .generator.machine import load_or_measure
+    from .generator.microkernels import load_table
+    from .generator.search import classes_for, parallel_variants, scheme_space
+    from .tuning.bench import LayerBench
+    from .tuning.records import Protocol, TuningDatabase
 
     layers = _load_layers(args)
-    table = load_table(args.generator_dir / "microkernels")
-    caches = load_or_measure(args.generator_dir / "machine").caches()
-    database = TuningDatabase(args.generator_dir / "records")
+    cpu_id = args.records_cpu or fingerprint().id
+    foreign = cpu_id != fingerprint().id
+    if foreign and not (args.from_records and not args.warm_check):
+        print(f"--records-cpu {cpu_id} is not this CPU ({fingerprint().id}): its records "
+              f"can only be emitted (--from-records, without --warm-check)", file=sys.stderr)
+        return 2
+    database = TuningDatabase(args.data_dir / "records", cpu_id)
+    if foreign:
+        table, caches = None, ()
+    else:
+        table = load_table(args.data_dir)
+        caches = load_or_measure(args.data_dir).caches()
     settings = TuneSettings(budget_seconds=args.budget)
     source = (f"--network {' '.join(args.network)}" if args.network
               else f"--layers-file {args.layers_file}")
@@ -206,7 +237,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
                 measure_generic(layer.name, spec, threads, database, bench)
             tune_layer(layer.name, spec, candidates, 1, database, bench, settings, verbose, command)
             if args.threads > 1:
-                screened = sorted(database.for_layer(spec, 1, "screen"), key=lambda r: r.seconds)
+                screened = sorted(database.for_layer(spec, 1, Protocol.SCREEN),
+                                  key=lambda r: r.seconds)
                 by_text = {str(c.scheme): c for c in candidates}
                 parallel, sources = [], 0
                 for record in screened:  # the fastest that have a loop to parallelize
@@ -228,27 +260,24 @@ def _cmd_network(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - started
     # The registry holds every layer tuned on this CPU so far, not only this run's, so
     # tuning a second network does not drop the first one's kernels.
-    # A tuned kernel is shipped only where it beat the generic one, timed the same way.
-    # With --warm-check, each layer's best scheme is first timed against the generic kernel
-    # warm and side by side; that verdict, when recorded, decides over the cold one.
+    # A searched kernel ships only where the ship policy says it beats the generic kernel
+    # (database.ships: the warm comparisons when recorded, else the cold timings). With
+    # --warm-check, each layer's best scheme is first timed against the generic kernel
+    # warm and side by side.
     for spec, name in database.layers():
         for parallel, threads in ((False, 1), (True, args.threads)):
             best = database.best(spec, threads) if threads > 1 or not parallel else None
             if best is None:
                 continue
             if args.warm_check:
-                tuned_rec, generic_rec = compare_warm(name, spec, threads, best.scheme, database)
-                print(f"{name} t{threads}: tuned {tuned_rec.seconds * 1e3:.3f} ms, generic "
-                      f"{generic_rec.seconds * 1e3:.3f} ms (warm)", file=sys.stderr)
-            verdict = database.warm_verdict(spec, threads, best.scheme)
-            if verdict is None:
-                generic = database.generic(spec, threads)
-                verdict = generic is None or best.seconds < generic.seconds
-            if verdict:
+                searched, generic = compare_warm(name, spec, threads, best, database)
+                print(f"{name} t{threads}: searched {searched.seconds * 1e3:.3f} ms, generic "
+                      f"{generic.seconds * 1e3:.3f} ms (warm)", file=sys.stderr)
+            if database.ships(spec, threads, best):
                 tuned.append(TunedKernel(name, spec, Scheme.parse(best.scheme), parallel,
                                          best.gflops))
     emit(tuned, args.kernels_dir, command)
-    peak = table.peak_gflops
+    peak = table.peak_gflops if table is not None else float("nan")
     print(f"| layer | scheme (1 thread) | microkernels | GFLOP/s | % of peak | generic GFLOP/s "
           f"| {args.threads} threads GFLOP/s | generic |")
     print("|---|---|---|---|---|---|---|---|")
@@ -262,8 +291,9 @@ def _cmd_network(args: argparse.Namespace) -> int:
         print(f"| {layer.name} | `{best1.scheme}` | {best1.microkernels} | {best1.gflops:.1f} | "
               f"{100 * best1.gflops / peak:.0f} | {g1.gflops if g1 else float('nan'):.1f} | "
               f"{multi} | {gn.gflops if gn else float('nan'):.1f} |")
-    print("(GFLOP/s of the cold-cache protocol: calls rotate over tensor copies; a tuned "
-          "kernel slower than the generic one is not shipped)")
+    print(f"(GFLOP/s of the cold-cache protocol: calls rotate over tensor copies; a searched "
+          f"kernel ships only when its time is below {database.ship.max_time_ratio:g} of the "
+          f"generic kernel's)")
     print(f"search time: {elapsed:.0f} s; {len(tuned)} kernels written to {args.kernels_dir}")
     return 0
 
@@ -271,8 +301,13 @@ def _cmd_network(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ttile-generate",
                                      description="TTile offline generator")
-    parser.add_argument("--generator-dir", type=Path, default=DEFAULT_GENERATOR_DIR,
-                        help="where tables and records live (default: ./generator)")
+    parser.add_argument("--data-dir", "--generator-dir", dest="data_dir", type=Path,
+                        default=DEFAULT_DATA_DIR,
+                        help="where measured tables and records are written, and read "
+                             "first (default: ./data; then the tables installed with ttile)")
+    parser.add_argument("--records-cpu", metavar="CPU_ID",
+                        help="emit from the records of another CPU (with --from-records), "
+                             "e.g. authenticamd-25-17-b17bf99a")
     parser.add_argument("--network", nargs="+", help="search every layer of built-in "
                         "networks (yolo9000, resnet18) and emit the kernels")
     parser.add_argument("--layers-file", help="search the layers listed in a TOML or JSON "
@@ -312,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "measured that fits)")
     model.add_argument("--top", type=int, default=3, help="permutations to show")
     model.set_defaults(run=_cmd_model)
+    records = sub.add_parser("records", help="tuning records: rewrite a file in the "
+                                             "current format")
+    records.add_argument("action", choices=("migrate",))
+    records.add_argument("files", nargs="+", type=Path, help="<cpu-id>.jsonl files")
+    records.set_defaults(run=_cmd_records)
     cache = sub.add_parser("cache", help="list or clear the kernels tuned at run time")
     cache.add_argument("action", choices=("list", "clear"))
     cache.add_argument("--cache-dir", type=Path, default=None,

@@ -31,24 +31,29 @@ rest parallel; the reduction loops moved outermost and the rest below them paral
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .iomodel import CacheLevel, best_levels, divisor_splits, nest_volumes
-from .microkernels import MicrokernelClass, MicrokernelShape
-from .model import RankedPermutation, microkernel_tile, rank_permutations
-from .polyhedral import conv2d_computation
-from .scheme import Scheme, SchemeError, lower
-from .spec import REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+from ..core.scheme import LOOP_KINDS, Scheme, SchemeError, SpecKind, Specifier, lower
+from ..core.spec import REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+from ..tuning.records import Strategy
+from .costmodel import CostModel, RankedPermutation, microkernel_tile
+from .iomodel import divisor_splits
+from .machine import CacheLevel
+from .microkernels import MicrokernelClass, MicrokernelShape, select_classes
 
 
-#: Loop-order families of the scheme space (see the module docstring).
-MODEL_ORDER = "model permutation"
-REDUCTION_INNERMOST = "reduction innermost"
+class LoopFamily(str, Enum):
+    """Loop-order families of the scheme space (see the module docstring)."""
+
+    MODEL_ORDER = "model permutation"
+    REDUCTION_INNERMOST = "reduction innermost"
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,8 @@ class Candidate:
     microkernels: tuple[MicrokernelShape, ...]   # one, or the two composed by lambda-seq
     reduction_above: int                          # iterations of the c loop above the block
     model_cost: float                             # seconds of data movement (step 2 model)
-    strategy: str = "sequential"
-    origin: str = MODEL_ORDER                     # the family of its loop order
+    strategy: Strategy = Strategy.SEQUENTIAL
+    origin: LoopFamily = LoopFamily.MODEL_ORDER   # the family of its loop order
 
     @property
     def microkernel_text(self) -> str:
@@ -101,31 +106,39 @@ def microkernel_choices(axis_extent: int, cls: MicrokernelClass) -> list[tuple[t
     return out
 
 
-def _block(cls: MicrokernelClass, beta: str | int) -> str:
-    """The unrolled block of ``cls``; a parameter name in place of beta under a lambda-seq."""
-    if isinstance(beta, int):
+#: The parameter a lambda-seq binds in the schemes the search writes.
+BETA = "beta"
+
+
+def _block(cls: MicrokernelClass, beta: str | int) -> tuple[Specifier, ...]:
+    """The unrolled block of ``cls``; the parameter ``beta`` names the size along the
+    spatial axis under a lambda-seq."""
+    if isinstance(beta, str):
         return MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha,
-                                beta).block_specifiers()
-    text = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha, 1).block_specifiers()
-    return text.replace(f"U1 {cls.axis}", f"U {beta} {cls.axis}")
+                                cls.beta_min).block(parameter=beta)
+    return MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha, beta).block()
 
 
-def scheme_text(point: SpacePoint, cls: MicrokernelClass,
-                parallel: frozenset[int] = frozenset()) -> str:
+def point_specifiers(point: SpacePoint, cls: MicrokernelClass) -> tuple[Specifier, ...]:
     """The scheme of a space point; loops of one iteration are left out (they would only
     add an empty loop), except where the lambda-seq needs an anchor."""
-    items = []
+    items: list[Specifier] = []
+    lseq = Specifier(SpecKind.LSEQ, cls.axis, parts=point.betas) \
+        if point.lseq_at is not None else None
     for i, (d, n) in enumerate(zip(point.dims, point.counts)):
         if point.lseq_at == i:
-            pairs = ",".join(f"({c},{b})" for c, b in point.betas)
-            items.append(f"Lseq {cls.axis} [{pairs}]")
+            items.append(lseq)
         if n > 1:
-            items.append(f"{'P' if i in parallel else ''}T{n} {d}")
-    if point.lseq_at is not None and point.lseq_at >= len(point.dims):
-        pairs = ",".join(f"({c},{b})" for c, b in point.betas)
-        items.append(f"Lseq {cls.axis} [{pairs}]")
-    beta: str | int = "beta" if point.lseq_at is not None else point.betas[0][1]
-    return "[" + "; ".join(items + [_block(cls, beta)]) + "]"
+            items.append(Specifier(SpecKind.T, d, size=n))
+    if lseq is not None and point.lseq_at >= len(point.dims):
+        items.append(lseq)
+    beta: str | int = BETA if lseq is not None else point.betas[0][1]
+    return tuple(items) + _block(cls, beta)
+
+
+def scheme_text(point: SpacePoint, cls: MicrokernelClass) -> str:
+    """The paper notation of :func:`point_specifiers` (what records and kernels carry)."""
+    return "[" + "; ".join(str(sp) for sp in point_specifiers(point, cls)) + "]"
 
 
 def model_loop_order(permutation: RankedPermutation) -> tuple[str, ...]:
@@ -197,11 +210,11 @@ def _reduction_above(point: SpacePoint) -> int:
     return 0
 
 
-def model_costs(spec: ConvSpec, cls: MicrokernelClass, points: Sequence[SpacePoint],
-                caches: Sequence[CacheLevel]) -> np.ndarray:
+def model_costs(model: CostModel, cls: MicrokernelClass, points: Sequence[SpacePoint]
+                ) -> np.ndarray:
     """Data-movement cost of each point, batched per permutation. A lambda-seq pair is
     modelled as its first microkernel with the axis loops stretched to cover the rest."""
-    comp = conv2d_computation(spec.stride_h, spec.stride_w)
+    spec = model.spec
     costs = np.empty(len(points))
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(points):
@@ -215,10 +228,7 @@ def model_costs(spec: ConvSpec, cls: MicrokernelClass, points: Sequence[SpacePoi
         axis_loops = [j for j, d in enumerate(dims) if d == cls.axis]
         if axis_loops:
             counts[:, axis_loops[-1]] *= stretch
-        fps, ios = nest_volumes(comp, dims, tile, counts)
-        for row, i in enumerate(idx):
-            costs[i] = sum(best_levels(fps[row], ios[row], c.capacity_bytes / 4)[0] * 4
-                           * c.seconds_per_byte for c in caches)
+        costs[idx] = model.costs(dims, tile, counts)
     return costs
 
 
@@ -249,7 +259,6 @@ def classes_for(spec: ConvSpec, table, thresholds: Sequence[float] = (0.75, 0.65
     """The table's classes, or when none of them can cover this layer (no size or pair
     divides its axis, or k does not split into their vector counts), classes selected
     with a lower threshold: the paper's fallback to suboptimal microkernels."""
-    from .microkernels import select_classes
 
     def usable(classes) -> list[MicrokernelClass]:
         out = []
@@ -274,17 +283,18 @@ class _RankedPoint:
     a wide class (beta 4 to 18) has over 100 000 completions, and parsing them all cost
     more than ranking them, to keep 200."""
 
-    scheme: str
+    scheme: str                       # paper notation (pruning breaks ties by it)
+    specifiers: tuple[Specifier, ...]
     cls: MicrokernelClass
     betas: tuple[tuple[int, int], ...]
     reduction_above: int
     model_cost: float
-    origin: str
+    origin: LoopFamily
 
     def candidate(self) -> Candidate:
         shapes = tuple(MicrokernelShape(self.cls.unroll_r, self.cls.unroll_s, self.cls.axis,
                                         self.cls.alpha, b) for _, b in self.betas)
-        return Candidate(Scheme.parse(self.scheme), shapes, self.reduction_above,
+        return Candidate(Scheme(self.specifiers), shapes, self.reduction_above,
                          self.model_cost, origin=self.origin)
 
 
@@ -299,8 +309,9 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
     ``max_points`` caps the completions of one loop order (the run-time tuner, on a
     budget of seconds, asks for fewer).
     """
+    model = CostModel(spec, caches)
     candidates: list[_RankedPoint] = []
-    seen: set[str] = set()
+    seen: set[tuple[Specifier, ...]] = set()
     fitting = sorted((c for c in classes if class_fits(spec, c)),
                      key=lambda c: -c.best_percent)[:max_classes]
     permutations: dict[tuple, list[RankedPermutation]] = {}
@@ -312,28 +323,30 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
             shape = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha,
                                      representative)
             try:
-                permutations[key] = rank_permutations(spec, shape, caches,
-                                                      top=permutations_per_class)
+                permutations[key] = model.rank_permutations(shape,
+                                                            top=permutations_per_class)
             except ValueError:
                 permutations[key] = []
-        orders = [(model_loop_order(p), MODEL_ORDER) for p in permutations[key]]
-        orders += [(o, REDUCTION_INNERMOST) for o in reduction_innermost_orders(spec, cls)]
+        orders = [(model_loop_order(p), LoopFamily.MODEL_ORDER) for p in permutations[key]]
+        orders += [(o, LoopFamily.REDUCTION_INNERMOST)
+                   for o in reduction_innermost_orders(spec, cls)]
         for order, origin in orders:
             points = completions(spec, cls, order, max_points)
             if not points:
                 continue
-            costs = model_costs(spec, cls, points, caches)
+            costs = model_costs(model, cls, points)
             for point, cost in zip(points, costs):
-                text = scheme_text(point, cls)
-                if text in seen:
+                specifiers = point_specifiers(point, cls)
+                if specifiers in seen:
                     continue
-                seen.add(text)
-                candidates.append(_RankedPoint(text, cls, point.betas, _reduction_above(point),
-                                               float(cost), origin))
+                seen.add(specifiers)
+                text = "[" + "; ".join(str(sp) for sp in specifiers) + "]"
+                candidates.append(_RankedPoint(text, specifiers, cls, point.betas,
+                                               _reduction_above(point), float(cost), origin))
     return [point.candidate() for point in prune(candidates, keep_fraction, top)]
 
 
-def hoist_above_lambda_seq(specs: Sequence, first_block: int) -> list:
+def hoist_above_lambda_seq(specs: Sequence[Specifier], first_block: int) -> list[Specifier]:
     """``specs`` with the tile loops right below its opening lambda-seq that run along
     neither the sequence's axis nor a reduction moved above it. The iterations are the
     same, the sequence now runs inside each of them; without this, a scheme like
@@ -341,7 +354,8 @@ def hoist_above_lambda_seq(specs: Sequence, first_block: int) -> list:
     has no loop to run in parallel."""
     lseq = specs[0]
     end = 1
-    while (end < first_block and specs[end].kind == "T" and not specs[end].is_parametric
+    while (end < first_block and specs[end].kind is SpecKind.T
+           and not specs[end].is_parametric
            and specs[end].dim != lseq.dim and specs[end].dim not in REDUCTION_DIMS):
         end += 1
     return list(specs[1:end]) + [lseq] + list(specs[end:])
@@ -356,48 +370,49 @@ def parallel_variants(candidate: Candidate, spec: ConvSpec, threads: int) -> lis
     :func:`hoist_above_lambda_seq`).
     """
     specs = list(candidate.scheme.specifiers)
-    first_block = next(i for i, s in enumerate(specs) if s.kind in ("U", "V"))
-    if specs[0].kind == "Lseq":
+    first_block = len(specs) - len(candidate.scheme.block)
+    if specs[0].kind is SpecKind.LSEQ:
         specs = hoist_above_lambda_seq(specs, first_block)
-    first_lseq = next((i for i, s in enumerate(specs) if s.kind == "Lseq"), first_block)
+    first_lseq = next((i for i, s in enumerate(specs) if s.kind is SpecKind.LSEQ),
+                      first_block)
     head, tail = specs[:first_lseq], specs[first_lseq:]
-    loops = [s for s in head if s.kind in ("T", "R")]
+    loops = [s for s in head if s.kind in LOOP_KINDS]
     if len(loops) != len(head):
         return []
 
-    def text(order: list, parallel_from: int, parallel_to: int) -> str:
-        parts = []
-        for i, s in enumerate(order):
-            prefix = "P" if parallel_from <= i < parallel_to else ""
-            parts.append(f"{prefix}{s}" if not str(s).startswith("P") else str(s))
-        return "[" + "; ".join(parts + [str(s) for s in tail]) + "]"
+    def with_band(order: list[Specifier], parallel_from: int, parallel_to: int
+                  ) -> tuple[Specifier, ...]:
+        band = [dataclasses.replace(s, parallel=True) if parallel_from <= i < parallel_to
+                else s for i, s in enumerate(order)]
+        return tuple(band + tail)
 
     def band_iterations(order, start, end) -> int:
         return math.prod(s.size for s in order[start:end])
 
-    variants = []
+    variants: list[tuple[Strategy, tuple[Specifier, ...]]] = []
     # 1. the largest band of non-reduction loops at the top
     end = 0
     while end < len(loops) and loops[end].dim not in REDUCTION_DIMS:
         end += 1
     if end and band_iterations(loops, 0, end) >= threads:
-        variants.append(("parallel outer band", text(loops, 0, end)))
+        variants.append((Strategy.PARALLEL_OUTER_BAND, with_band(loops, 0, end)))
     # 2. reductions innermost, the rest collapsed
     outer = [s for s in loops if s.dim not in REDUCTION_DIMS]
     inner = [s for s in loops if s.dim in REDUCTION_DIMS]
     if outer and band_iterations(outer, 0, len(outer)) >= threads:
-        variants.append(("reductions innermost", text(outer + inner, 0, len(outer))))
+        variants.append((Strategy.REDUCTIONS_INNERMOST,
+                         with_band(outer + inner, 0, len(outer))))
     # 3. reductions outermost, the rest collapsed below them
     if outer and inner and band_iterations(outer, 0, len(outer)) >= threads:
-        variants.append(("reductions outermost",
-                         text(inner + outer, len(inner), len(inner) + len(outer))))
+        variants.append((Strategy.REDUCTIONS_OUTERMOST,
+                         with_band(inner + outer, len(inner), len(inner) + len(outer))))
     out, seen = [], set()
-    for strategy, scheme_str in variants:
-        if scheme_str in seen:
+    for strategy, specifiers in variants:
+        if specifiers in seen:
             continue
-        seen.add(scheme_str)
+        seen.add(specifiers)
         try:
-            scheme = Scheme.parse(scheme_str)
+            scheme = Scheme(specifiers)
             lower(scheme, spec)
         except SchemeError:
             continue

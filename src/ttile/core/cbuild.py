@@ -20,6 +20,7 @@ from typing import Union
 import numpy as np
 
 from .codegen import KERNEL_CFLAGS, KernelSource
+from .fileio import atomic_write, publish
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 
@@ -30,6 +31,11 @@ class BuildError(RuntimeError):
     def __init__(self, message: str, log: str):
         super().__init__(f"{message}\n{log}")
         self.log = log
+
+
+class CompileTimeout(BuildError):
+    """The compiler ran past its time limit (a hung or overloaded compiler must not hang
+    the ``conv2d`` call that tunes a shape: the caller falls back to the generic kernel)."""
 
 
 def find_compiler() -> str | None:
@@ -114,7 +120,7 @@ class BuiltLibrary:
 
 def packed_weights(kernel: KernelSource, w: np.ndarray) -> np.ndarray:
     """The kernel's weight panels from RSCK weights (see ``_kernels.pack_weights``)."""
-    from . import _kernels
+    from .. import _kernels
     return _kernels.pack_weights(w, kernel.panel)
 
 
@@ -163,12 +169,14 @@ void {each_timer_name(kernel)}(const float *const *xs, const float *const *ws,
 
 
 def build(kernels: list[KernelSource], workdir: Path | None = None,
-          extra_flags: tuple[str, ...] = (), timers: bool = False) -> BuiltLibrary:
+          extra_flags: tuple[str, ...] = (), timers: bool = False,
+          timeout: float | None = None) -> BuiltLibrary:
     """Compile ``kernels`` into one shared object and load it.
 
     With ``timers``, each kernel also gets a ``<name>_time`` function (see
     :meth:`BuiltLibrary.time`). The object is named by the hash of its sources and
-    flags, so rebuilding the same kernels reuses it.
+    flags, so rebuilding the same kernels reuses it. ``timeout`` (seconds) limits the
+    compiler: past it, :class:`CompileTimeout`.
     """
     compiler = find_compiler()
     if compiler is None:
@@ -189,24 +197,31 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
     lib_path = workdir / f"kernels_{digest[:16]}.so"
     if not lib_path.exists():
         c_path = workdir / f"kernels_{digest[:16]}.c"
-        c_path.write_text(source)
+        atomic_write(c_path, source)
         tmp_path = workdir / f".{lib_path.name}.{os.getpid()}.tmp"
-        proc = subprocess.run([compiler, *flags, "-shared", "-o", str(tmp_path), str(c_path)],
-                              capture_output=True, text=True)
+        try:
+            proc = subprocess.run([compiler, *flags, "-shared", "-o", str(tmp_path),
+                                   str(c_path)], capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tmp_path.unlink(missing_ok=True)
+            raise CompileTimeout(f"compiling {c_path} took more than {timeout:g} s", "") \
+                from None
         if proc.returncode != 0:
             raise BuildError(f"compiling {c_path} failed", proc.stderr)
-        os.replace(tmp_path, lib_path)  # atomic: a concurrent builder sees all or nothing
+        publish(tmp_path, lib_path)  # a concurrent builder sees all or nothing
     return BuiltLibrary(lib_path, ctypes.CDLL(str(lib_path)))
 
 
 def build_batches(batches: list[list[KernelSource]], jobs: int = 2, timers: bool = False,
-                  workdir: Path | None = None, extra_flags: tuple[str, ...] = ()
-                  ) -> list[Union[BuiltLibrary, BuildError]]:
+                  workdir: Path | None = None, extra_flags: tuple[str, ...] = (),
+                  timeout: float | None = None) -> list[Union[BuiltLibrary, BuildError]]:
     """Build several batches concurrently; a failed batch is returned as its BuildError."""
 
     def one(batch: list[KernelSource]) -> Union[BuiltLibrary, BuildError]:
         try:
-            return build(batch, workdir=workdir, extra_flags=extra_flags, timers=timers)
+            return build(batch, workdir=workdir, extra_flags=extra_flags, timers=timers,
+                         timeout=timeout)
         except BuildError as error:
             return error
 

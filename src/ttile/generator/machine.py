@@ -3,7 +3,7 @@
 Capacities come from the CPU fingerprint (sysfs); bandwidths are measured here by
 reading a buffer that fits in each level (an eighth of L1 and L2, four times L2 for L3)
 and one four times the last level (DRAM), on one pinned thread. A measurement is saved with the CPU
-fingerprint under ``generator/machine/`` and reused.
+fingerprint under ``data/machine/`` and reused.
 """
 from __future__ import annotations
 
@@ -15,10 +15,20 @@ from typing import Optional
 
 import numpy as np
 
-from .cpuinfo import CpuFingerprint, fingerprint
-from .iomodel import CacheLevel
+from ..core.cpuinfo import CpuFingerprint, fingerprint
+from ..core.fileio import atomic_write
+from .data import DataKind, find_file
 
 FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CacheLevel:
+    """A cache: capacity in bytes and the seconds per byte to fill it from the level below."""
+
+    name: str
+    capacity_bytes: int
+    seconds_per_byte: float
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class MachineModel:
 
 
 def _read_bandwidth(floats: int, min_seconds: float = 0.05) -> float:
-    from . import _kernels
+    from .. import _kernels
     buffer = np.ones(floats, np.float32)
     reps = 1
     _kernels.read_seconds(buffer, 1)
@@ -85,15 +95,16 @@ def measure(cpu: Optional[CpuFingerprint] = None) -> MachineModel:
     return MachineModel(cpu, bandwidths)
 
 
-def load_or_measure(directory: Path, remeasure: bool = False) -> MachineModel:
-    """The saved model of this CPU under ``directory``, measuring and saving it if absent."""
+def load_or_measure(data_dir: Optional[Path] = None, remeasure: bool = False) -> MachineModel:
+    """This CPU's model from ``data_dir`` or the models installed with ttile; measured
+    (about a second) and saved under ``data_dir/machine`` when there is none."""
     cpu = fingerprint()
-    path = directory / f"{cpu.id}.json"
-    if path.exists() and not remeasure:
+    path = find_file(DataKind.MACHINE, cpu.id, data_dir)
+    if path is not None and not remeasure:
         return MachineModel.from_json(json.loads(path.read_text()))
     model = measure(cpu)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(model.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
+    if data_dir is not None:
+        directory = Path(data_dir) / DataKind.MACHINE.value
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(directory / f"{cpu.id}.json", json.dumps(model.to_json(), indent=1) + "\n")
     return model

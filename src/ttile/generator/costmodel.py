@@ -1,16 +1,21 @@
-"""Step 2 of the TTile search (paper section 5.2): the loop permutation above a microkernel.
+"""Step 2 of the TTile search (paper section 5.2): the data-movement cost of a tiled nest
+for one problem, and the loop permutation above a microkernel that it ranks best.
+
+:class:`CostModel` owns the model. It is made once per problem and cache hierarchy: the
+problem becomes a polyhedral computation once, and its footprints are turned into
+numeric functions once; every cost the search asks for after that (a permutation being
+solved by TileOpt, a hundred thousand completions being pruned) is numeric evaluation
+through the pure math of :mod:`ttile.generator.iomodel`.
 
 For a convolution and a microkernel, the loops above the microkernel form four bands,
 one per memory level (outermost first: memory, L3, L2, L1), each a permutation of the
 dimensions that still have iterations left. Each band's candidates come from IOOpt's
 Algorithm 1 (a handful instead of 7!); the combination is chosen band by band (L1, then
-L2, then L3) by the data-movement cost of :mod:`ttile.iomodel`, with TileOpt choosing
-the loop counts, which are then rounded to integers that divide the problem. The result
-is written as in the paper, e.g. ``[[K,H],[W,H],[H],[S,R,W,C]]`` (loops that TileOpt
-left at one iteration are omitted).
+L2, then L3), with TileOpt choosing the loop counts, which are then rounded to integers
+that divide the problem. The result is written as in the paper, e.g.
+``[[K,H],[W,H],[H],[S,R,W,C]]`` (loops that TileOpt left at one iteration are omitted).
 
-Symbolic work happens once per computation (:func:`ttile.polyhedral.footprints`); the
-ranking itself is numeric. Imports islpy, sympy and scipy: generator only.
+Imports islpy, sympy and scipy: generator and run-time tuner only.
 """
 from __future__ import annotations
 
@@ -20,11 +25,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .iomodel import (CacheLevel, Estimate, best_levels, conv_lower_bound, estimate_nest,
-                      generate_permutations, nest_volumes, reuse_sets, round_counts, tileopt)
+from ..core.spec import VECTOR_LANES, ConvSpec
+from .iomodel import (Estimate, conv_lower_bound, estimate_nest, generate_permutations,
+                      nest_volumes, numeric_footprints, reuse_sets, round_counts, tileopt,
+                      weighted_costs)
+from ..tuning.records import RecordStatus
+from .machine import CacheLevel
 from .microkernels import MicrokernelShape
 from .polyhedral import conv2d_computation
-from .spec import VECTOR_LANES, ConvSpec
 
 BANDS = ("memory", "L3", "L2", "L1")  # outermost first
 
@@ -129,9 +137,8 @@ def _hill_climb(perm: tuple[str, ...], counts: list[float], integral: set[str],
     return current, value
 
 
-def rank_permutations(spec: ConvSpec, shape: MicrokernelShape, caches: Sequence[CacheLevel],
-                      top: int = 6, candidates_per_band: int = 3,
-                      polish: int = 3) -> list[RankedPermutation]:
+def _rank_permutations(model: "CostModel", shape: MicrokernelShape, top: int,
+                       candidates_per_band: int, polish: int) -> list[RankedPermutation]:
     """Ranked four-band permutations above ``shape`` for ``spec``, cheapest first.
 
     Band candidates come from Algorithm 1; the L1, L2 and L3 bands are chosen in turn,
@@ -139,7 +146,7 @@ def rank_permutations(spec: ConvSpec, shape: MicrokernelShape, caches: Sequence[
     rounded to integer counts that divide the problem and improved by moving prime
     factors between loops of a dimension; that integer estimate is what is ranked.
     """
-    comp = conv2d_computation(spec.stride_h, spec.stride_w)
+    spec, comp = model.spec, model.computation
     tile = microkernel_tile(spec, shape)
     extents = spec.iteration_extents()
     remaining = {d: extents[d] / tile[d] for d in comp.dims}
@@ -155,12 +162,7 @@ def rank_permutations(spec: ConvSpec, shape: MicrokernelShape, caches: Sequence[
         else candidates
 
     def objective_batch(perm, counts_2d):
-        fps, ios = nest_volumes(comp, perm, tile, counts_2d)
-        out = np.empty(len(counts_2d))
-        for p in range(len(counts_2d)):
-            out[p] = sum(best_levels(fps[p], ios[p], c.capacity_bytes / 4)[0] * 4
-                         * c.seconds_per_byte for c in caches)
-        return out
+        return model.costs(perm, tile, counts_2d)
 
     solved: dict[tuple, tuple[float, tuple[float, ...]]] = {}
 
@@ -191,7 +193,7 @@ def rank_permutations(spec: ConvSpec, shape: MicrokernelShape, caches: Sequence[
         if len(ranked) < polish:
             rounded, _ = _hill_climb(perm, rounded, integral,
                                      lambda pts, perm=perm: objective_batch(perm, pts))
-        est = estimate_nest(comp, perm, tile, rounded, caches)
+        est = model.estimate(perm, tile, rounded)
         bands = tuple(perm[i * size:(i + 1) * size] for i in range(len(BANDS)))
         band_counts = tuple(tuple(rounded[i * size:(i + 1) * size]) for i in range(len(BANDS)))
         ranked.append(RankedPermutation(bands, band_counts, est))
@@ -213,9 +215,8 @@ class LevelReport:
     dominant_term: str
 
 
-def compare_with_lower_bound(spec: ConvSpec, ranked: RankedPermutation,
-                             caches: Sequence[CacheLevel]) -> list[LevelReport]:
-    """Model volume (upper bound of the scheme) beside IOOpt's lower bound, per cache."""
+def _compare_with_lower_bound(spec: ConvSpec, ranked: RankedPermutation,
+                              caches: Sequence[CacheLevel]) -> list[LevelReport]:
     reports = []
     for cache in caches:
         capacity = cache.capacity_bytes / 4
@@ -240,9 +241,55 @@ def default_microkernel(spec: ConvSpec, table=None) -> MicrokernelShape:
                 if shape.alpha * VECTOR_LANES <= extents["k"] and \
                         shape.beta <= extents[shape.axis]:
                     fits.append(shape)
-        measured = {m.shape: m.gflops for m in table.measurements if m.status == "ok"}
+        measured = {m.shape: m.gflops for m in table.measurements
+                    if m.status is RecordStatus.OK}
         if fits:
             return max(fits, key=lambda s: measured.get(s, 0.0))
     alpha = max(1, min(2, extents["k"] // VECTOR_LANES))
     beta = max(1, min(8 if alpha == 2 else 14, extents["h"]))
     return MicrokernelShape(1, 1, "h", alpha, beta)
+
+
+class CostModel:
+    """The IOOpt cost model of one problem on one cache hierarchy (see the module text).
+
+    ``costs`` is what the search calls in its inner loops; the footprints behind it are
+    derived once per problem (per stride, in fact: the convolution's access functions
+    depend on nothing else) and shared by every method.
+    """
+
+    def __init__(self, spec: ConvSpec, caches: Sequence[CacheLevel]):
+        self.spec = spec
+        self.caches = tuple(caches)
+        self.computation = conv2d_computation(spec.stride_h, spec.stride_w)
+        self.footprints = numeric_footprints(self.computation)
+
+    def costs(self, permutation: Sequence[str], tile: dict[str, float], counts_2d
+              ) -> np.ndarray:
+        """Seconds of data movement of the nests ``permutation`` (loop dims, outermost
+        first) above ``tile``, one per row of loop counts ``counts_2d``."""
+        fps, ios = nest_volumes(self.footprints, permutation, tile,
+                                np.atleast_2d(np.asarray(counts_2d, float)))
+        return weighted_costs(fps, ios, self.caches)
+
+    def estimate(self, permutation: Sequence[str], tile: dict[str, float],
+                 counts: Sequence[float]) -> Estimate:
+        """Volumes per cache and weighted cost of one concrete nest."""
+        return estimate_nest(self.footprints, permutation, tile, counts, self.caches)
+
+    def rank_permutations(self, shape: MicrokernelShape, top: int = 6,
+                          candidates_per_band: int = 3, polish: int = 3
+                          ) -> list[RankedPermutation]:
+        """Ranked four-band permutations above ``shape``, cheapest first.
+
+        Band candidates come from Algorithm 1; the L1, L2 and L3 bands are chosen in
+        turn, each candidate's loop counts set by TileOpt (SLSQP). The ``polish`` best
+        are then rounded to integer counts that divide the problem and improved by
+        moving prime factors between loops of a dimension; that integer estimate is what
+        is ranked.
+        """
+        return _rank_permutations(self, shape, top, candidates_per_band, polish)
+
+    def lower_bounds(self, ranked: RankedPermutation) -> list[LevelReport]:
+        """Model volume (upper bound of the scheme) beside IOOpt's lower bound, per cache."""
+        return _compare_with_lower_bound(self.spec, ranked, self.caches)

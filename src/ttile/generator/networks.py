@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import ConvSpec
+from ..core.spec import ConvSpec
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import sympy
 
+from .machine import CacheLevel
 from .polyhedral import Computation, extent_symbol, footprints
 
 # ----------------------------------------------------------------------------------
@@ -198,15 +199,6 @@ def best_levels(footprints_: np.ndarray, ios: np.ndarray, capacity: float) -> tu
 
 
 @dataclass(frozen=True)
-class CacheLevel:
-    """A cache: capacity in bytes and the seconds per byte to fill it from the level below."""
-
-    name: str
-    capacity_bytes: int
-    seconds_per_byte: float
-
-
-@dataclass(frozen=True)
 class Estimate:
     """Data moved into each cache level (elements) and the weighted cost (seconds)."""
 
@@ -240,19 +232,30 @@ def _weigh(fps: np.ndarray, ios: np.ndarray, caches: Sequence[CacheLevel],
 # Fast numeric path: the same quantities without per-permutation symbolic work
 
 
+@dataclass(frozen=True)
+class NumericFootprints:
+    """F_A and O_{A,d} of a computation as numpy functions of the extents (vectorized
+    over sub-domains): the symbolic counts of :mod:`ttile.generator.polyhedral` turned
+    into code once, then evaluated for every nest the model weighs."""
+
+    computation: Computation
+    footprint: dict[str, Callable]
+    overlap: dict[str, dict[str, Callable]]
+
+
 @lru_cache(maxsize=None)
-def _numeric_footprints(computation: Computation):
-    """F_A and O_{A,d} as numpy functions of the extents (vectorized over sub-domains)."""
+def numeric_footprints(computation: Computation) -> NumericFootprints:
+    """The :class:`NumericFootprints` of ``computation`` (derived once per process)."""
     fp = footprints(computation)
     symbols = [extent_symbol(d) for d in computation.dims]
     f = {a.name: sympy.lambdify(symbols, fp.footprint[a.name], modules="numpy")
          for a in computation.arrays}
     o = {a.name: {d: sympy.lambdify(symbols, fp.overlap[a.name][d], modules="numpy")
                   for d in computation.dims} for a in computation.arrays}
-    return f, o
+    return NumericFootprints(computation, f, o)
 
 
-def nest_volumes(computation: Computation, permutation: Sequence[str], tile: dict[str, float],
+def nest_volumes(fp: NumericFootprints, permutation: Sequence[str], tile: dict[str, float],
                  counts) -> tuple[np.ndarray, np.ndarray]:
     """(footprints, ios) of shape (arrays, levels), numerically; equal to
     ``symbolic_cost(...).evaluate`` but without deriving anything per permutation.
@@ -263,7 +266,8 @@ def nest_volumes(computation: Computation, permutation: Sequence[str], tile: dic
     counts = np.asarray(counts, float)
     single = counts.ndim == 1
     counts = np.atleast_2d(counts)
-    f_fns, o_fns = _numeric_footprints(computation)
+    computation = fp.computation
+    f_fns, o_fns = fp.footprint, fp.overlap
     dims = computation.dims
     points, m = counts.shape
     position = {d: i for i, d in enumerate(dims)}
@@ -296,12 +300,23 @@ def nest_volumes(computation: Computation, permutation: Sequence[str], tile: dic
     return fps, ios
 
 
-def estimate_nest(computation: Computation, permutation: Sequence[str], tile: dict[str, float],
+def estimate_nest(fp: NumericFootprints, permutation: Sequence[str], tile: dict[str, float],
                   counts: Sequence[float], caches: Sequence[CacheLevel],
                   element_bytes: int = 4) -> Estimate:
     """:func:`estimate` through the fast numeric path."""
-    fps, ios = nest_volumes(computation, permutation, tile, counts)
+    fps, ios = nest_volumes(fp, permutation, tile, counts)
     return _weigh(fps, ios, caches, element_bytes)
+
+
+def weighted_costs(fps: np.ndarray, ios: np.ndarray, caches: Sequence[CacheLevel],
+                   element_bytes: int = 4) -> np.ndarray:
+    """Seconds of data movement of each point of batched :func:`nest_volumes` output
+    (leading points axis): loads into each cache times its inverse bandwidth."""
+    out = np.empty(len(fps))
+    for p in range(len(fps)):
+        out[p] = sum(best_levels(fps[p], ios[p], c.capacity_bytes / element_bytes)[0]
+                     * element_bytes * c.seconds_per_byte for c in caches)
+    return out
 
 
 # ----------------------------------------------------------------------------------

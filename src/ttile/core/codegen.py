@@ -66,8 +66,7 @@ class KernelSource:
     panel: int = 0   # k width of the weight panels the kernel reads (see pack_weights)
 
     def weight_shape(self) -> tuple[int, ...]:
-        s = self.spec
-        return (-(-s.k // self.panel), s.r, s.s, s.c, self.panel)
+        return self.spec.packed_weight_shape(self.panel)
 
 
 def kernel_name(scheme: Scheme, spec: ConvSpec) -> str:

@@ -29,22 +29,28 @@ import json
 import os
 import stat
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
-CACHE_FORMAT = 1
+from ..core.fileio import atomic_write
+from ..core.kinds import KernelKind
+from ..core.spec import ConvSpec
+
+#: 2: entries name the problem their kernel was compiled for and count the candidates
+#: the search found wrong or could not build.
+CACHE_FORMAT = 2
 WRITER = "ttile"
-#: Entry kinds: a compiled kernel, or the verdict that the generic kernel was faster
-#: (remembered so that later processes do not search again).
-JIT, GENERIC = "jit", "generic"
+#: Entry kinds: a compiled kernel (KernelKind.JIT), or the verdict that the generic
+#: kernel was faster (KernelKind.GENERIC, remembered so later processes do not search).
+ENTRY_KINDS = (KernelKind.JIT, KernelKind.GENERIC)
 
 
 class CacheUnavailable(OSError):
     """The cache directory cannot be created or written (read-only, full, no rights)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheKey:
     """Everything a cached kernel depends on; its digest names the entry's files."""
 
@@ -61,12 +67,13 @@ class CacheKey:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheEntry:
     """What the run-time tuner decided for one key."""
 
     key: CacheKey
-    kind: str                         # JIT or GENERIC
+    problem: ConvSpec                 # what the kernel was compiled for (checked on use)
+    kind: KernelKind                  # JIT or GENERIC
     function: str = ""                # symbol of the kernel in the library
     panel: int = 0                    # weight panel width the kernel reads
     scheme: str = ""                  # paper notation
@@ -74,6 +81,9 @@ class CacheEntry:
     gflops: float = 0.0               # measured when tuned (warm, median)
     generic_gflops: float = 0.0       # the generic kernel in the same measurement
     search_seconds: float = 0.0
+    measured: int = 0                 # candidates checked correct and timed
+    wrong: int = 0                    # candidates that computed a wrong result
+    failed: int = 0                   # candidates that did not build (error or time-out)
     library: Optional[Path] = None    # set on entries read back from disk
     payload: Optional[bytes] = field(default=None, repr=False)  # the verified library bytes
 
@@ -81,6 +91,8 @@ class CacheEntry:
         data = {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("library", "payload")}
         data["key"] = asdict(self.key)
+        data["problem"] = self.problem.to_json()
+        data["kind"] = self.kind.value
         return data
 
 
@@ -163,14 +175,18 @@ class KernelCache:
         if data.get("key") != asdict(key):
             return None
         try:
-            entry = CacheEntry(key=key, **{k: data[k] for k in (
-                "kind", "function", "panel", "scheme", "microkernels", "gflops",
-                "generic_gflops", "search_seconds")})
-        except (KeyError, TypeError):
+            entry = CacheEntry(key=key, problem=ConvSpec.from_json(data["problem"]),
+                               kind=KernelKind(data["kind"]), **{k: data[k] for k in (
+                                   "function", "panel", "scheme", "microkernels", "gflops",
+                                   "generic_gflops", "search_seconds", "measured", "wrong",
+                                   "failed")})
+        except (KeyError, TypeError, ValueError):
             return None
-        if entry.kind == GENERIC:
+        if entry.problem.key() != key.problem or entry.kind not in ENTRY_KINDS:
+            return None
+        if entry.kind is KernelKind.GENERIC:
             return entry
-        if entry.kind != JIT or not entry.function or entry.panel < 1:
+        if not entry.function or entry.panel < 1:
             return None
         if not _trusted(lib_path):
             return None
@@ -183,8 +199,7 @@ class KernelCache:
             return None
         # The caller loads these verified bytes, not the file, which may change after
         # this check (and which another process may replace while we run).
-        return CacheEntry(**{**{f.name: getattr(entry, f.name) for f in fields(entry)},
-                             "library": lib_path, "payload": payload})
+        return replace(entry, library=lib_path, payload=payload)
 
     def _discard(self, *paths: Path) -> None:
         for path in paths:
@@ -228,39 +243,24 @@ class KernelCache:
         payload = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if entry.kind == JIT:
+            if entry.kind is KernelKind.JIT:
                 if library is None:
                     raise ValueError("a JIT entry needs its library")
                 payload = Path(library).read_bytes()
-                self._atomic_write(lib_path, payload)
+                atomic_write(lib_path, payload, mode=0o600)
                 written.append(lib_path)
                 data["library_size"] = len(payload)
                 data["library_sha256"] = hashlib.sha256(payload).hexdigest()
             data["checksum"] = _json_checksum(data)
-            self._atomic_write(meta_path, (json.dumps(data, sort_keys=True, indent=1) + "\n").encode())
+            atomic_write(meta_path, json.dumps(data, sort_keys=True, indent=1) + "\n",
+                         mode=0o600)
         except OSError as exc:
             self._discard(*written)
             raise CacheUnavailable(exc.errno or errno.EIO,
                                    f"cannot write the kernel cache {self.directory}: "
                                    f"{exc.strerror or exc}") from None
-        return CacheEntry(**{**{f.name: getattr(entry, f.name) for f in fields(entry)},
-                             "library": lib_path if entry.kind == JIT else None,
-                             "payload": payload if entry.kind == JIT else None})
-
-    @staticmethod
-    def _atomic_write(path: Path, payload: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        jit = entry.kind is KernelKind.JIT
+        return replace(entry, library=lib_path if jit else None, payload=payload if jit else None)
 
     # -- listing and clearing ----------------------------------------------------------
     def entries(self) -> list[dict]:

@@ -40,12 +40,16 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from .cbuild import BuildError, BuiltLibrary, build_batches, compiler_version, find_compiler
-from .codegen import KERNEL_CFLAGS, KernelSource, generate
-from .cpuinfo import CpuFingerprint, fingerprint
-from .reference import conv_mismatch
-from .scheme import VECTOR_REGISTERS, Scheme
-from .spec import VECTOR_LANES, ConvSpec
+from ..core.cbuild import (BuildError, BuiltLibrary, build_batches, compiler_version,
+                           find_compiler)
+from ..core.codegen import KERNEL_CFLAGS, KernelSource, generate
+from ..core.cpuinfo import CpuFingerprint, fingerprint
+from ..core.fileio import atomic_write
+from ..core.reference import conv_mismatch
+from ..core.scheme import VECTOR_REGISTERS, Scheme, SpecKind, Specifier
+from ..core.spec import VECTOR_LANES, ConvSpec
+from ..tuning.records import RecordStatus
+from .data import DataKind, find_file, search_path
 
 TABLE_FORMAT = 1
 DEFAULT_REDUCTION = 512
@@ -83,18 +87,24 @@ class MicrokernelShape:
     def key(self) -> str:
         return f"r{self.unroll_r}s{self.unroll_s}_{self.axis}_a{self.alpha}b{self.beta}"
 
-    def block_specifiers(self) -> str:
-        """The unrolled block, e.g. ``U3 r; U3 s; U8 h; U2 k; V k``."""
+    def block(self, parameter: Optional[str] = None) -> tuple[Specifier, ...]:
+        """The unrolled block as specifiers; with ``parameter``, its size along the
+        spatial axis is that parameter (bound by an enclosing lambda-seq), not beta."""
         parts = []
         if self.unroll_r > 1:
-            parts.append(f"U{self.unroll_r} r")
+            parts.append(Specifier(SpecKind.U, "r", size=self.unroll_r))
         if self.unroll_s > 1:
-            parts.append(f"U{self.unroll_s} s")
-        parts += [f"U{self.beta} {self.axis}", f"U{self.alpha} k", "V k"]
-        return "; ".join(parts)
+            parts.append(Specifier(SpecKind.U, "s", size=self.unroll_s))
+        parts += [Specifier(SpecKind.U, self.axis, size=parameter or self.beta),
+                  Specifier(SpecKind.U, "k", size=self.alpha), Specifier(SpecKind.V, "k")]
+        return tuple(parts)
+
+    def block_specifiers(self) -> str:
+        """The unrolled block, e.g. ``U3 r; U3 s; U8 h; U2 k; V k``."""
+        return "; ".join(str(sp) for sp in self.block())
 
     def scheme(self, reduction: int = DEFAULT_REDUCTION) -> Scheme:
-        return Scheme.parse(f"[T{reduction} c; {self.block_specifiers()}]")
+        return Scheme((Specifier(SpecKind.T, "c", size=reduction),) + self.block())
 
     def spec(self, reduction: int = DEFAULT_REDUCTION) -> ConvSpec:
         """The problem the microkernel covers exactly (valid convolution, stride 1)."""
@@ -142,7 +152,7 @@ class Measurement:
     """The outcome of measuring one microkernel; failures are values, not exceptions."""
 
     shape: MicrokernelShape
-    status: str                      # "ok", "wrong_answer" or "build_error"
+    status: RecordStatus
     gflops: float = 0.0
     percent_of_peak: float = 0.0
     reps: int = 0
@@ -151,6 +161,7 @@ class Measurement:
 
     def to_json(self) -> dict:
         data = asdict(self)
+        data["status"] = self.status.value
         data["shape"] = self.shape.to_json()
         data["samples_s"] = list(self.samples_s)
         return data
@@ -159,6 +170,7 @@ class Measurement:
     def from_json(cls, data: dict) -> "Measurement":
         fields = dict(data)
         fields["shape"] = MicrokernelShape.from_json(data["shape"])
+        fields["status"] = RecordStatus(data["status"])
         fields["samples_s"] = tuple(data.get("samples_s", ()))
         return cls(**fields)
 
@@ -178,7 +190,7 @@ def measure_peak_gflops(iterations: int = 10_000_000, repeats: int = 7) -> float
 
     The best of several runs: on a shared machine interference only lowers a run.
     """
-    from . import _kernels
+    from .. import _kernels
     best = 0.0
     for _ in range(repeats):
         seconds = _kernels.fma_peak_seconds(iterations)
@@ -220,10 +232,10 @@ def _measure_one(shape: MicrokernelShape, kernel: KernelSource, library: BuiltLi
     library.run(kernel, x, w, y)
     problem = conv_mismatch(y, x, w)
     if problem is not None:
-        return Measurement(shape, "wrong_answer", detail=problem)
+        return Measurement(shape, RecordStatus.WRONG, detail=problem)
     reps, samples = time_kernel(library, kernel, x, w, y, protocol)
     gflops = spec.flops / statistics.median(samples) / 1e9
-    return Measurement(shape, "ok", gflops=gflops, percent_of_peak=100 * gflops / peak,
+    return Measurement(shape, RecordStatus.OK, gflops=gflops, percent_of_peak=100 * gflops / peak,
                        reps=reps, samples_s=tuple(samples))
 
 
@@ -260,8 +272,7 @@ class MicrokernelClass:
     def describe(self) -> str:
         shape = MicrokernelShape(self.unroll_r, self.unroll_s, self.axis, self.alpha,
                                  self.beta_min)
-        block = shape.block_specifiers().replace(f"U{self.beta_min} {self.axis}",
-                                                 f"U beta {self.axis}")
+        block = "; ".join(str(sp) for sp in shape.block(parameter="beta"))
         return (f"{{[{block}], {self.beta_min} <= beta <= {self.beta_max}}} "
                 f"(best {self.best_percent:.0f} % of peak)")
 
@@ -281,7 +292,7 @@ def select_classes(measurements: Iterable[Measurement],
     what measures better"); a class is a maximal run of consecutive betas with the same
     axis, all selected.
     """
-    ok = [m for m in measurements if m.status == "ok"]
+    ok = [m for m in measurements if m.status is RecordStatus.OK]
     best_axis: dict[tuple, Measurement] = {}
     for m in ok:
         key = (m.shape.family, m.shape.alpha, m.shape.beta)
@@ -356,15 +367,13 @@ class MicrokernelTable:
     def save(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         path = table_path(directory, self.cpu)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_json(), indent=1) + "\n")
         return path
 
     def best_per_family(self) -> dict[tuple[int, int], Measurement]:
         best: dict[tuple[int, int], Measurement] = {}
         for m in self.measurements:
-            if m.status == "ok" and (m.shape.family not in best
+            if m.status is RecordStatus.OK and (m.shape.family not in best
                                      or m.gflops > best[m.shape.family].gflops):
                 best[m.shape.family] = m
         return best
@@ -374,27 +383,34 @@ def table_path(directory: Path, cpu: CpuFingerprint) -> Path:
     return directory / f"{cpu.id}.json"
 
 
-def load_table(directory: Path, cpu: Optional[CpuFingerprint] = None) -> MicrokernelTable:
-    """The table measured on ``cpu`` (default: this CPU); FileNotFoundError says how to make it."""
+def load_table(data_dir: Optional[Path] = None, cpu: Optional[CpuFingerprint] = None
+               ) -> MicrokernelTable:
+    """The table measured on ``cpu`` (default: this CPU), from ``data_dir`` or the tables
+    installed with ttile (:mod:`ttile.generator.data`); FileNotFoundError says where it
+    looked and how to make one."""
     cpu = cpu or fingerprint()
-    path = table_path(directory, cpu)
-    if not path.exists():
-        raise FileNotFoundError(f"no microkernel table for CPU {cpu.id} in {directory}; "
+    path = find_file(DataKind.MICROKERNELS, cpu.id, data_dir)
+    if path is None:
+        looked = ", ".join(str(d) for d in search_path(DataKind.MICROKERNELS, data_dir)) \
+            or "(no table directory exists)"
+        raise FileNotFoundError(f"no microkernel table for CPU {cpu.id} in {looked}; "
                                 f"run 'ttile-generate microkernels' on this machine")
     return MicrokernelTable.from_json(json.loads(path.read_text()))
 
 
-def explore(directory: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
+def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
             axes: Iterable[str] = ("h", "w"), threshold: float = DEFAULT_THRESHOLD,
             reduction: int = DEFAULT_REDUCTION, protocol: TimingProtocol = TimingProtocol(),
             batch_size: int = 24, jobs: int = 2,
             progress: Callable[[int, int, str], None] = lambda done, total, what: None,
             shapes: Optional[list[MicrokernelShape]] = None) -> MicrokernelTable:
-    """Run step 1: build, check, time and select; save and return the table.
+    """Run step 1: build, check, time and select; save the table under
+    ``data_dir/microkernels`` and return it.
 
     Results are appended to ``<cpu-id>.partial.jsonl`` as they come, and shapes found
     there are not measured again, so an interrupted run resumes where it stopped.
     """
+    directory = Path(data_dir) / DataKind.MICROKERNELS.value
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("step 1 needs a C compiler (set CC or put cc/gcc on PATH)", "")
@@ -434,7 +450,7 @@ def explore(directory: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
                 for batch, batch_kernels, library in zip(group, kernels, libraries):
                     for shape, kernel in zip(batch, batch_kernels):
                         if isinstance(library, BuildError):
-                            m = Measurement(shape, "build_error", detail=library.log[-2000:])
+                            m = Measurement(shape, RecordStatus.BUILD_ERROR, detail=library.log[-2000:])
                         else:
                             m = _measure_one(shape, kernel, library, peak, protocol, rng)
                         done[shape] = m
@@ -450,7 +466,7 @@ def explore(directory: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
             if isinstance(library, BuiltLibrary):
                 for shape, kernel in zip(remeasure, kernels):
                     again = _measure_one(shape, kernel, library, peak, protocol, rng)
-                    if again.status == "ok" and again.gflops > done[shape].gflops:
+                    if again.status is RecordStatus.OK and again.gflops > done[shape].gflops:
                         done[shape] = again
         # The peak again, at the end: a disturbed first measurement would inflate every
         # percentage. Percentages are recomputed against the better of the two.
@@ -472,7 +488,7 @@ def explore(directory: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
 
 
 def _with_peak(m: Measurement, peak: float) -> Measurement:
-    if m.status != "ok":
+    if m.status is not RecordStatus.OK:
         return m
     return Measurement(m.shape, m.status, m.gflops, 100 * m.gflops / peak, m.reps,
                        m.samples_s, m.detail)
@@ -481,7 +497,7 @@ def _with_peak(m: Measurement, peak: float) -> Measurement:
 def _suspects(measurements: list[Measurement], ratio: float = 0.85) -> list[MicrokernelShape]:
     """Shapes measuring below ``ratio`` times both of their beta neighbours."""
     by_key = {(m.shape.family, m.shape.axis, m.shape.alpha, m.shape.beta): m
-              for m in measurements if m.status == "ok"}
+              for m in measurements if m.status is RecordStatus.OK}
     suspects = []
     for (family, axis, alpha, beta), m in by_key.items():
         low = by_key.get((family, axis, alpha, beta - 1))

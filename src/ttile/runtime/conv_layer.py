@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from . import _kernels
+from .. import _kernels
 from .api import (IntPair, _as_float32, _as_pair, _choice, _execute, _padding, _plan,
                   _threads)
 

@@ -15,15 +15,17 @@ from typing import Optional, Union
 
 import numpy as np
 
-from . import _kernels, dispatch
-from .spec import ConvSpec
+from .. import _kernels
+from ..core.kinds import Isa, KernelKind
+from ..core.spec import ConvSpec
+from . import dispatch
 
 IntPair = Union[int, tuple[int, int]]
 
-#: Which generic kernel serves calls: "auto" (AVX-512F when the CPU has it), "avx512f"
-#: or "portable". Change it with :func:`set_isa`.
+#: Which generic kernel serves calls: Isa.AUTO (AVX-512F when the CPU has it), AVX512F
+#: or PORTABLE. Change it with :func:`set_isa`.
 _HAS_AVX512F = _kernels.cpu_has_avx512f()
-_isa = "auto"
+_isa = Isa.AUTO
 _use_tuned = True
 
 
@@ -40,25 +42,29 @@ def has_avx512f() -> bool:
     return _HAS_AVX512F
 
 
-def set_isa(isa: str) -> str:
-    """Choose the kernel family: "auto", "avx512f" or "portable"; returns the previous.
+def set_isa(isa: Union[str, Isa]) -> Isa:
+    """Choose the kernel family: "auto", "avx512f" or "portable" (or an :class:`Isa`);
+    returns the previous one.
 
     For tests and debugging. Asking for "avx512f" on a CPU without it raises instead of
     crashing later.
     """
     global _isa
-    if isa not in ("auto", "avx512f", "portable"):
-        raise ValueError(f"isa must be 'auto', 'avx512f' or 'portable', got {isa!r}")
-    if isa == "avx512f" and not _HAS_AVX512F:
+    try:
+        chosen = Isa(isa)
+    except ValueError:
+        raise ValueError(f"isa must be 'auto', 'avx512f' or 'portable', got {isa!r}") from None
+    if chosen is Isa.AVX512F and not _HAS_AVX512F:
         raise ValueError("this CPU (or OS) does not support AVX-512F")
-    previous, _isa = _isa, isa
+    previous, _isa = _isa, chosen
     return previous
 
 
-def get_isa() -> str:
-    """The kernel family calls use now: "avx512f" or "portable"."""
-    if _isa == "auto":
-        return "avx512f" if _HAS_AVX512F else "portable"
+def get_isa() -> Isa:
+    """The kernel family calls use now: Isa.AVX512F or Isa.PORTABLE (equal to the
+    strings "avx512f" and "portable")."""
+    if _isa is Isa.AUTO:
+        return Isa.AVX512F if _HAS_AVX512F else Isa.PORTABLE
     return _isa
 
 
@@ -199,30 +205,15 @@ def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPai
 class _CallPlan:
     """What conv2d derives from a call's shapes and options, computed once per signature.
 
-    ``tuned`` maps "parallel?" to the index of a tuned kernel compiled into the
-    extension; ``choices`` remembers, per thread count, the kernel that serves the call
-    once that is final (a background tuning may still replace a provisional choice).
+    ``choices`` remembers, per (thread count, ISA, tuned kernels on?), the kernel that
+    serves the call once that is final (a background tuning may still replace a
+    provisional choice).
     """
 
     spec: ConvSpec
     layout: str
     out_shape: tuple[int, int, int, int]
-    tuned: dict = field(default_factory=dict)
     choices: dict = field(default_factory=dict)
-
-
-def _registry_index() -> dict[tuple, dict[bool, int]]:
-    index: dict[tuple, dict[bool, int]] = {}
-    for entry in _REGISTRY:
-        key = tuple(entry[f] for f in ("n", "k", "c", "h", "w", "r", "s", "stride_h",
-                                       "stride_w", "pad_top", "pad_bottom", "pad_left",
-                                       "pad_right"))
-        index.setdefault(key, {})[entry["parallel"]] = entry["index"]
-    return index
-
-
-_REGISTRY = _kernels.tuned_kernels()
-_TUNED = _registry_index()
 
 
 def tuned_kernels() -> list[dict]:
@@ -261,10 +252,7 @@ def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
     if out_bytes > _memory_limit_bytes():
         raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
                          f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
-    variants = _TUNED.get((spec.n, spec.k, spec.c, spec.h, spec.w, spec.r, spec.s,
-                           spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_bottom,
-                           spec.pad_left, spec.pad_right), {})
-    plan = _CallPlan(spec, layout, (spec.n, spec.ho, spec.wo, spec.k), dict(variants))
+    plan = _CallPlan(spec, layout, spec.output_shape())
     if key is not None and len(_plans) < _MAX_PLANS:
         _plans[key] = plan
     return plan
@@ -276,8 +264,7 @@ def _choice(plan: _CallPlan, nthreads: int) -> dispatch.KernelChoice:
     cache_key = (nthreads, isa, _use_tuned)
     choice = plan.choices.get(cache_key)
     if choice is None:
-        choice = dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned,
-                                 plan.tuned, _REGISTRY)
+        choice = dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned)
         if choice.final:
             plan.choices[cache_key] = choice
     return choice
@@ -288,11 +275,15 @@ def _run(choice: dispatch.KernelChoice, spec: ConvSpec, x: np.ndarray, weights: 
     """Run ``choice`` on NHWC x into y; ``weights`` are packed for ``choice.panel`` (RSCK
     for panel 0)."""
     kind = choice.kind
-    if kind == dispatch.TUNED:
+    if kind is KernelKind.TUNED:
         _kernels.run_tuned(choice.index, x, weights, y, nthreads)
-    elif kind == dispatch.JIT:
-        _kernels.run_compiled(choice.address, x, weights, y, nthreads, x.shape, weights.shape,
-                              y.shape)
+    elif kind is KernelKind.JIT:
+        # The kernel's sizes are those of the problem it was compiled for: the arrays
+        # are checked against that problem, not against themselves.
+        problem = choice.problem
+        _kernels.run_compiled(choice.address, x, weights, y, nthreads, problem.input_shape(),
+                              problem.packed_weight_shape(choice.panel),
+                              problem.output_shape())
     elif choice.panel:
         _kernels.conv2d_generic_packed(x, weights, y, spec.stride_h, spec.stride_w,
                                        spec.pad_top, spec.pad_left, nthreads)
@@ -365,12 +356,12 @@ class KernelPlan:
     tuned (None when unknown); ``note`` says why this kernel was chosen.
     """
 
-    kind: str
+    kind: KernelKind
     scheme: str
     microkernels: str
     expected_gflops: Optional[float]
     threads: int
-    isa: str
+    isa: Isa
     problem: ConvSpec
     note: str
 
@@ -389,7 +380,7 @@ def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0
     nthreads = _threads(threads)
     isa = get_isa()
     choice = call.choices.get((nthreads, isa, _use_tuned)) or dispatch.choose(
-        call.spec, layout, nthreads, isa, _use_tuned, call.tuned, _REGISTRY, tune=False)
+        call.spec, layout, nthreads, isa, _use_tuned, tune=False)
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
                       nthreads, isa, call.spec, choice.note)
 

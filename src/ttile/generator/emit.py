@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .codegen import generate
-from .scheme import Scheme
-from .spec import ConvSpec
+from ..core.codegen import generate
+from ..core.fileio import write_if_changed
+from ..core.scheme import Scheme
+from ..core.spec import ConvSpec
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,6 @@ class TunedKernel:
     scheme: Scheme
     parallel: bool            # False: the single-thread kernel; True: the multi-thread one
     gflops: float
-
-
-def _write_if_changed(path: Path, text: str) -> bool:
-    if path.exists() and path.read_text() == text:
-        return False
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return True
 
 
 def emit(kernels: Sequence[TunedKernel], directory: Path, command: str) -> list[Path]:
@@ -49,7 +41,7 @@ def emit(kernels: Sequence[TunedKernel], directory: Path, command: str) -> list[
         path = directory / f"{source.name}.c"
         header = (f"/* layer: {tuned.layer}, {'multi-thread' if tuned.parallel else 'single-thread'}"
                   f" variant, {tuned.gflops:.1f} GFLOP/s when tuned */\n")
-        _write_if_changed(path, header + source.code)
+        write_if_changed(path, header + source.code)
         written.append(path)
         names.add(path.name)
         s = tuned.spec
@@ -78,6 +70,6 @@ def emit(kernels: Sequence[TunedKernel], directory: Path, command: str) -> list[
         "",
     ])
     path = directory / "registry.c"
-    _write_if_changed(path, registry)
+    write_if_changed(path, registry)
     written.append(path)
     return written

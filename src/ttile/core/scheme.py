@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Union
 
 from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
@@ -46,7 +47,25 @@ from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
 #: Vector registers of AVX-512 (zmm0-zmm31).
 VECTOR_REGISTERS = 32
 
-KINDS = ("R", "T", "U", "V", "Lseq")
+
+
+class SpecKind(str, Enum):
+    """The kind of a specifier (see the table above)."""
+
+    R = "R"          # outer loop, count inferred
+    T = "T"          # tile loop of a fixed count
+    U = "U"          # unrolled loop
+    V = "V"          # the vector along k
+    LSEQ = "Lseq"    # lambda-seq
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Loop specifiers that iterate at run time (may be parallel).
+LOOP_KINDS = frozenset({SpecKind.R, SpecKind.T})
+#: Specifiers of the unrolled block at the bottom of a scheme.
+BLOCK_KINDS = frozenset({SpecKind.U, SpecKind.V})
 
 
 class SchemeError(ValueError):
@@ -61,7 +80,7 @@ class Specifier:
     (R and V). ``parts`` holds the (repetitions, parameter value) pairs of an Lseq.
     """
 
-    kind: str
+    kind: SpecKind
     dim: str
     size: Union[int, str, None] = None
     parallel: bool = False
@@ -69,13 +88,13 @@ class Specifier:
 
     def __str__(self) -> str:
         prefix = "P" if self.parallel else ""
-        if self.kind == "R":
+        if self.kind is SpecKind.R:
             return f"{prefix}R {self.dim}"
-        if self.kind in ("T", "U"):
+        if self.kind in (SpecKind.T, SpecKind.U):
             if isinstance(self.size, str):
-                return f"{prefix}{self.kind} {self.size} {self.dim}"
-            return f"{prefix}{self.kind}{self.size} {self.dim}"
-        if self.kind == "V":
+                return f"{prefix}{self.kind.value} {self.size} {self.dim}"
+            return f"{prefix}{self.kind.value}{self.size} {self.dim}"
+        if self.kind is SpecKind.V:
             return f"V {self.dim}"
         parts = ",".join(f"({count},{value})" for count, value in self.parts)
         return f"Lseq {self.dim} [{parts}]"
@@ -95,21 +114,21 @@ _RE_PART = re.compile(r"\(\s*(\d+)\s*,\s*(\d+)\s*\)")
 
 def _parse_specifier(text: str) -> Specifier:
     if m := _RE_R.fullmatch(text):
-        return Specifier("R", m[2], parallel=bool(m[1]))
+        return Specifier(SpecKind.R, m[2], parallel=bool(m[1]))
     if m := _RE_TU.fullmatch(text):
         size: Union[int, str] = int(m[3]) if m[3] is not None else m[4]
         if m[1] and m[2] == "U":
             raise SchemeError(f"'{text}': an unrolled loop cannot be parallel")
-        return Specifier(m[2], m[5], size=size, parallel=bool(m[1]))
+        return Specifier(SpecKind(m[2]), m[5], size=size, parallel=bool(m[1]))
     if m := _RE_V.fullmatch(text):
-        return Specifier("V", m[1])
+        return Specifier(SpecKind.V, m[1])
     if m := _RE_LSEQ.fullmatch(text):
         body = m[2].strip()
         parts = tuple((int(a), int(b)) for a, b in _RE_PART.findall(body))
         rebuilt = ",".join(f"({a},{b})" for a, b in parts)
         if not parts or re.sub(r"\s", "", body) != rebuilt.replace(" ", ""):
             raise SchemeError(f"'{text}': Lseq expects a list like [(2,11),(1,12)]")
-        return Specifier("Lseq", m[1], parts=parts)
+        return Specifier(SpecKind.LSEQ, m[1], parts=parts)
     raise SchemeError(
         f"cannot parse specifier '{text}' (expected e.g. 'R n', 'T16 k', 'U2 k', "
         f"'U beta h', 'V k', 'Lseq h [(2,11),(1,12)]', 'PT4 h')")
@@ -144,6 +163,16 @@ class Scheme:
     def from_json(cls, text: str) -> "Scheme":
         return cls.parse(text)
 
+    @property
+    def block(self) -> tuple[Specifier, ...]:
+        """The unrolled block at the bottom (its U and V specifiers): the microkernel."""
+        first = next(i for i, sp in enumerate(self.specifiers) if sp.kind in BLOCK_KINDS)
+        return self.specifiers[first:]
+
+    def microkernel_text(self) -> str:
+        """The block in paper notation, e.g. ``[U beta h; U2 k; V k]``."""
+        return "[" + "; ".join(str(sp) for sp in self.block) + "]"
+
     def validate(self, spec: ConvSpec) -> None:
         """Raise SchemeError unless the scheme covers ``spec`` exactly and fits registers."""
         lower(self, spec)
@@ -154,39 +183,39 @@ def _check_structure(specs: tuple[Specifier, ...]) -> None:
     if not specs:
         raise SchemeError("empty scheme")
     for i, sp in enumerate(specs):
-        if sp.kind not in KINDS:
+        if not isinstance(sp.kind, SpecKind):
             raise SchemeError(f"unknown specifier kind {sp.kind!r}")
         if sp.dim not in DIMS:
             raise SchemeError(f"'{sp}': unknown dimension {sp.dim!r} (known: {' '.join(DIMS)})")
-        if sp.kind in ("T", "U"):
+        if sp.kind in (SpecKind.T, SpecKind.U):
             if isinstance(sp.size, bool) or not isinstance(sp.size, (int, str)):
                 raise SchemeError(f"'{sp}': size must be an integer or a parameter name")
             if isinstance(sp.size, int) and sp.size < 1:
                 raise SchemeError(f"'{sp}': size must be >= 1")
         elif sp.size is not None:
-            raise SchemeError(f"{sp.kind} {sp.dim} takes no size")
-        if sp.parallel and sp.kind not in ("R", "T"):
+            raise SchemeError(f"{sp.kind.value} {sp.dim} takes no size")
+        if sp.parallel and sp.kind not in LOOP_KINDS:
             raise SchemeError(f"'{sp}': only R and T loops can be parallel")
         if sp.parallel and sp.dim in REDUCTION_DIMS:
             raise SchemeError(
                 f"'{sp}': {sp.dim} is a reduction dimension; parallelizing it would race "
                 f"on the output")
-        if sp.kind == "Lseq":
+        if sp.kind is SpecKind.LSEQ:
             if len(sp.parts) < 2:
                 raise SchemeError(f"'{sp}': Lseq needs at least two (count, value) pairs")
             if any(count < 1 or value < 1 for count, value in sp.parts):
                 raise SchemeError(f"'{sp}': Lseq counts and values must be >= 1")
 
-    vectors = [i for i, sp in enumerate(specs) if sp.kind == "V"]
+    vectors = [i for i, sp in enumerate(specs) if sp.kind is SpecKind.V]
     if len(vectors) != 1 or vectors[0] != len(specs) - 1:
         raise SchemeError("a scheme ends with exactly one vector specifier 'V k' and has no other")
     if specs[-1].dim != "k":
         raise SchemeError(
             f"'V {specs[-1].dim}': only k can be vectorized (k is the contiguous dimension "
             f"of the weights and of the output)")
-    first_unroll = next(i for i, sp in enumerate(specs) if sp.kind in ("U", "V"))
+    first_unroll = next(i for i, sp in enumerate(specs) if sp.kind in BLOCK_KINDS)
     for sp in specs[first_unroll:]:
-        if sp.kind not in ("U", "V"):
+        if sp.kind not in BLOCK_KINDS:
             raise SchemeError(
                 f"'{sp}' appears inside the unrolled block; U and V specifiers must be the "
                 f"innermost ones")
@@ -194,19 +223,19 @@ def _check_structure(specs: tuple[Specifier, ...]) -> None:
     seen_r: set[str] = set()
     seen_lseq = False
     for sp in specs:
-        if sp.kind == "R":
+        if sp.kind is SpecKind.R:
             if sp.dim in seen_r:
                 raise SchemeError(f"R {sp.dim} appears twice; R may appear once per dimension")
             if seen_lseq:
                 raise SchemeError(f"'{sp}' after an Lseq: R loops belong above any Lseq")
             seen_r.add(sp.dim)
-        seen_lseq = seen_lseq or sp.kind == "Lseq"
+        seen_lseq = seen_lseq or sp.kind is SpecKind.LSEQ
 
     # Every Lseq binds the first parametric specifier after it along its dimension;
     # every parametric specifier is bound by exactly one Lseq.
     bound: set[int] = set()
     for i, sp in enumerate(specs):
-        if sp.kind != "Lseq":
+        if sp.kind is not SpecKind.LSEQ:
             continue
         target = next((j for j in range(i + 1, len(specs))
                        if specs[j].is_parametric and specs[j].dim == sp.dim), None)
@@ -226,7 +255,7 @@ def _check_structure(specs: tuple[Specifier, ...]) -> None:
     if parallel:
         if parallel != list(range(parallel[0], parallel[-1] + 1)):
             raise SchemeError("parallel loops must be consecutive (one collapsed band)")
-        first_lseq = next((i for i, sp in enumerate(specs) if sp.kind == "Lseq"), len(specs))
+        first_lseq = next((i for i, sp in enumerate(specs) if sp.kind is SpecKind.LSEQ), len(specs))
         if parallel[-1] > first_lseq:
             raise SchemeError("the parallel band must lie above every Lseq")
 
@@ -290,18 +319,18 @@ def _extents(specs: tuple[Specifier, ...], totals: dict[str, int]) -> dict[str, 
 
     Parametric sizes must already be bound (see :func:`_bind`).
     """
-    first_lseq = next((i for i, sp in enumerate(specs) if sp.kind == "Lseq"), None)
+    first_lseq = next((i for i, sp in enumerate(specs) if sp.kind is SpecKind.LSEQ), None)
     if first_lseq is None:
         ext, outer = {d: 1 for d in DIMS}, specs
     else:
         ext = _seq_extents(specs[first_lseq], specs[first_lseq + 1:], totals)
         outer = specs[:first_lseq]
     for sp in reversed(outer):
-        if sp.kind == "V":
+        if sp.kind is SpecKind.V:
             ext["k"] = VECTOR_LANES
-        elif sp.kind in ("T", "U"):
+        elif sp.kind in (SpecKind.T, SpecKind.U):
             ext[sp.dim] *= sp.size
-        elif sp.kind == "R":
+        elif sp.kind is SpecKind.R:
             if totals[sp.dim] % ext[sp.dim]:
                 raise SchemeError(
                     f"'{sp}': the loops inside cover {ext[sp.dim]} along {sp.dim}, which "
@@ -336,8 +365,8 @@ def _bind(specs: tuple[Specifier, ...], dim: str, value: int) -> tuple[Specifier
 
 def _lower_list(specs: tuple[Specifier, ...], totals: dict[str, int]) -> Node:
     sp = specs[0]
-    if sp.kind in ("U", "V"):
-        unrolls = tuple((u.dim, u.size) for u in specs if u.kind == "U")
+    if sp.kind in BLOCK_KINDS:
+        unrolls = tuple((u.dim, u.size) for u in specs if u.kind is SpecKind.U)
         block = Block(unrolls)
         if block.registers > VECTOR_REGISTERS:
             raise SchemeError(
@@ -346,7 +375,7 @@ def _lower_list(specs: tuple[Specifier, ...], totals: dict[str, int]) -> Node:
                 f"weight vectors + 1 broadcast); AVX-512 has {VECTOR_REGISTERS}")
         return block
     rest = specs[1:]
-    if sp.kind == "Lseq":
+    if sp.kind is SpecKind.LSEQ:
         offsets, branches, offset = [], [], 0
         for count, value in sp.parts:
             bound = _bind(rest, sp.dim, value)
@@ -356,7 +385,7 @@ def _lower_list(specs: tuple[Specifier, ...], totals: dict[str, int]) -> Node:
             offset += count * step
         return Seq(sp.dim, tuple(offsets), tuple(branches))
     step = _extents(rest, totals)[sp.dim]
-    count = sp.size if sp.kind == "T" else totals[sp.dim] // step
+    count = sp.size if sp.kind is SpecKind.T else totals[sp.dim] // step
     return Loop(sp.dim, count, step, sp.parallel, _lower_list(rest, totals))
 
 

@@ -17,22 +17,28 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from . import _kernels
-from .spec import ConvSpec
+from .. import _kernels
+from ..core.kinds import Isa, KernelKind
+from ..core.spec import ConvSpec
+from ..tuning.policy import DEFAULT_SHIP_POLICY, ShipPolicy
+from . import registry
 
-TUNED, JIT, GENERIC = "tuned", "jit", "generic"
 MODES = ("now", "background", "never")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KernelChoice:
-    """A kernel ready to run: what it is and the weight panel width it reads.
+    """A kernel ready to run: what it is, the problem it was made for, and the weight
+    panel width it reads.
 
     ``panel`` 0 means RSCK weights (the portable kernel); ``address`` is a JIT kernel's
-    entry point and ``handle`` the loaded library that keeps it valid.
+    entry point and ``handle`` the loaded library that keeps it valid. A tuned or JIT
+    kernel's sizes are compile-time constants: the arrays of a call are checked against
+    ``problem`` before it runs.
     """
 
-    kind: str
+    kind: KernelKind
+    problem: ConvSpec
     panel: int
     index: int = -1                 # registry index of a tuned kernel
     address: int = 0
@@ -58,6 +64,7 @@ class TuningPolicy:
     budget_seconds: float = 20.0
     min_mflops: float = 1.0
     cache_dir: Optional[Path] = None   # default: $TTILE_CACHE_DIR or the user cache dir
+    ship: ShipPolicy = DEFAULT_SHIP_POLICY   # when a tuned kernel replaces the generic one
 
 
 def _policy_from_environment() -> TuningPolicy:
@@ -87,8 +94,8 @@ _memory_dir: Optional[Path] = None
 
 
 def set_tuning(mode: Optional[str] = None, budget_seconds: Optional[float] = None,
-               min_mflops: Optional[float] = None, cache_dir: Optional[os.PathLike] = None
-               ) -> TuningPolicy:
+               min_mflops: Optional[float] = None, cache_dir: Optional[os.PathLike] = None,
+               ship: Optional[ShipPolicy] = None) -> TuningPolicy:
     """Change the run-time tuning policy (see :class:`TuningPolicy`); returns the previous.
 
     Arguments left None keep their value. Choices already made in this process stay.
@@ -112,6 +119,10 @@ def set_tuning(mode: Optional[str] = None, budget_seconds: Optional[float] = Non
         changes["min_mflops"] = float(min_mflops)
     if cache_dir is not None:
         changes["cache_dir"] = Path(cache_dir)
+    if ship is not None:
+        if not isinstance(ship, ShipPolicy):
+            raise TypeError(f"ship must be a ttile.ShipPolicy, got {ship!r}")
+        changes["ship"] = ship
     _policy = replace(_policy, **changes)
     return previous
 
@@ -141,25 +152,21 @@ def warn_once(cause: str, message: str) -> None:
         warnings.warn(f"ttile: {message}", RuntimeWarning, stacklevel=4)
 
 
-def generic_choice(isa: str, spec: ConvSpec, note: str = "", final: bool = True
+def generic_choice(isa: Isa, spec: ConvSpec, note: str = "", final: bool = True
                    ) -> KernelChoice:
-    if isa == "avx512f":
-        return KernelChoice(GENERIC, _kernels.generic_panel(spec.k, spec.wo), note=note,
+    if isa is Isa.AVX512F:
+        return KernelChoice(kind=KernelKind.GENERIC, problem=spec,
+                            panel=_kernels.generic_panel(spec.k, spec.wo), note=note,
                             final=final)
-    return KernelChoice(GENERIC, 0, note=note or "portable C (no AVX-512F)", final=final)
+    return KernelChoice(kind=KernelKind.GENERIC, problem=spec, panel=0,
+                        note=note or "portable C (no AVX-512F)", final=final)
 
 
-def tuned_choice(index: int, entry: dict) -> KernelChoice:
-    return KernelChoice(TUNED, entry["panel"], index=index, scheme=entry["scheme"],
-                        microkernels=microkernels_of(entry["scheme"]), gflops=entry["gflops"],
-                        note=f"compiled into ttile ({entry['layer']})")
-
-
-def microkernels_of(scheme: str) -> str:
-    """The microkernel part of a scheme in paper notation: its U/V specifiers."""
-    parts = [p.strip() for p in scheme.strip("[]").split(";")]
-    block = [p for p in parts if p.startswith(("U", "V"))]
-    return "[" + "; ".join(block) + "]" if block else ""
+def tuned_choice(entry: registry.TunedEntry) -> KernelChoice:
+    return KernelChoice(kind=KernelKind.TUNED, problem=entry.spec, panel=entry.panel,
+                        index=entry.index, scheme=entry.scheme,
+                        microkernels=entry.microkernels, gflops=entry.gflops,
+                        note=f"compiled into ttile ({entry.layer})")
 
 
 # -- the cache key -------------------------------------------------------------------------
@@ -169,7 +176,7 @@ _compiler_id: Optional[str] = None
 def compiler_identity() -> Optional[str]:
     """Path and version of the C compiler JIT kernels are built with (None: none found)."""
     global _compiler_id
-    from .cbuild import compiler_version, find_compiler
+    from ..core.cbuild import compiler_version, find_compiler
     path = find_compiler()
     if path is None:
         return None
@@ -179,12 +186,13 @@ def compiler_identity() -> Optional[str]:
 
 
 def cache_key(spec: ConvSpec, layout: str, threads: int, compiler: str):
-    from . import __version__
+    from .._version import __version__
+    from ..core.codegen import GENERATOR_VERSION
+    from ..core.cpuinfo import fingerprint
     from .cache import CacheKey
-    from .codegen import GENERATOR_VERSION
-    from .cpuinfo import fingerprint
-    return CacheKey(spec.key(), layout, threads, fingerprint().id, compiler, __version__,
-                    GENERATOR_VERSION)
+    return CacheKey(problem=spec.key(), layout=layout, threads=threads,
+                    cpu=fingerprint().id, compiler=compiler, ttile_version=__version__,
+                    generator_version=GENERATOR_VERSION)
 
 
 def _open_cache():
@@ -196,8 +204,11 @@ def _open_cache():
 def _load(entry, spec: ConvSpec) -> KernelChoice:
     """A KernelChoice from a cache entry (a JIT entry's library is loaded here)."""
     import ctypes
-    if entry.kind != JIT:
-        return KernelChoice(GENERIC, _kernels.generic_panel(spec.k, spec.wo),
+    if entry.problem != spec:
+        raise ValueError(f"cache entry for {entry.problem.key()}, not {spec.key()}")
+    if entry.kind is not KernelKind.JIT:
+        return KernelChoice(kind=KernelKind.GENERIC, problem=spec,
+                            panel=_kernels.generic_panel(spec.k, spec.wo),
                             gflops=entry.generic_gflops or None,
                             note="tuned here: no scheme beat the generic kernel")
     # Load a private copy of the bytes: the dynamic loader would hand back a library
@@ -215,7 +226,8 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
         with contextlib.suppress(OSError):
             os.unlink(private)
     address = ctypes.cast(getattr(handle, entry.function), ctypes.c_void_p).value
-    return KernelChoice(JIT, entry.panel, address=address, scheme=entry.scheme,
+    return KernelChoice(kind=KernelKind.JIT, problem=entry.problem, panel=entry.panel,
+                        address=address, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,
                         note=f"tuned here in {entry.search_seconds:.1f} s "
                              f"({entry.library.name})", handle=handle)
@@ -232,7 +244,7 @@ def cached_choice(spec: ConvSpec, layout: str, threads: int) -> Optional[KernelC
         return None
     try:
         return _load(entry, spec)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, ValueError):
         return None
 
 
@@ -248,9 +260,9 @@ def _memory_directory() -> Path:
     return _memory_dir
 
 
-def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: str) -> KernelChoice:
+def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> KernelChoice:
     """Look the problem up in the disk cache, else tune it and store the result."""
-    from .cache import GENERIC as CACHED_GENERIC, JIT as CACHED_JIT, CacheEntry, CacheUnavailable
+    from .cache import CacheEntry, CacheUnavailable
     from .jit import JitSettings, JitUnavailable, tune
 
     compiler = compiler_identity()
@@ -273,17 +285,25 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: str) -> Kern
         if entry is not None:
             try:
                 return _load(entry, spec)
-            except (OSError, AttributeError):
+            except (OSError, AttributeError, ValueError):
                 pass  # unloadable: tune again and overwrite
         try:
-            result = tune(spec, threads, JitSettings(budget_seconds=policy.budget_seconds),
+            result = tune(spec, threads, JitSettings(budget_seconds=policy.budget_seconds,
+                                                     ship=policy.ship),
                           cache_root=cache.root if persistent else None)
         except JitUnavailable as exc:
             warn_once("jit", f"{exc}; shapes without a tuned kernel run the generic kernel")
             return generic_choice(isa, spec, str(exc))
-        new = CacheEntry(key, CACHED_JIT if result.kind == JIT else CACHED_GENERIC,
-                         result.function, result.panel, result.scheme, result.microkernels,
-                         result.gflops, result.generic_gflops, result.search_seconds)
+        new = CacheEntry(key=key, problem=result.problem, kind=result.kind,
+                         function=result.function, panel=result.panel, scheme=result.scheme,
+                         microkernels=result.microkernels, gflops=result.gflops,
+                         generic_gflops=result.generic_gflops,
+                         search_seconds=result.search_seconds, measured=result.measured,
+                         wrong=result.wrong, failed=result.failed)
+        if result.wrong:
+            warn_once("wrong-kernels", f"{result.wrong} generated kernel(s) for "
+                                       f"{spec.key()} computed wrong results and were "
+                                       f"discarded (a code generator bug: please report it)")
         library = result.library
         if persistent:
             try:
@@ -309,7 +329,7 @@ def _key_lock(key: tuple) -> threading.Lock:
         return _key_locks.setdefault(key, threading.Lock())
 
 
-def _tune_safely(spec: ConvSpec, layout: str, threads: int, isa: str) -> KernelChoice:
+def _tune_safely(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> KernelChoice:
     try:
         return _tune_and_store(spec, layout, threads, isa)
     except Exception as exc:  # tuning must never break a convolution
@@ -319,7 +339,7 @@ def _tune_safely(spec: ConvSpec, layout: str, threads: int, isa: str) -> KernelC
         return generic_choice(isa, spec, f"tuning failed: {exc}")
 
 
-def _background_tune(key: tuple, spec: ConvSpec, layout: str, threads: int, isa: str) -> None:
+def _background_tune(key: tuple, spec: ConvSpec, layout: str, threads: int, isa: Isa) -> None:
     try:
         with _key_lock(key):
             _choices[key] = _tune_safely(spec, layout, threads, isa)
@@ -327,15 +347,15 @@ def _background_tune(key: tuple, spec: ConvSpec, layout: str, threads: int, isa:
         _pending.discard(key)
 
 
-def choose(spec: ConvSpec, layout: str, threads: int, isa: str, use_tuned: bool,
-           tuned: dict[bool, int], registry: list[dict], tune: bool = True) -> KernelChoice:
+def choose(spec: ConvSpec, layout: str, threads: int, isa: Isa, use_tuned: bool,
+           tune: bool = True) -> KernelChoice:
     """The kernel for a problem; with ``tune`` False nothing is searched (for ``plan``)."""
     global _background
-    if isa != "avx512f":
+    if isa is not Isa.AVX512F:
         return generic_choice(isa, spec)
-    index = tuned.get(threads > 1, -1)
-    if use_tuned and index >= 0:
-        return tuned_choice(index, registry[index])
+    entry = registry.lookup(spec, threads) if use_tuned else None
+    if entry is not None:
+        return tuned_choice(entry)
     key = (spec, layout, threads)
     choice = _choices.get(key)
     if choice is not None:

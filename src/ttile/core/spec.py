@@ -74,6 +74,23 @@ class ConvSpec:
     def flops(self) -> int:
         return 2 * self.n * self.k * self.c * self.r * self.s * self.ho * self.wo
 
+    def input_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the NHWC input a kernel for this problem reads."""
+        return (self.n, self.h, self.w, self.c)
+
+    def output_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the NHWC output a kernel for this problem writes."""
+        return (self.n, self.ho, self.wo, self.k)
+
+    def weight_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the RSCK weights."""
+        return (self.r, self.s, self.c, self.k)
+
+    def packed_weight_shape(self, panel: int) -> tuple[int, int, int, int, int]:
+        """Shape of the weights packed in k panels of width ``panel``:
+        [ceil(K / panel)][R][S][C][panel]."""
+        return (-(-self.k // panel), self.r, self.s, self.c, panel)
+
     def iteration_extents(self) -> dict[str, int]:
         """Extent of each loop dimension of the iteration space a scheme must cover.
 

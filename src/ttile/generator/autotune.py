@@ -1,0 +1,156 @@
+"""Step 5 of the TTile search: autotuning a layer's pruned scheme space into records.
+
+Candidates are screened in order within a time budget (a few cold calls each), the
+fastest few are re-timed with the paper's protocol, and the generic kernel is timed the
+same way as the bar to beat; with ``--warm-check`` the best scheme is then compared with
+the generic kernel warm, side by side. Everything goes through the tuning layer's one
+runner (:mod:`ttile.tuning.bench`) and is appended to the tuning database, so a search
+resumes where it stopped and emitting needs no measurement. Failures (build error, wrong
+answer, time-out) are recorded as values; they never stop the search.
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from ..core.cbuild import build
+from ..core.codegen import GENERATOR_VERSION, generate
+from ..core.scheme import Scheme
+from ..core.spec import ConvSpec
+from ..tuning.bench import (LayerBench, build_check_time, check_and_time,
+                            generic_packed_copies, head_to_head, time_generic)
+from ..tuning.records import (GENERIC_REVISION, Contender, Protocol, RecordStatus,
+                              TuningDatabase, TuningRecord, new_comparison_id)
+from .search import Candidate
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    budget_seconds: float = 150.0        # per layer and thread count
+    batch_size: int = 6
+    jobs: int = 2
+    screen_calls: int = 7
+    paper_calls: int = 20                # drop the 5 best and 5 worst, median of 10
+    paper_drop: int = 5
+    refine_top: int = 4
+    call_timeout_seconds: float = 2.0    # a screened call slower than this is a time-out
+
+
+def _today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDatabase,
+                    bench: LayerBench, calls: int = 20, drop: int = 5) -> TuningRecord:
+    """Time the generic kernel with the paper's cold-cache protocol and record it.
+
+    Its weights are packed before timing, as every candidate's are: timed through the
+    per-call entry point, it also paid for packing, and a small layer's generic time came
+    out 4x too slow (Yolo9000-5: 24 GFLOP/s cold, 101 warm)."""
+    copies = generic_packed_copies(spec, bench.copies)
+    times = sorted(time_generic(spec, copies, threads, calls))
+    problem = bench.check(copies[0][2])
+    seconds = statistics.median(times[drop:len(times) - drop])
+    record = TuningRecord(
+        layer=name, spec=spec, contender=Contender.GENERIC, scheme="", threads=threads,
+        status=RecordStatus.WRONG if problem else RecordStatus.OK, seconds=seconds,
+        gflops=spec.flops / seconds / 1e9, calls=calls, protocol=Protocol.PAPER,
+        strategy=None, microkernels="", cpu=database.cpu_id,
+        generator_version=GENERATOR_VERSION, measured_on=_today(), detail=problem or "",
+        generic_revision=GENERIC_REVISION)
+    database.add(record)
+    return record
+
+
+def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threads: int,
+               database: TuningDatabase, bench: LayerBench,
+               settings: TuneSettings = TuneSettings(),
+               progress: Callable[[str], None] = lambda message: None,
+               command: str = "ttile-generate") -> Optional[TuningRecord]:
+    """Screen candidates in order within the budget, then re-time the best with the
+    paper's protocol. Returns the best record (None if nothing ran correctly)."""
+    started = time.monotonic()
+    today = _today()
+
+    def record(candidate: Candidate, status: RecordStatus, seconds: float, calls: int,
+               protocol: Protocol, detail: str = "") -> TuningRecord:
+        rec = TuningRecord(
+            layer=name, spec=spec, contender=Contender.SCHEME, scheme=str(candidate.scheme),
+            threads=threads, status=status, seconds=seconds,
+            gflops=spec.flops / seconds / 1e9 if seconds > 0 else 0.0, calls=calls,
+            protocol=protocol, strategy=candidate.strategy,
+            microkernels=candidate.microkernel_text, cpu=database.cpu_id,
+            generator_version=GENERATOR_VERSION, measured_on=today, detail=detail)
+        database.add(rec)
+        return rec
+
+    todo = [c for c in candidates
+            if not database.has(spec, str(c.scheme), threads, Protocol.SCREEN)]
+    last = time.monotonic()
+    for measured in build_check_time(
+            spec, [c.scheme for c in todo], bench, threads, calls=settings.screen_calls,
+            batch_size=settings.batch_size, jobs=settings.jobs, command=command,
+            slow_seconds=settings.call_timeout_seconds,
+            next_group=lambda _: time.monotonic() - started <= settings.budget_seconds):
+        candidate = todo[measured.index]
+        record(candidate, measured.status, measured.seconds, settings.screen_calls,
+               Protocol.SCREEN, measured.detail)
+        now = time.monotonic()
+        progress(f"{name} t{threads}: {measured.status.value} {measured.seconds * 1e3:.2f} ms "
+                 f"({now - last:.1f} s) {candidate.scheme}")
+        last = now
+
+    # Re-time the fastest screened schemes with the paper's protocol.
+    screened = sorted(database.for_layer(spec, threads, Protocol.SCREEN),
+                      key=lambda r: r.seconds)
+    by_text = {str(c.scheme): c for c in candidates}
+    finalists = [r for r in screened if r.scheme in by_text][:settings.refine_top]
+    todo = [by_text[r.scheme] for r in finalists
+            if not database.has(spec, r.scheme, threads, Protocol.PAPER)]
+    if todo:
+        for measured in build_check_time(
+                spec, [c.scheme for c in todo], bench, threads, calls=settings.paper_calls,
+                drop=settings.paper_drop, batch_size=len(todo), jobs=1, command=command):
+            if measured.status is RecordStatus.BUILD_ERROR:
+                continue  # built fine when screened: nothing worth a record
+            record(todo[measured.index], measured.status, measured.seconds,
+                   settings.paper_calls, Protocol.PAPER, measured.detail)
+    return database.best(spec, threads)
+
+
+def compare_warm(name: str, spec: ConvSpec, threads: int, best: TuningRecord,
+                 database: TuningDatabase, rounds: int = 15
+                 ) -> tuple[TuningRecord, TuningRecord]:
+    """Time ``best``'s scheme and the generic kernel side by side, warm, and record both
+    under one comparison id.
+
+    The cold-cache screening ranks schemes fairly among themselves, but a kernel serves
+    warm calls too and the generic kernel improves between searches: whether a searched
+    kernel ships is decided by these comparisons when there are any.
+    """
+    kernel = generate(Scheme.parse(best.scheme), spec, "ttile-generate (warm check)")
+    library = build([kernel])
+    bench = LayerBench.make(spec, copy_bytes=0, max_copies=1, seed=2)
+    status, _, problem = check_and_time(library, kernel, bench, threads, calls=1)
+    generic_seconds, (searched_seconds,) = head_to_head(spec, bench, [(kernel, library)],
+                                                        threads, rounds)
+    comparison = new_comparison_id()
+    common = dict(layer=name, spec=spec, threads=threads, calls=rounds,
+                  protocol=Protocol.WARM, cpu=database.cpu_id,
+                  generator_version=GENERATOR_VERSION, measured_on=_today(),
+                  comparison=comparison)
+    searched = TuningRecord(contender=Contender.SCHEME, scheme=best.scheme, status=status,
+                            seconds=searched_seconds,
+                            gflops=spec.flops / searched_seconds / 1e9,
+                            strategy=best.strategy, microkernels=best.microkernels,
+                            detail=problem, **common)
+    generic = TuningRecord(contender=Contender.GENERIC, scheme="", status=RecordStatus.OK,
+                           seconds=generic_seconds, gflops=spec.flops / generic_seconds / 1e9,
+                           strategy=None, microkernels="", generic_revision=GENERIC_REVISION,
+                           **common)
+    database.add(searched)
+    database.add(generic)
+    return searched, generic

@@ -1,0 +1,69 @@
+"""Where the generator's data lives, for reading and for writing.
+
+Measured data (microkernel tables, machine models, tuning records) is written to a
+*data directory*: ``./data`` of a source checkout by default, or ``--data-dir``. The
+wheel also installs the tables and machine models under ``ttile/data``, so a table is
+looked up in the data directory first and then among the installed ones: a command run
+outside the checkout (``ttile-generate model``) and the run-time tuner find the tables
+the package carries.
+"""
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Iterable, Optional
+
+#: The data directory of a source checkout, relative to where commands run.
+DEFAULT_DATA_DIR = Path("data")
+
+
+class DataKind(str, Enum):
+    """The kinds of measured data, each in a sub-directory of its own."""
+
+    MICROKERNELS = "microkernels"   # step 1 tables, <cpu-id>.json
+    MACHINE = "machine"             # cache bandwidths, <cpu-id>.json
+    RECORDS = "records"             # tuning records, <cpu-id>.jsonl
+
+
+def installed_directory(kind: DataKind) -> Optional[Path]:
+    """The copy of ``kind`` installed with the package, if any."""
+    here = Path(__file__).resolve().parent.parent / "data" / kind.value
+    return here if here.is_dir() else None
+
+
+def search_path(kind: DataKind, *directories: Optional[Path]) -> list[Path]:
+    """Existing directories holding ``kind``, in the order to read them: each of
+    ``directories``' ``kind`` sub-directory, then the installed copy."""
+    out: list[Path] = []
+    for directory in directories:
+        if directory is not None:
+            out.append(Path(directory) / kind.value)
+    installed = installed_directory(kind)
+    if installed is not None:
+        out.append(installed)
+    seen, unique = set(), []
+    for d in out:
+        if d.is_dir() and d.resolve() not in seen:
+            seen.add(d.resolve())
+            unique.append(d)
+    return unique
+
+
+def find_file(kind: DataKind, cpu_id: str, *directories: Optional[Path]) -> Optional[Path]:
+    """``<cpu_id>.json`` of ``kind`` in the first directory of :func:`search_path`."""
+    for directory in search_path(kind, *directories):
+        path = directory / f"{cpu_id}.json"
+        if path.exists():
+            return path
+    return None
+
+
+def all_files(kind: DataKind, *directories: Optional[Path]) -> Iterable[Path]:
+    """Every table of ``kind`` on the search path (for a CPU without one of its own)."""
+    for directory in search_path(kind, *directories):
+        yield from sorted(directory.glob("*.json"))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

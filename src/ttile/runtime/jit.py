@@ -1,0 +1,210 @@
+"""The quick search that tunes a shape nobody tuned for, on the user's machine.
+
+The same pipeline as ``ttile-generate`` cut to fit a budget (20 s by default), for
+the first call of a shape: the model ranks the schemes of the best few microkernel
+classes (steps 2-4), the cheapest few by the model's data movement are compiled with
+the system compiler, each is checked against the float64 reference and timed, and the
+fastest two are timed again beside the generic kernel in interleaved rounds (the machine
+drifts; only a side-by-side comparison decides). The fastest wins if the ship policy
+(:class:`ttile.tuning.policy.ShipPolicy`, the generator's rule) says it beats the generic
+kernel - else the generic kernel does, which is remembered too. Candidates found wrong or
+that did not build are counted in the result, never dropped silently.
+
+Needs the generator's libraries (islpy with Barvinok, sympy, scipy: ``pip install
+ttile[jit]``) and a C compiler; without them :class:`JitUnavailable` says which is
+missing and the caller keeps the generic kernel.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..core.kinds import KernelKind
+from ..core.spec import ConvSpec
+from ..tuning.policy import DEFAULT_SHIP_POLICY, ShipPolicy
+
+
+class JitUnavailable(RuntimeError):
+    """Run-time tuning cannot run here (missing compiler or libraries)."""
+
+
+@dataclass(frozen=True)
+class JitSettings:
+    budget_seconds: float = 20.0
+    model_fraction: float = 0.4      # of the budget spent ranking schemes with the model
+    max_classes: int = 4             # microkernel classes ranked, best measured first
+    per_class: int = 4               # schemes kept per class
+    max_candidates: int = 12
+    max_points: int = 20_000         # completions ranked per loop order (a wide class has 100 000+)
+    batch_size: int = 4
+    jobs: int = 2
+    target_seconds_per_kernel: float = 0.15  # timing calls per candidate add up to this
+    finalists: int = 2               # re-timed beside the generic kernel, interleaved
+    final_seconds: float = 1.0       # what that comparison may take
+    compile_seconds: float = 60.0    # a compiler call past this is stopped (generic kernel)
+    ship: ShipPolicy = field(default=DEFAULT_SHIP_POLICY)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JitResult:
+    """The outcome of one quick search."""
+
+    kind: KernelKind                   # JIT or GENERIC
+    problem: ConvSpec
+    scheme: str = ""
+    microkernels: str = ""
+    function: str = ""
+    panel: int = 0
+    library: Optional[Path] = None     # the built shared object holding ``function``
+    gflops: float
+    generic_gflops: float
+    search_seconds: float
+    measured: int                      # candidates checked correct and timed
+    wrong: int                         # candidates that computed a wrong result
+    failed: int                        # candidates that did not build (error or time-out)
+
+
+def _load_microkernel_table(cache_root: Optional[Path]):
+    """This CPU's table, else any AVX-512 table shipped with ttile: the classes are
+    register blocks that suit any core with 32 zmm registers, only their measured
+    rates differ."""
+    from ..core.cpuinfo import fingerprint
+    from ..generator.data import DataKind, all_files, find_file, read_json
+    from ..generator.microkernels import MicrokernelTable
+    path = find_file(DataKind.MICROKERNELS, fingerprint().id, cache_root)
+    if path is not None:
+        return MicrokernelTable.from_json(read_json(path))
+    for path in all_files(DataKind.MICROKERNELS, cache_root):
+        try:
+            table = MicrokernelTable.from_json(read_json(path))
+        except (OSError, ValueError, KeyError):
+            continue
+        if "avx512f" in table.cpu.flags:
+            return table
+    raise JitUnavailable("no microkernel table found (ttile's data files are missing)")
+
+
+def _load_caches(cache_root: Optional[Path]):
+    from ..generator.machine import load_or_measure
+    if cache_root is not None:
+        try:
+            return load_or_measure(cache_root).caches()  # measured once, about a second
+        except OSError:
+            pass  # a read-only or full cache: measure without saving
+    return _measured_in_memory().caches()
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_in_memory():
+    """This CPU's model (shipped, or its bandwidths measured once per process when no
+    cache can keep them: tuning then costs a second more per process instead of not
+    happening at all)."""
+    from ..generator.machine import load_or_measure
+    return load_or_measure(None)
+
+
+def _require_libraries() -> None:
+    missing = []
+    for module in ("islpy", "sympy", "scipy"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise JitUnavailable(f"run-time tuning needs {', '.join(missing)} "
+                             f"(pip install 'ttile[jit]')")
+
+
+def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: float,
+               cache_root: Optional[Path]):
+    """The schemes worth compiling: the model's best few of each of the best classes."""
+    from ..generator.search import classes_for, class_fits, parallel_variants, scheme_space
+    table = _load_microkernel_table(cache_root)
+    caches = _load_caches(cache_root)
+    fitting = sorted((c for c in classes_for(spec, table) if class_fits(spec, c)),
+                     key=lambda c: -c.best_percent)[:settings.max_classes]
+    per_class = []
+    for cls in fitting:
+        if per_class and time.monotonic() > deadline:
+            break
+        space = scheme_space(spec, [cls], caches, top=settings.per_class,
+                             max_points=settings.max_points)
+        if space:
+            per_class.append(space)
+    chosen = []  # round robin over classes, each class's best first
+    for rank in range(settings.per_class):
+        for space in per_class:
+            if rank < len(space):
+                chosen.append(space[rank])
+    if threads > 1:
+        parallel = []
+        for candidate in chosen:
+            variants = parallel_variants(candidate, spec, threads)
+            if variants:
+                parallel.append(variants[0])
+        chosen = parallel
+    return chosen[:settings.max_candidates], table.peak_gflops
+
+
+def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
+         cache_root: Optional[Path] = None) -> JitResult:
+    """Search, check and time within ``settings.budget_seconds``; see the module text."""
+    from ..core.cbuild import find_compiler
+    started = time.monotonic()
+    if find_compiler() is None:
+        raise JitUnavailable("no C compiler on PATH (set CC or install gcc or clang)")
+    _require_libraries()
+    from ..tuning.bench import (LayerBench, build_check_time, generic_packed_copies,
+                                head_to_head, time_generic)
+    from ..tuning.records import RecordStatus
+
+    budget = settings.budget_seconds
+    chosen, _ = candidates(spec, threads, settings, started + settings.model_fraction * budget,
+                           cache_root)
+    bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)
+    generic_seconds = statistics.median(
+        time_generic(spec, generic_packed_copies(spec, bench.copies), threads, 5))
+    calls = int(max(3, min(25, settings.target_seconds_per_kernel / generic_seconds)))
+    screened = []  # (seconds, candidate, kernel, library)
+    wrong = failed = 0
+    for measured in build_check_time(
+            spec, [c.scheme for c in chosen], bench, threads, calls=calls,
+            batch_size=settings.batch_size, jobs=settings.jobs,
+            command="ttile.conv2d (run-time tuning)",
+            compile_timeout=settings.compile_seconds,
+            next_group=lambda attempted: not attempted
+            or time.monotonic() - started <= 0.7 * budget,
+            # keep the rest of the budget for the final comparison
+            next_kernel=lambda timed: not timed
+            or time.monotonic() - started <= 0.85 * budget):
+        if measured.status is RecordStatus.OK:
+            screened.append((measured.seconds, chosen[measured.index], measured.kernel,
+                             measured.library))
+        elif measured.status is RecordStatus.WRONG:
+            wrong += 1
+        else:
+            failed += 1
+    screened.sort(key=lambda item: item[0])
+    finalists = screened[:settings.finalists]
+    rounds = int(max(5, min(30, settings.final_seconds / max(generic_seconds, 1e-6)
+                             / (1 + len(finalists)))))
+    generic_seconds, final = head_to_head(spec, bench, [(k, lib) for _, _, k, lib in finalists],
+                                          threads, rounds)
+    flops = spec.flops
+    outcome = dict(problem=spec, generic_gflops=flops / generic_seconds / 1e9,
+                   search_seconds=time.monotonic() - started, measured=len(screened),
+                   wrong=wrong, failed=failed)
+    best = min(range(len(finalists)), key=final.__getitem__, default=None)
+    if best is None or not settings.ship.beats(final[best], generic_seconds):
+        return JitResult(kind=KernelKind.GENERIC, gflops=outcome["generic_gflops"], **outcome)
+    _, candidate, kernel, library = finalists[best]
+    return JitResult(kind=KernelKind.JIT, scheme=str(candidate.scheme),
+                     microkernels=candidate.microkernel_text, function=kernel.name,
+                     panel=kernel.panel, library=library.path, gflops=flops / final[best] / 1e9,
+                     **outcome)

@@ -1,0 +1,205 @@
+"""Build -> check -> time: the one runner every measurement of a kernel goes through.
+
+* :class:`LayerBench` makes a problem's inputs, its float64 reference output and the
+  tolerance once, with enough tensor copies that rotating over them leaves the caches
+  cold (the paper's protocol).
+* :func:`build_check_time` compiles candidate schemes in batches (two compilers at a
+  time), runs each once and checks it against the reference, and times only the correct
+  ones. A wrong kernel is reported as such, never timed and never dropped silently.
+* :func:`time_generic` times the hand-written generic kernel the way ``conv2d`` runs it
+  (weights packed beforehand), and :func:`head_to_head` times kernels side by side with
+  it, warm, in interleaved rounds, which is what the ship decision rests on.
+
+The offline generator and the run-time tuner both measure through these functions.
+"""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from .. import _kernels
+from ..core.cbuild import BuildError, BuiltLibrary, build_batches
+from ..core.codegen import KernelSource, generate
+from ..core.reference import conv2d_nhwc_f64
+from ..core.scheme import Scheme
+from ..core.spec import ConvSpec
+from .records import RecordStatus
+
+Copies = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+@dataclass
+class LayerBench:
+    """Inputs, reference output and tolerance of one layer, made once and reused."""
+
+    spec: ConvSpec
+    copies: Copies
+    expected: np.ndarray
+    tolerance: np.ndarray
+
+    @classmethod
+    def make(cls, spec: ConvSpec, copy_bytes: int = 256 << 20, max_copies: int = 64,
+             seed: int = 0) -> "LayerBench":
+        rng = np.random.default_rng(seed)
+        x = rng.uniform(-1, 1, (spec.n, spec.h, spec.w, spec.c)).astype(np.float32)
+        w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
+        pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
+        stride = (spec.stride_h, spec.stride_w)
+        expected = conv2d_nhwc_f64(x, w, stride, pads)
+        magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
+        terms = spec.c * spec.r * spec.s
+        tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
+        per_copy = 4 * (x.size + w.size + expected.size)
+        count = int(min(max_copies, max(2, -(-copy_bytes // per_copy))))
+        copies = [(x, w, np.empty(expected.shape, np.float32))]
+        for _ in range(count - 1):
+            copies.append((x.copy(), w.copy(), np.empty(expected.shape, np.float32)))
+        return cls(spec, copies, expected, tolerance)
+
+    def check(self, y: np.ndarray) -> Optional[str]:
+        """None when ``y`` matches the reference within tolerance, else what is off."""
+        bad = ~(np.abs(y.astype(np.float64) - self.expected) <= self.tolerance)
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            return f"{int(bad.sum())} outputs off, first at {idx}"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What :func:`build_check_time` found for one candidate."""
+
+    index: int                      # position in the candidate list
+    kernel: KernelSource
+    library: Optional[BuiltLibrary]  # None when the build failed
+    status: RecordStatus
+    seconds: float                  # median per call; 0 unless ok
+    detail: str = ""
+
+
+def check_and_time(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
+                   threads: int, calls: int, drop: int = 0
+                   ) -> tuple[RecordStatus, float, str]:
+    """Run ``kernel`` once and check it; if right, time ``calls`` cold calls and return
+    the median after dropping the ``drop`` fastest and slowest."""
+    x, w, y = bench.copies[0]
+    y.fill(np.nan)
+    library.run(kernel, x, w, y, threads)
+    problem = bench.check(y)
+    if problem:
+        return RecordStatus.WRONG, 0.0, problem
+    times = sorted(library.time_each(kernel, bench.copies, calls, threads))
+    kept = times[drop:len(times) - drop] if len(times) > 2 * drop else times
+    return RecordStatus.OK, statistics.median(kept), ""
+
+
+def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBench,
+                     threads: int, *, calls: int, drop: int = 0, batch_size: int = 6,
+                     jobs: int = 2, command: str = "ttile",
+                     compile_timeout: Optional[float] = None,
+                     slow_seconds: Optional[float] = None,
+                     next_group: Callable[[int], bool] = lambda attempted: True,
+                     next_kernel: Callable[[int], bool] = lambda timed: True,
+                     ) -> Iterator[Measured]:
+    """Build, check and time ``schemes`` in order; yields one :class:`Measured` each.
+
+    Groups of ``batch_size * jobs`` schemes are compiled at once (``jobs`` compilers in
+    parallel). Before each group ``next_group(attempted so far)`` and before each kernel
+    ``next_kernel(correct kernels timed so far)`` may stop the run (a time budget). A
+    kernel slower than ``slow_seconds`` per call is a time-out.
+    """
+    attempted = timed = 0
+    step = batch_size * jobs
+    for start in range(0, len(schemes), step):
+        if not next_group(attempted):
+            return
+        group = list(enumerate(schemes))[start:start + step]
+        batches = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+        sources = [[generate(scheme, spec, command) for _, scheme in batch]
+                   for batch in batches]
+        libraries = build_batches(sources, jobs=jobs, timers=True, timeout=compile_timeout)
+        for batch, kernels, library in zip(batches, sources, libraries):
+            for (index, _), kernel in zip(batch, kernels):
+                if not next_kernel(timed):
+                    return
+                attempted += 1
+                if isinstance(library, BuildError):
+                    yield Measured(index=index, kernel=kernel, library=None,
+                                   status=RecordStatus.BUILD_ERROR, seconds=0.0,
+                                   detail=library.log[-1500:] or str(library))
+                    continue
+                status, seconds, detail = check_and_time(library, kernel, bench, threads,
+                                                         calls, drop)
+                if status is RecordStatus.OK and slow_seconds is not None \
+                        and seconds > slow_seconds:
+                    status, detail = RecordStatus.TIMEOUT, f"{seconds:.2f} s per call"
+                timed += status is RecordStatus.OK
+                yield Measured(index=index, kernel=kernel, library=library, status=status,
+                               seconds=seconds if status is RecordStatus.OK else 0.0,
+                               detail=detail)
+
+
+def generic_packed_copies(spec: ConvSpec, copies: Copies) -> Copies:
+    """``copies`` with the weights packed for the generic kernel (as ``conv2d`` does)."""
+    panel = _kernels.generic_panel(spec.k, spec.wo)
+    return [(x, _kernels.pack_weights(w, panel), y) for x, w, y in copies]
+
+
+def _run_generic(spec: ConvSpec, threads: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    def run(x: np.ndarray, packed: np.ndarray, y: np.ndarray) -> None:
+        _kernels.conv2d_generic_packed(x, packed, y, spec.stride_h, spec.stride_w,
+                                       spec.pad_top, spec.pad_left, threads)
+    return run
+
+
+def time_generic(spec: ConvSpec, copies: Copies, threads: int, calls: int
+                 ) -> list[float]:
+    """Seconds of each of ``calls`` calls of the generic kernel, rotating over
+    ``copies`` (weights already packed: :func:`generic_packed_copies`); one untimed
+    call warms up first."""
+    run = _run_generic(spec, threads)
+    run(*copies[0])
+    times = []
+    for i in range(calls):
+        x, packed, y = copies[i % len(copies)]
+        t0 = time.perf_counter()
+        run(x, packed, y)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def kernel_address(library: BuiltLibrary, kernel: KernelSource) -> int:
+    """The entry point of ``kernel`` in ``library``, for ``_kernels.run_compiled``."""
+    return ctypes.cast(getattr(library.handle, kernel.name), ctypes.c_void_p).value
+
+
+def head_to_head(spec: ConvSpec, bench: LayerBench,
+                 finalists: Sequence[tuple[KernelSource, BuiltLibrary]], threads: int,
+                 rounds: int) -> tuple[float, list[float]]:
+    """Median seconds of the generic kernel and of each finalist, timed in interleaved
+    rounds the way ``conv2d`` runs them (through the extension, weights packed before),
+    so that the machine's drift hits every contender alike."""
+    x, w, y = bench.copies[0]
+    ((_, generic_w, _),) = generic_packed_copies(spec, [(x, w, y)])
+    generic = _run_generic(spec, threads)
+    runs = [lambda: generic(x, generic_w, y)]
+    for kernel, library in finalists:
+        address = kernel_address(library, kernel)
+        packed = _kernels.pack_weights(w, kernel.panel)
+        expected_w = spec.packed_weight_shape(kernel.panel)
+        runs.append(lambda a=address, p=packed, e=expected_w: _kernels.run_compiled(
+            a, x, p, y, threads, spec.input_shape(), e, spec.output_shape()))
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(rounds + 1):
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            if round_:  # round 0 warms up
+                times[i].append(time.perf_counter() - t0)
+    medians = [statistics.median(t) for t in times]
+    return medians[0], medians[1:]
