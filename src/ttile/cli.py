@@ -131,6 +131,65 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Serve every layer of a built-in network with ``ttile.Conv2d`` on this CPU: check
+    each against the float64 reference, time it, and say what served it."""
+    import statistics
+
+    import numpy as np
+
+    import ttile
+    from .core.reference import conv_mismatch
+    from .generator.networks import NETWORKS
+
+    previous = ttile.set_tuning(mode=args.tuning)
+    threads = args.threads
+    rng = np.random.default_rng(0)
+    total_flops = total_seconds = 0.0
+    wrong = 0
+    print(f"{args.network} on {_cpu_name()}, {threads} thread(s), NHWC, batch 1, "
+          f"run-time tuning {args.tuning!r}")
+    print(f"| layer | served by | ms (median of {args.reps}) | GFLOP/s | check |")
+    print("|---|---|---|---|---|")
+    try:
+        for layer in NETWORKS[args.network]:
+            spec = layer.spec()
+            x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
+            w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
+            pad = (spec.pad_top, spec.pad_left)
+            conv = ttile.Conv2d(w, stride=layer.stride, padding=pad, layout="NHWC",
+                                threads=threads)
+            y = conv(x)                       # the first call tunes, if the policy says so
+            problem = conv_mismatch(y, x, w, (spec.stride_h, spec.stride_w),
+                                    (spec.pad_top, spec.pad_bottom, spec.pad_left,
+                                     spec.pad_right))
+            wrong += problem is not None
+            times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                conv(x)
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
+            total_flops += spec.flops
+            total_seconds += seconds
+            plan = ttile.plan(x.shape, w.shape, layer.stride, pad, "NHWC", threads=threads)
+            served = plan.kind.value + (f" `{plan.scheme}`" if plan.scheme else "")
+            print(f"| {layer.name} | {served} | {seconds * 1e3:.3f} | "
+                  f"{spec.flops / seconds / 1e9:.1f} | {'ok' if problem is None else problem} |",
+                  flush=True)
+    finally:
+        ttile.restore_tuning(previous)
+    print(f"whole network: {total_seconds * 1e3:.2f} ms, "
+          f"{total_flops / total_seconds / 1e9:.1f} GFLOP/s; {wrong} wrong result(s)")
+    return 1 if wrong else 0
+
+
+def _cpu_name() -> str:
+    from .core.cpuinfo import fingerprint
+    cpu = fingerprint()
+    return f"{cpu.model_name} ({cpu.id})"
+
+
 def _cmd_records(args: argparse.Namespace) -> int:
     from .tuning.records import RECORD_FORMAT, TuningDatabase
     for path in args.files:
@@ -347,6 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "measured that fits)")
     model.add_argument("--top", type=int, default=3, help="permutations to show")
     model.set_defaults(run=_cmd_model)
+    run = sub.add_parser("run", help="serve a built-in network's layers with ttile on this "
+                                     "CPU: what serves each, checked and timed")
+    run.add_argument("--network", default="resnet18", choices=("resnet18", "yolo9000"))
+    run.add_argument("--threads", type=int, default=1)
+    run.add_argument("--reps", type=int, default=5, help="timed calls per layer")
+    run.add_argument("--tuning", default="never", choices=("never", "now"),
+                     help="tune layers without a shipped kernel first (now: up to 20 s each)")
+    run.set_defaults(run=_cmd_run)
     records = sub.add_parser("records", help="tuning records: rewrite a file in the "
                                              "current format")
     records.add_argument("action", choices=("migrate",))
@@ -369,6 +436,9 @@ def main(argv=None) -> int:
         args.run = _cmd_network
     if args.command is None and not 0 < args.keep_fraction <= 1:
         print("--keep-fraction must be in (0, 1]", file=sys.stderr)
+        return 2
+    if args.command == "run" and (args.threads < 1 or args.reps < 1):
+        print("--threads and --reps must be >= 1", file=sys.stderr)
         return 2
     if args.command == "microkernels" and not 0 < args.threshold <= 1:
         print("--threshold must be in (0, 1]", file=sys.stderr)
