@@ -95,9 +95,9 @@ static inline __attribute__((always_inline)) void                               
 conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float *panel,\
                        float *y_row, int64_t oh, int64_t ow0, const int64_t P,         \
                        int64_t k0, const __mmask16 *mask, const float *zeros,          \
-                       int64_t c0, int64_t c1)                                         \
+                       int64_t c0, int64_t c1, const int64_t YS)                       \
 {                                                                                      \
-    const int64_t H = sh->h, W = sh->w, K = sh->k, S = sh->s;                          \
+    const int64_t H = sh->h, W = sh->w, S = sh->s;                                     \
     const int64_t C = sh->c, R = sh->r;                                                \
     __m512 acc[NW][KV];                                                                \
     _Pragma("GCC unroll 32")                                                           \
@@ -105,7 +105,7 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
         _Pragma("GCC unroll 32")                                                       \
         for (int v = 0; v < KV; v++)                                                   \
             acc[j][v] = c0 == 0 ? _mm512_setzero_ps()                                  \
-                : _mm512_maskz_loadu_ps(mask[v], y_row + (ow0 + j) * K + k0 + 16 * v);\
+                : _mm512_maskz_loadu_ps(mask[v], y_row + (ow0 + j) * YS + k0 + 16 * v);\
     }                                                                                  \
     /* Interior blocks over all channels read, for one r, S*C contiguous floats per    \
      * pixel (NHWC) against S*C contiguous panel steps: one loop of S*C steps instead  \
@@ -145,7 +145,7 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
     for (int j = 0; j < NW; j++) {                                                     \
         _Pragma("GCC unroll 32")                                                       \
         for (int v = 0; v < KV; v++)                                                   \
-            _mm512_mask_storeu_ps(y_row + (ow0 + j) * K + k0 + 16 * v, mask[v],        \
+            _mm512_mask_storeu_ps(y_row + (ow0 + j) * YS + k0 + 16 * v, mask[v],       \
                                   acc[j][v]);                                          \
     }                                                                                  \
 }
@@ -164,8 +164,8 @@ static inline __mmask16 tail_mask(int64_t remaining)
 
 #define CASE(NW, KV)                                                                   \
     case NW:                                                                           \
-        conv_block_##NW##_##KV(sh, x_n, panel, y_row, oh, ow0, pw, k0, mask, zeros,    \
-                               c0, c1);                                                \
+        conv_block_##NW##_##KV(sh, x_n, panel, y_row, oh, ow0, pw, k_out, mask, zeros, \
+                               c0, c1, ys);                                            \
         break;
 
 #define CASE_KV(KV, W)                                                                 \
@@ -207,7 +207,7 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const 
     if (packed == NULL)
         return -1;
     ttile_pack_weights(w, rsc, sh->k, P, packed, nthreads);
-    const int status = ttile_conv_generic_avx512_packed(sh, x, packed, y, nthreads);
+    const int status = ttile_conv_generic_avx512_packed(sh, x, packed, y, nthreads, 0);
     free(packed);
     return status;
 }
@@ -227,7 +227,8 @@ static ttile_conv_shape as_one_row_if_pointwise(const ttile_conv_shape *sh)
 }
 
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
-                                     const float *packed, float *y, int nthreads)
+                                     const float *packed, float *y, int nthreads,
+                                     int nchw_out)
 {
     /* The panel width follows the shape as given (the caller packed for it). */
     const int64_t P = ttile_generic_panel(shape->k, shape->wo);
@@ -259,16 +260,38 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
      * image had rows, so that threads still have that many pieces to share. */
     const int64_t segments = HO == shape->ho ? 1 : shape->ho;
 
-#pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads) if (nthreads > 1)
+    /* An NCHW output (y[n][k][oh][ow], torch's layout) is written through a row buffer
+     * of the task's pixels by the group's channels, in NHWC order as the blocks store
+     * it, then transposed into place while it is still in L1/L2: no second pass over
+     * the whole output. */
+    const int64_t group_width = (group < kchunks ? group : kchunks) * P;
+    const size_t rowbuf_bytes = (size_t)(WO * group_width) * sizeof(float);
+    int failed = 0;
+
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+    float *rowbuf = nchw_out ? alloc_packed(rowbuf_bytes) : NULL;
+    if (nchw_out && rowbuf == NULL) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#pragma omp for collapse(3) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t g = 0; g < ngroups; g++) {
             for (int64_t row = 0; row < HO * segments; row++) {
+              if (nchw_out && rowbuf == NULL)
+                  continue;
               const int64_t oh = row / segments, segment = row % segments;
               const float *x_n = x + n * sh->h * sh->w * sh->c;
-              float *y_row = y + (n * HO + oh) * WO * K;
               const int64_t kc_end = (g + 1) * group < kchunks ? (g + 1) * group : kchunks;
+              const int64_t kg0 = g * group * P;
+              /* NHWC: the output row itself; NCHW: the row buffer, channels from kg0 */
+              float *y_row = nchw_out ? rowbuf : y + (n * HO + oh) * WO * K;
+              const int64_t ys = nchw_out ? group_width : K;
+              int64_t px_lo = WO, px_hi = 0;  /* the pixels this task wrote */
               for (int64_t kc = g * group; kc < kc_end; kc++) {
                 const int64_t k0 = kc * P, pw = P;
+                const int64_t k_out = nchw_out ? k0 - kg0 : k0;
                 const float *panel = packed + kc * rsc * P;
                 int kv = (int)((K - k0 + 15) / 16);
                 kv = kv < (int)(P / 16) ? kv : (int)(P / 16);
@@ -285,15 +308,29 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
                 for (int64_t c0 = 0; c0 < sh->c; c0 += cchunk) {
                     const int64_t c1 = c0 + cchunk < sh->c ? c0 + cchunk : sh->c;
                     int64_t ow0 = b_lo * base + (b_lo < wider ? b_lo : wider);
+                    px_lo = ow0 < px_lo ? ow0 : px_lo;
                     for (int64_t b = b_lo; b < b_hi; b++) {
                         const int nw = (int)(base + (b < wider ? 1 : 0));
                         RUN_BLOCK();
                         ow0 += nw;
                     }
+                    px_hi = ow0 > px_hi ? ow0 : px_hi;
                 }
+              }
+              if (nchw_out && px_hi > px_lo) {
+                  const int64_t kw = (kc_end * P < K ? kc_end * P : K) - kg0;
+                  ttile_transpose_tile_avx512(rowbuf + px_lo * group_width, group_width,
+                                              y + (n * K + kg0) * HO * WO + oh * WO + px_lo,
+                                              HO * WO, px_hi - px_lo, kw, 0, 1, 1);
               }
             }
         }
+    }
+    free(rowbuf);
+    }
+    if (failed) {
+        free(zeros);
+        return -1;
     }
     free(zeros);
     return 0;

@@ -33,14 +33,32 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
  * rows of wo pixels: 16 times its register block's vector count (16, 32, 48 or 64). */
 int64_t ttile_generic_panel(int64_t k, int64_t wo);
 /* The same on weights already packed by ttile_pack_weights with that panel width (what
- * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. */
+ * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. With
+ * nchw_out, y is y[N][K][Ho][Wo] (torch's layout), written from the tile. */
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
-                                     const float *packed, float *y, int nthreads);
+                                     const float *packed, float *y, int nthreads,
+                                     int nchw_out);
 
 /* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
  * zero-filling the tail. */
 void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                         int nthreads);
+
+/* Activations between torch's layout and the kernels': src[n][c][hw] -> dst[n][hw][c]
+ * and back (layout.c, blocked and parallel). isa 1: AVX-512 tiles (the caller checked
+ * the CPU); 0: portable C. */
+void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
+                        int nthreads, int isa);
+void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
+                        int nthreads, int isa);
+/* One tile of those conversions with AVX-512 (layout_avx512.c). */
+void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
+                                 int64_t dstride, int64_t rows, int64_t cols,
+                                 int64_t first, int64_t group, int64_t groups);
+/* KCRS weights (rs = R*S) straight into panels [ceil(k/panel)][rs][c][panel], the tail
+ * zero-filled; panel = k gives RSCK. */
+void ttile_pack_weights_kcrs(const float *w, int64_t k, int64_t c, int64_t rs,
+                             int64_t panel, float *out, int nthreads, int isa);
 
 /* FMA-throughput microbenchmark: runs `iterations` rounds of 24 independent 16-lane
  * FMA chains on the calling thread and returns the seconds taken. */

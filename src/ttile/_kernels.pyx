@@ -6,6 +6,7 @@ pointer, so a caller that bypasses ``ttile.conv2d`` gets an exception, never a m
 """
 from libc.stdint cimport int64_t
 cimport numpy as cnp
+import numpy as np
 
 cnp.import_array()
 
@@ -23,11 +24,18 @@ cdef extern from "ttile_runtime.h" nogil:
                                   const float *w, float *y, int nthreads)
     int64_t ttile_generic_panel(int64_t k, int64_t wo)
     int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
-                                         const float *packed, float *y, int nthreads)
+                                         const float *packed, float *y, int nthreads,
+                                         int nchw_out)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                             int nthreads)
+    void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
+                            int nthreads, int isa)
+    void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
+                            int nthreads, int isa)
+    void ttile_pack_weights_kcrs(const float *w, int64_t k, int64_t c, int64_t rs,
+                                 int64_t panel, float *out, int nthreads, int isa)
 
 cdef extern from "ttile_registry.h" nogil:
     ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads)
@@ -66,9 +74,10 @@ cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
 cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
                      int64_t r, int64_t s, int64_t wc, int64_t k,
                      int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
-                     int nthreads) except -1:
-    """Fill ``shape`` from x (N,H,W,C), y (N,Ho,Wo,K) and the weights' extents, refusing
-    any combination under which a kernel could index outside the arrays."""
+                     int nthreads, bint nchw_out=False) except -1:
+    """Fill ``shape`` from x (N,H,W,C), y (N,Ho,Wo,K), or (N,K,Ho,Wo) with ``nchw_out``,
+    and the weights' extents, refusing any combination under which a kernel could index
+    outside the arrays."""
     _check_f32_c4(x, "x")
     _check_f32_c4(y, "y")
     if not cnp.PyArray_ISWRITEABLE(y):
@@ -77,12 +86,13 @@ cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
     shape.n = xs[0]; shape.h = xs[1]; shape.w = xs[2]; shape.c = xs[3]
     shape.r = r; shape.s = s; shape.k = k
-    shape.ho = ys[1]; shape.wo = ys[2]
+    shape.ho = ys[2] if nchw_out else ys[1]
+    shape.wo = ys[3] if nchw_out else ys[2]
     shape.stride_h = stride_h; shape.stride_w = stride_w
     shape.pad_top = pad_top; shape.pad_left = pad_left
     if wc != shape.c:
         raise ValueError(f"weights have {wc} input channels, input has {shape.c}")
-    if ys[0] != shape.n or ys[3] != shape.k:
+    if ys[0] != shape.n or (ys[1] if nchw_out else ys[3]) != shape.k:
         raise ValueError("output shape does not match input batch and weight channels")
     if stride_h < 1 or stride_w < 1 or pad_top < 0 or pad_left < 0 or nthreads < 1:
         raise ValueError("strides and thread count must be >= 1, padding >= 0")
@@ -148,24 +158,28 @@ def generic_panel(int64_t k, int64_t wo):
 
 def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           int64_t stride_h, int64_t stride_w,
-                          int64_t pad_top, int64_t pad_left, int nthreads):
+                          int64_t pad_top, int64_t pad_left, int nthreads,
+                          bint nchw_out=False):
     """The AVX-512F generic kernel on weights packed by
-    ``pack_weights(w, generic_panel(K, Wo))``."""
+    ``pack_weights(w, generic_panel(K, Wo))``; with ``nchw_out``, y is (N,K,Ho,Wo) and
+    written in that layout from the kernel's tiles."""
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
     _check_f32_c4(y, "y")
-    cdef int64_t k = cnp.PyArray_DIMS(y)[3]
-    _check_packed(w, k, ttile_generic_panel(k, cnp.PyArray_DIMS(y)[2]))
+    cdef cnp.npy_intp *yd = cnp.PyArray_DIMS(y)
+    cdef int64_t k = yd[1] if nchw_out else yd[3]
+    _check_packed(w, k, ttile_generic_panel(k, yd[3] if nchw_out else yd[2]))
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef ttile_conv_shape shape
     _fill_shape(&shape, x, y, ws[1], ws[2], ws[3], k, stride_h, stride_w, pad_top, pad_left,
-                nthreads)
+                nthreads, nchw_out)
+    cdef int out_flag = 1 if nchw_out else 0
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     cdef int status
     with nogil:
-        status = ttile_conv_generic_avx512_packed(&shape, xp, wp, yp, nthreads)
+        status = ttile_conv_generic_avx512_packed(&shape, xp, wp, yp, nthreads, out_flag)
     if status != 0:
         raise MemoryError("not enough memory for the generic kernel's scratch row")
 
@@ -216,12 +230,27 @@ def tuned_kernels():
     return out
 
 
-def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1):
+cdef cnp.ndarray _output(object out, tuple shape, str name):
+    """``out`` checked to be a writeable C-contiguous float32 array of ``shape``, or a new
+    one (callers pass reused scratch buffers)."""
+    if out is None:
+        return np.empty(shape, np.float32)
+    cdef cnp.ndarray arr = out
+    if cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(arr) \
+            or not cnp.PyArray_ISWRITEABLE(arr) or not cnp.PyArray_ISALIGNED(arr):
+        raise ValueError(f"{name} must be a writeable, aligned, C-contiguous float32 array")
+    if (<object>arr).shape != shape:
+        raise ValueError(f"{name} has shape {(<object>arr).shape}, expected {shape}")
+    return arr
+
+
+def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1, out=None):
     """RSCK weights (R,S,C,K) -> panels (ceil(K/panel), R, S, C, panel), tail zero-filled.
 
     When K is the panel width, RSCK already is that single panel: the result is then a
     read-only view of ``w``, not a copy (conv2d packs per call; Yolo9000-2, ResNet18-1 and
-    every other 64-filter layer would copy their weights for nothing)."""
+    every other 64-filter layer would copy their weights for nothing). ``out``, when
+    given, receives the panels otherwise."""
     _check_f32_c4(w, "w")
     if panel < 1 or nthreads < 1:
         raise ValueError("panel and nthreads must be >= 1")
@@ -232,13 +261,78 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1):
         view.flags.writeable = False
         return view
     cdef int64_t rsc = ws[0] * ws[1] * ws[2]
-    out = cnp.PyArray_EMPTY(5, [(k + panel - 1) // panel, ws[0], ws[1], ws[2], panel],
-                            cnp.NPY_FLOAT32, 0)
+    result = _output(out, ((k + panel - 1) // panel, ws[0], ws[1], ws[2], panel), "out")
     cdef const float *src = <const float *>cnp.PyArray_DATA(w)
-    cdef float *dst = <float *>cnp.PyArray_DATA(out)
+    cdef float *dst = <float *>cnp.PyArray_DATA(result)
     with nogil:
         ttile_pack_weights(src, rsc, k, panel, dst, nthreads)
-    return out
+    return result
+
+
+cdef int _layout_isa(isa) except -1:
+    """The ISA flag of the layout conversions: AVX-512 tiles unless asked for the
+    portable loop, never AVX-512 on a CPU without it."""
+    if isa is None:
+        return ttile_cpu_has_avx512f()
+    if isa == ISA_PORTABLE:
+        return 0
+    if isa == ISA_AVX512F:
+        if ttile_cpu_has_avx512f() != 1:
+            raise RuntimeError("this CPU does not support AVX-512F")
+        return 1
+    raise ValueError(f"unknown isa {isa!r}")
+
+
+def pack_weights_kcrs(cnp.ndarray w, int64_t panel, int nthreads=1, out=None, isa=None):
+    """KCRS weights (K,C,R,S), torch's layout, straight into panels (ceil(K/panel), R, S,
+    C, panel), tail zero-filled; ``panel`` 0 gives RSCK (R,S,C,K) for the portable kernel.
+    One parallel pass, no intermediate RSCK copy."""
+    _check_f32_c4(w, "w")
+    if panel < 0 or nthreads < 1:
+        raise ValueError("panel must be >= 0 and nthreads >= 1")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef int64_t k = ws[0], c = ws[1], r = ws[2], s = ws[3]
+    cdef int64_t width = panel if panel else k
+    shape = ((k + width - 1) // width, r, s, c, width)
+    result = _output(out, (r, s, c, k) if panel == 0 else shape, "out")
+    cdef const float *src = <const float *>cnp.PyArray_DATA(w)
+    cdef float *dst = <float *>cnp.PyArray_DATA(result)
+    cdef int flag = _layout_isa(isa)
+    with nogil:
+        ttile_pack_weights_kcrs(src, k, c, r * s, width, dst, nthreads, flag)
+    return result
+
+
+def nchw_to_nhwc(cnp.ndarray x, int nthreads=1, out=None, isa=None):
+    """(N,C,H,W) -> (N,H,W,C), blocked and parallel."""
+    _check_f32_c4(x, "x")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    n, c, h, w = (<object>x).shape
+    result = _output(out, (n, h, w, c), "out")
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef float *dst = <float *>cnp.PyArray_DATA(result)
+    cdef int64_t nn = n, cc = c, hw = h * w
+    cdef int flag = _layout_isa(isa)
+    with nogil:
+        ttile_nchw_to_nhwc(src, dst, nn, cc, hw, nthreads, flag)
+    return result
+
+
+def nhwc_to_nchw(cnp.ndarray y, int nthreads=1, out=None, isa=None):
+    """(N,H,W,C) -> (N,C,H,W), blocked and parallel."""
+    _check_f32_c4(y, "y")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    n, h, w, c = (<object>y).shape
+    result = _output(out, (n, c, h, w), "out")
+    cdef const float *src = <const float *>cnp.PyArray_DATA(y)
+    cdef float *dst = <float *>cnp.PyArray_DATA(result)
+    cdef int64_t nn = n, cc = c, hw = h * w
+    cdef int flag = _layout_isa(isa)
+    with nogil:
+        ttile_nhwc_to_nchw(src, dst, nn, hw, cc, nthreads, flag)
+    return result
 
 
 cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:

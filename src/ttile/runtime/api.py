@@ -19,6 +19,7 @@ from .. import _kernels
 from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
 from . import dispatch
+from .scratch import scratch
 
 IntPair = Union[int, tuple[int, int]]
 
@@ -295,14 +296,49 @@ def _run(choice: dispatch.KernelChoice, spec: ConvSpec, x: np.ndarray, weights: 
 
 def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
              weights: np.ndarray, nthreads: int) -> np.ndarray:
-    """Run ``choice`` on input ``x`` in the plan's layout (NCHW is transposed to NHWC and
-    back) with weights already in the kernel's format; returns the output."""
-    nchw = plan.layout == "NCHW"
-    if nchw:
-        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    """Run ``choice`` on input ``x`` in the plan's layout with weights already in the
+    kernel's format; returns the output. An NCHW input is converted to NHWC by one
+    blocked, parallel pass into a per-thread scratch buffer; the generic kernel writes
+    the NCHW output directly, other kernels' NHWC output is converted back by a second
+    pass."""
+    if plan.layout == "NCHW":
+        spec, isa = plan.spec, _layout_isa()
+        x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()), isa)
+        if choice.kind is KernelKind.GENERIC and choice.panel:
+            # the AVX-512 generic kernel writes NCHW from its tiles: no second pass
+            y = np.empty((spec.n, spec.k, spec.ho, spec.wo), dtype=_FLOAT32)
+            _kernels.conv2d_generic_packed(x, weights, y, spec.stride_h, spec.stride_w,
+                                           spec.pad_top, spec.pad_left, nthreads, True)
+            return y
+        y = scratch("y", plan.out_shape)
+        if y is None:
+            y = np.empty(plan.out_shape, dtype=_FLOAT32)
+        _run(choice, spec, x, weights, y, nthreads)
+        return _kernels.nhwc_to_nchw(y, nthreads, None, isa)
     y = np.empty(plan.out_shape, dtype=_FLOAT32)
     _run(choice, plan.spec, x, weights, y, nthreads)
-    return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if nchw else y
+    return y
+
+
+def _layout_isa() -> Optional[int]:
+    """The layout conversions' ISA: portable when calls are held to the portable family."""
+    return _kernels.ISA_PORTABLE if get_isa() is Isa.PORTABLE else None
+
+
+def _pack_per_call(w: np.ndarray, layout: str, spec: ConvSpec, panel: int,
+                   nthreads: int) -> np.ndarray:
+    """The weights of one call in the kernel's format (panels of width ``panel``, or RSCK
+    for 0), packed in one parallel pass into this thread's scratch buffer: KCRS straight
+    into panels for NCHW, RSCK into panels for NHWC (RSCK already is the format of
+    panel 0, and of a panel as wide as K)."""
+    if layout == "NCHW":
+        shape = spec.weight_shape() if panel == 0 else spec.packed_weight_shape(panel)
+        return _kernels.pack_weights_kcrs(w, panel, nthreads, scratch("w", shape),
+                                          _layout_isa())
+    if panel == 0 or panel == spec.k:
+        return _kernels.pack_weights(w, panel, nthreads) if panel else w
+    return _kernels.pack_weights(w, panel, nthreads,
+                                 scratch("w", spec.packed_weight_shape(panel)))
 
 
 def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
@@ -322,7 +358,8 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
     background, or never: see :func:`ttile.set_tuning`. Weights are packed for the
-    kernel on every call; :class:`ttile.Conv2d` packs them once.
+    kernel on every call (one parallel pass into a reused per-thread buffer);
+    :class:`ttile.Conv2d` packs them once.
 
     Returns:
         float32 output, (N, K, Ho, Wo) for "NCHW", (N, Ho, Wo, K) for "NHWC".
@@ -340,9 +377,7 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
         _threads(threads)
     choice = _choice(plan, nthreads)
 
-    if layout == "NCHW":
-        w_arr = np.ascontiguousarray(w_arr.transpose(2, 3, 1, 0))
-    weights = _kernels.pack_weights(w_arr, choice.panel, nthreads) if choice.panel else w_arr
+    weights = _pack_per_call(w_arr, plan.layout, plan.spec, choice.panel, nthreads)
     return _execute(plan, choice, x_arr, weights, nthreads)
 
 

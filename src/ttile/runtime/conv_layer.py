@@ -43,7 +43,7 @@ class Conv2d:
         if 0 in weights.shape:
             raise ValueError(f"zero-size dimension in weights {weights.shape}")
         if layout == "NCHW":
-            rsck = np.ascontiguousarray(weights.transpose(2, 3, 1, 0))
+            rsck = _kernels.pack_weights_kcrs(weights, 0, _threads(None))
         else:
             rsck = weights.copy()
         rsck.flags.writeable = False

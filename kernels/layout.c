@@ -1,0 +1,94 @@
+/* Layout conversions at memory speed: NCHW <-> NHWC activations and KCRS weights packed
+ * straight into the kernels' panels.
+ *
+ * The kernels run in NHWC with weights in k panels; torch's layout is NCHW with KCRS
+ * weights. numpy's strided copies did the conversion on one thread and element by
+ * element along the slow axis (a 3-channel 544x544 input, or 9.4 MB of ResNet18-12
+ * weights, took longer than the convolution). Here each conversion is a blocked
+ * transpose: tiles of TILE x TILE floats, read along one axis and written along the
+ * other, so both sides touch whole cache lines, spread over threads. Compiled for the
+ * baseline ISA: the work is memory-bound. */
+#include "ttile_runtime.h"
+
+#define TILE 64
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* One tile: dst[row(first + c) * dstride + r] = src[r * sstride + c], r < rows,
+ * c < cols, with row(x) = (x % group) * groups + x / group (see layout_avx512.c). */
+static void transpose_tile(const float *src, int64_t sstride, float *dst, int64_t dstride,
+                           int64_t rows, int64_t cols, int64_t first, int64_t group,
+                           int64_t groups, int avx512)
+{
+    if (avx512) {
+        ttile_transpose_tile_avx512(src, sstride, dst, dstride, rows, cols, first, group,
+                                    groups);
+        return;
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        const int64_t x = first + c;
+        float *d = dst + ((x % group) * groups + x / group) * dstride;
+        for (int64_t r = 0; r < rows; r++)
+            d[r] = src[r * sstride + c];
+    }
+}
+
+/* dst[b][c][r] = src[b][r][c] for `batch` matrices of rows x cols. */
+static void transpose_batched(const float *src, float *dst, int64_t batch, int64_t rows,
+                              int64_t cols, int nthreads, int avx512)
+{
+    const int64_t rtiles = (rows + TILE - 1) / TILE, ctiles = (cols + TILE - 1) / TILE;
+#pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t rt = 0; rt < rtiles; rt++) {
+            for (int64_t ct = 0; ct < ctiles; ct++) {
+                const int64_t r0 = rt * TILE, c0 = ct * TILE;
+                transpose_tile(src + b * rows * cols + r0 * cols + c0, cols,
+                               dst + b * rows * cols + c0 * rows + r0, rows,
+                               min64(TILE, rows - r0), min64(TILE, cols - c0), 0, 1, 1,
+                               avx512);
+            }
+        }
+    }
+}
+
+/* isa: 1 for AVX-512 tiles (the caller checked the CPU), 0 for the portable loop. */
+void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
+                        int nthreads, int isa)
+{
+    transpose_batched(src, dst, n, c, hw, nthreads, isa);
+}
+
+void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
+                        int nthreads, int isa)
+{
+    transpose_batched(src, dst, n, hw, c, nthreads, isa);
+}
+
+void ttile_pack_weights_kcrs(const float *w, int64_t k, int64_t c, int64_t rs,
+                             int64_t panel, float *out, int nthreads, int isa)
+{
+    /* out[p][t][ci][j] = w[p * panel + j][ci][t], zero past k: for each panel, the
+     * [panel rows][c * rs columns] block of w transposed, column (ci, t) landing on row
+     * (t, ci). One (panel, column tile) per task. */
+    const int avx512 = isa;
+    const int64_t panels = (k + panel - 1) / panel;
+    const int64_t cols = c * rs;
+    const int64_t ctiles = (cols + TILE - 1) / TILE;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t ct = 0; ct < ctiles; ct++) {
+            const int64_t valid = min64(panel, k - p * panel);
+            const int64_t c0 = ct * TILE, nc = min64(TILE, cols - c0);
+            float *dst = out + p * cols * panel;
+            for (int64_t j0 = 0; j0 < valid; j0 += TILE)
+                transpose_tile(w + (p * panel + j0) * cols + c0, cols, dst + j0, panel,
+                               min64(TILE, valid - j0), nc, c0, rs, c, avx512);
+            for (int64_t col = c0; col < c0 + nc; col++) {
+                float *d = dst + ((col % rs) * c + col / rs) * panel;
+                for (int64_t j = valid; j < panel; j++)
+                    d[j] = 0.0f;
+            }
+        }
+    }
+}
