@@ -78,9 +78,10 @@ def test_layers_import_only_downwards():
 
 def test_no_import_cycles():
     graph = {m: {t for t in ts if t != m} for m, ts in _graph().items()}
-    # the package __init__ re-exports the API; a module importing "ttile" itself would
-    # close a cycle through it
-    assert not [m for m, ts in graph.items() if "ttile" in ts and m != "ttile"]
+    # the package __init__ re-exports the API; a module of a layer importing "ttile"
+    # itself would close a cycle through it (the CLI, which nothing imports, may)
+    assert not [m for m, ts in graph.items()
+                if "ttile" in ts and m.split(".")[1:2] and m.split(".")[1] in ALLOWED]
     state: dict[str, int] = {}
     cycles = []
 
