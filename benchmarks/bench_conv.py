@@ -1,20 +1,22 @@
-"""Side-by-side timing of ttile.conv2d against PyTorch (oneDNN) on the Fig. 8 layers.
+"""Side-by-side timing of ttile against PyTorch (oneDNN) on the Fig. 8 layers.
 
 Not a test: run it by hand (``python benchmarks/bench_conv.py``) with the ``bench``
-extra installed (``pip install ".[bench]"``). For each thread count it pins the process
-to that many CPUs, then for every layer times, interleaved round by round:
+extra installed (``pip install ".[bench]"``). For each thread count (``all``: every CPU
+this process may use) it pins the process to that many CPUs, then for every layer times,
+interleaved round by round, what users call:
 
-* ttile.conv2d on NHWC input and RSCK weights (its native layout), packing per call,
-* a ttile.Conv2d made once from the same weights (packed once, like oneDNN's module),
-* torch.nn.functional.conv2d on NCHW tensors,
-* the same on channels_last tensors,
-* a torch.nn.Conv2d pre-packed by torch.utils.mkldnn.to_mkldnn on an mkldnn input
-  (output left in oneDNN's blocked format, so no conversion is charged to torch),
-* ttile's generic kernel on the same call (tuned kernels switched off), for reference,
+* ttile.conv2d per call in NHWC (input NHWC, weights RSCK: ttile's native layout) and in
+  NCHW (torch's layout, weights KCRS: the README's first example), packing per call,
+* a ttile.Conv2d made once from the same weights (packed once), in both layouts,
+* torch.nn.functional.conv2d on NCHW tensors, on channels_last tensors, and an
+  nn.Conv2d pre-packed by torch.utils.mkldnn.to_mkldnn on an mkldnn input (output left
+  in oneDNN's blocked format, so no conversion is charged to torch),
+* ttile's generic kernel on the NHWC call (registry verdicts switched off), for reference,
 
 and reports medians, the best of torch's three ways, GFLOP/s, % of the FMA peak
-measured here by ttile's microbenchmark, and torch/ttile (> 1: ttile faster) as the median
-over rounds of each round's ratio (see ``paired_ratio``).
+measured here by ttile's microbenchmark, and ratios (> 1: ttile faster), each the median
+over rounds of that round's ratio (see ``paired_ratio``): torch's best way over each
+ttile call, and torch NCHW over ttile NCHW (the like-for-like per-call comparison).
 Every ttile result is checked against torch's before it is timed.
 """
 from __future__ import annotations
@@ -115,20 +117,28 @@ def bench_layer(layer, threads: int, reps: int, torch):
 
     prepacked = ttile.Conv2d(w_rsck, stride=layer.stride, padding=pad, layout="NHWC",
                              threads=threads)
+    prepacked_nchw = ttile.Conv2d(w_kcrs, stride=layer.stride, padding=pad, layout="NCHW",
+                                  threads=threads)
     runs = {
         "ttile": lambda: ttile.conv2d(x_nhwc, w_rsck, stride=layer.stride, padding=pad,
                                       layout="NHWC", threads=threads),
         "prepacked": lambda: prepacked(x_nhwc),
+        "ttile_nchw": lambda: ttile.conv2d(x_nchw, w_kcrs, stride=layer.stride, padding=pad,
+                                           threads=threads),
+        "prepacked_nchw": lambda: prepacked_nchw(x_nchw),
         "generic": generic,
         "nchw": lambda: F.conv2d(xt, wt, stride=layer.stride, padding=pad),
         "channels_last": lambda: F.conv2d(xt_cl, wt_cl, stride=layer.stride, padding=pad),
         "mkldnn": lambda: packed(xt_mk),
     }
     with torch.no_grad():
-        expected = runs["nchw"]().numpy().transpose(0, 2, 3, 1)
+        expected = runs["nchw"]().numpy()
         scale = np.abs(expected).max() + 1e-30
-        for name in ("ttile", "prepacked", "generic"):
-            error = np.abs(runs[name]() - expected).max() / scale
+        for name in ("ttile", "prepacked", "generic", "ttile_nchw", "prepacked_nchw"):
+            got = runs[name]()
+            if not name.endswith("nchw"):
+                got = got.transpose(0, 3, 1, 2)
+            error = np.abs(got - expected).max() / scale
             if error > 1e-4:
                 raise AssertionError(f"{layer.name}: ttile ({name}) differs from torch "
                                      f"(max rel {error:.2e})")
@@ -147,7 +157,7 @@ def bench_layer(layer, threads: int, reps: int, torch):
 TORCH_WAYS = ("nchw", "channels_last", "mkldnn")
 
 
-def paired_ratio(times: dict, ttile_name: str) -> float:
+def paired_ratio(times: dict, ttile_name: str, torch_ways=TORCH_WAYS) -> float:
     """Median over rounds of (torch's fastest way in the round) / (ttile in the round).
 
     The rounds interleave every contender, so a round's ratio compares calls made a few
@@ -155,53 +165,63 @@ def paired_ratio(times: dict, ttile_name: str) -> float:
     to 2x), both sides of a round slow down together, where a ratio of two medians
     taken over different rounds would carry the swing into the result. Taking torch's
     best way per round favours torch slightly; the ratio is conservative."""
-    rounds = zip(*(times[way] for way in TORCH_WAYS), times[ttile_name])
+    rounds = zip(*(times[way] for way in torch_ways), times[ttile_name])
     return statistics.median(min(t[:-1]) / t[-1] for t in rounds)
 
 
-def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) -> list[str]:
-    """Markdown rows, one per layer, and the geometric means; rows print as they come.
+#: The ratios reported per layer: (column, ttile contender, torch ways it is held to).
+RATIOS = (("torch/conv2d", "ttile", TORCH_WAYS),
+          ("torch/Conv2d", "prepacked", TORCH_WAYS),
+          ("torch NCHW/conv2d NCHW", "ttile_nchw", ("nchw",)),
+          ("torch/Conv2d NCHW", "prepacked_nchw", TORCH_WAYS))
 
-    The ratio is against ttile's pre-packed ``Conv2d`` (like torch's oneDNN module, it
-    packs its weights once); the per-call ``conv2d`` ratio is shown beside it.
-    """
+
+def geomean(values) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
+def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) -> list[str]:
+    """Markdown rows, one per layer, and the geometric means; rows print as they come."""
     lines = ["| layer | ttile kernel | torch best | torch ms | conv2d ms | Conv2d ms | "
-             "GFLOP/s | % peak | generic ms | torch/conv2d | torch/Conv2d |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios, ratios_call = [], []
+             "conv2d NCHW ms | Conv2d NCHW ms | GFLOP/s | % peak | generic ms | "
+             + " | ".join(name for name, _, _ in RATIOS) + " |",
+             "|" + "---|" * (11 + len(RATIOS))]
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in RATIOS}
     for layer in layers:
         spec, times = bench_layer(layer, threads, reps, torch)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         best = min(TORCH_WAYS, key=med.get)
         gflops = spec.flops / med["prepacked"] / 1e9
-        ratio, ratio_call = paired_ratio(times, "prepacked"), paired_ratio(times, "ttile")
-        ratios.append(ratio)
-        ratios_call.append(ratio_call)
+        row_ratios = []
+        for name, contender, ways in RATIOS:
+            ratios[name].append(paired_ratio(times, contender, ways))
+            row_ratios.append(f"{ratios[name][-1]:.2f}")
         row = (f"| {layer.name} | {kind_of(layer)} | {best} | {med[best] * 1e3:.3f} | "
-               f"{med['ttile'] * 1e3:.3f} | {med['prepacked'] * 1e3:.3f} | {gflops:.1f} | "
-               f"{100 * gflops / peak:.0f} | {med['generic'] * 1e3:.3f} | {ratio_call:.2f} | "
-               f"{ratio:.2f} |")
+               f"{med['ttile'] * 1e3:.3f} | {med['prepacked'] * 1e3:.3f} | "
+               f"{med['ttile_nchw'] * 1e3:.3f} | {med['prepacked_nchw'] * 1e3:.3f} | "
+               f"{gflops:.1f} | {100 * gflops / peak:.0f} | {med['generic'] * 1e3:.3f} | "
+               + " | ".join(row_ratios) + " |")
         lines.append(row)
         print(row, flush=True)
-
-    def geomean(values):
-        return float(np.exp(np.mean(np.log(values))))
-
-    lines += ["", f"Geometric mean torch/ttile: {geomean(ratios):.2f} with Conv2d (lowest "
-                  f"{min(ratios):.2f}), {geomean(ratios_call):.2f} with conv2d (lowest "
-                  f"{min(ratios_call):.2f}).", ""]
+    summary = "; ".join(f"{name} {geomean(values):.2f} (lowest {min(values):.2f})"
+                        for name, values in ratios.items())
+    lines += ["", f"Geometric means: {summary}.", ""]
     print(lines[-2], flush=True)
     return lines
 
 
-def _is_tuned(layer, threads: int) -> bool:
-    """Whether conv2d serves this layer at this thread count with a tuned kernel."""
-    return registry.lookup(layer.spec(), threads) is not None
+def _served_by(layer, threads: int) -> str:
+    """What conv2d serves this layer with at this thread count, per the plan."""
+    spec = layer.spec()
+    plan = ttile.plan(spec.input_shape(), spec.weight_shape(), layer.stride, layer.rs // 2,
+                      "NHWC", threads=threads)
+    return plan.kind.value
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", nargs="+", default=["1", "2"],
+                        help="thread counts, or 'all' (every CPU this process may use)")
     parser.add_argument("--reps", type=int, default=11, help="timed rounds per layer")
     parser.add_argument("--layers", nargs="+", default=None,
                         help="layer names (e.g. Yolo9000-12) or network names; default all")
@@ -222,15 +242,17 @@ def main(argv=None) -> int:
         layers.extend(NETWORKS.get(name.lower(), ()) or [find_layer(name)])
 
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < max(args.threads):  # OMP_PROC_BIND bound this thread when torch loaded
+    counts = [len(cpus) if t == "all" else int(t) for t in args.threads]
+    if len(cpus) < max(counts):  # OMP_PROC_BIND bound this thread when torch loaded
         cpus = list(range(os.cpu_count() or 1))
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              f"torch {torch.__version__}, ttile {ttile.__version__} "
-             f"({len(ttile.tuned_kernels())} tuned kernels, {ttile.get_isa()} generic kernel); "
-             f"batch 1, fp32, ttile in NHWC; {args.reps} interleaved rounds, warm cache (the "
+             f"({len(registry.ENTRIES)} registry verdicts for {len(registry.cpus())} CPU(s), this "
+             f"one {registry.serving_cpu()}; {ttile.get_isa()} generic kernel); "
+             f"batch 1, fp32; {args.reps} interleaved rounds, warm cache (the "
              f"same tensors every call); times are medians, torch/ttile the median of the "
              f"rounds' ratios (torch's fastest way in each round over ttile).", ""]
-    for threads in args.threads:
+    for threads in counts:
         os.sched_setaffinity(0, cpus[:threads])
         torch.set_num_threads(threads)
         peak = fma_peak_gflops(threads, cpus=cpus[:threads]) if ttile.has_avx512f() \
@@ -238,7 +260,7 @@ def main(argv=None) -> int:
         lines += [f"### {threads} thread{'s' if threads > 1 else ''} "
                   f"(FMA peak measured: {peak:.0f} GFLOP/s)", ""]
         lines += compare_table(layers, threads, args.reps, torch, peak,
-                               lambda layer: "tuned" if _is_tuned(layer, threads) else "generic")
+                               lambda layer: _served_by(layer, threads))
     os.sched_setaffinity(0, cpus[:1])
     lines.append(f"Per-call time of conv2d on a 1x1x1x16 NHWC input with 16 filters, 1 thread: "
                  f"{per_call_overhead_us():.1f} us (median).")

@@ -20,19 +20,25 @@ import numpy as np
 SECTION = re.compile(r"^### (\d+) threads?")
 
 
-def read_ratios(path: Path) -> dict[tuple[int, str], tuple[float, float]]:
-    """(threads, layer) -> (torch/conv2d, torch/Conv2d) from one run's markdown tables."""
-    ratios, threads = {}, None
+def read_ratios(path: Path) -> dict[tuple[int, str], dict[str, float]]:
+    """(threads, layer) -> {ratio column: value} from one run's markdown tables (every
+    column whose header holds a "/" is a ratio: torch/conv2d, torch/Conv2d, ...)."""
+    ratios, threads, header = {}, None, None
     for line in path.read_text().splitlines():
         section = SECTION.match(line)
         if section:
-            threads = int(section.group(1))
+            threads, header = int(section.group(1)), None
             continue
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if threads is None or len(cells) != 11 or cells[0] in ("layer", "") \
-                or cells[0].startswith("---"):
+        if threads is None or not line.startswith("|") or cells[0].startswith("---"):
             continue
-        ratios[threads, cells[0]] = (float(cells[9]), float(cells[10]))
+        if cells[0] == "layer":
+            header = cells
+            continue
+        if header is None or len(cells) != len(header):
+            continue
+        ratios[threads, cells[0]] = {name: float(value) for name, value in zip(header, cells)
+                                     if "/" in name}
     if not ratios:
         raise ValueError(f"{path}: no bench_conv.py tables found")
     return ratios
@@ -44,22 +50,23 @@ def combine(paths: list[Path]) -> list[str]:
     lines = []
     for threads in sorted({t for t, _ in keys}):
         layers = [name for t, name in keys if t == threads]
+        names = [n for n in runs[0][threads, layers[0]] if all(n in run[threads, layers[0]]
+                                                               for run in runs)]
         lines += [f"### {threads} thread{'s' if threads > 1 else ''}: median of "
                   f"{len(runs)} runs", "",
-                  "| layer | torch/conv2d per run | torch/Conv2d per run | median conv2d | "
-                  "median Conv2d |", "|---|---|---|---|---|"]
-        medians_call, medians = [], []
-        for name in layers:
-            per_call = [run[threads, name][0] for run in runs]
-            prepacked = [run[threads, name][1] for run in runs]
-            medians_call.append(statistics.median(per_call))
-            medians.append(statistics.median(prepacked))
-            lines.append(f"| {name} | {' '.join(f'{r:.2f}' for r in per_call)} | "
-                         f"{' '.join(f'{r:.2f}' for r in prepacked)} | "
-                         f"{medians_call[-1]:.2f} | {medians[-1]:.2f} |")
-        lines += ["", f"Geometric mean of the medians: {_geomean(medians):.2f} with Conv2d "
-                      f"(lowest {min(medians):.2f}), {_geomean(medians_call):.2f} with conv2d "
-                      f"(lowest {min(medians_call):.2f}).", ""]
+                  "| layer | " + " | ".join(f"{n} per run | median" for n in names) + " |",
+                  "|---|" + "---|---|" * len(names)]
+        medians: dict[str, list[float]] = {n: [] for n in names}
+        for layer in layers:
+            cells = []
+            for n in names:
+                values = [run[threads, layer][n] for run in runs]
+                medians[n].append(statistics.median(values))
+                cells.append(f"{' '.join(f'{v:.2f}' for v in values)} | {medians[n][-1]:.2f}")
+            lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+        summary = "; ".join(f"{n} {_geomean(v):.2f} (lowest {min(v):.2f})"
+                            for n, v in medians.items())
+        lines += ["", f"Geometric means of the medians: {summary}.", ""]
     return lines
 
 

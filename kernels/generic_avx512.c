@@ -257,8 +257,13 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
     const int64_t ngroups = (kchunks + group - 1) / group;
     /* Each row's blocks are run in `segments` runs of consecutive blocks: one per row,
      * except for a flattened 1x1 layer, whose single row is cut into as many runs as the
-     * image had rows, so that threads still have that many pieces to share. */
-    const int64_t segments = HO == shape->ho ? 1 : shape->ho;
+     * image had rows, so that threads still have that many pieces to share; and more
+     * when there are fewer (image, panel group, row) tasks than threads (a 7x7 layer on
+     * 16 threads: 7 rows, each cut in 3). A run may end up empty; it costs nothing. */
+    int64_t segments = HO == shape->ho ? 1 : shape->ho;
+    const int64_t tasks = N * ngroups * HO * segments;
+    if (tasks < nthreads)
+        segments *= (nthreads + tasks - 1) / tasks;
 
     /* An NCHW output (y[n][k][oh][ow], torch's layout) is written through a row buffer
      * of the task's pixels by the group's channels, in NHWC order as the blocks store

@@ -1,20 +1,24 @@
-/* The registry of tuned kernels compiled into the extension (kernels/gen/registry.c,
- * written by `ttile-generate --network ...`). A call is served by an entry only when every
- * problem field matches exactly. */
+/* The registry of the offline search's verdicts compiled into the extension
+ * (kernels/gen/registry.c, written by `ttile-generate --network ...` from every CPU's
+ * tuning records in data/records). An entry serves a call only on the CPU it was
+ * measured on (its fingerprint id), at the thread count it was measured at, and when
+ * every problem field matches exactly. An entry without a kernel (fn NULL) records that
+ * the generic kernel won there: such a layer is not tuned again at run time. */
 #ifndef TTILE_REGISTRY_H
 #define TTILE_REGISTRY_H
 
 typedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads);
 
 typedef struct {
+    const char *cpu;         /* CpuFingerprint.id of the CPU it was measured on */
+    int threads;             /* the thread count it was measured at */
     int n, k, c, h, w, r, s;
     int stride_h, stride_w;
     int pad_top, pad_bottom, pad_left, pad_right;
-    int parallel;            /* 0: single-thread variant, 1: multi-thread variant */
     int panel;               /* weights are packed in panels of this many k (pack_weights) */
-    ttile_kernel_fn fn;
+    ttile_kernel_fn fn;      /* NULL: the generic kernel serves (it won the search) */
     const char *layer;
-    const char *scheme;
+    const char *scheme;      /* "" for the generic kernel */
     double gflops;           /* measured when tuned */
 } ttile_tuned_kernel;
 

@@ -16,7 +16,8 @@ def test_run_serves_checks_and_times_every_layer(capsys):
     assert [r[0] for r in rows] == [layer.name for layer in RESNET18]
     assert all(r[4] == "ok" and float(r[2]) > 0 and float(r[3]) > 0 for r in rows), out
     for layer, row in zip(RESNET18, rows):
-        tuned = ttile.has_avx512f() and registry.lookup(layer.spec(), 1) is not None
+        entry = registry.lookup(layer.spec(), 1)
+        tuned = ttile.has_avx512f() and entry is not None and entry.kind is ttile.KernelKind.TUNED
         assert (row[1] == "tuned") == tuned, row
     assert "0 wrong result(s)" in out
 

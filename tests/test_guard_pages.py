@@ -88,18 +88,18 @@ def test_generic_kernels_stay_in_bounds(family, case, side):
 
 
 def _registry_cases(limit=None):
-    entries = sorted(registry.ENTRIES,
+    entries = sorted(registry.KERNELS,
                      key=lambda e: e.spec.n * e.spec.h * e.spec.w * (e.spec.c + e.spec.k)
                      + e.spec.r * e.spec.s * e.spec.c * e.spec.k)
     entries = entries if limit is None else entries[:limit]
-    return [pytest.param(e, id=f"{e.layer}-{'par' if e.parallel else 'seq'}")
+    return [pytest.param(e, id=f"{e.layer}-{e.cpu[:16]}-t{e.threads}")
             for e in entries]
 
 
 def _check_registry_entry(entry, side):
     spec = entry.spec
     _, w = _tensors(spec)
-    threads = 2 if entry.parallel else 1
+    threads = entry.threads
     _run_guarded(spec, side, _kernels.pack_weights(w, entry.panel),
                  lambda gx, gw, gy: _kernels.run_tuned(entry.index, gx, gw, gy, threads))
 

@@ -89,8 +89,10 @@ def test_explore_measures_checks_saves_and_resumes(tmp_path):
 
 
 def test_load_table_without_one_says_how_to_make_it(tmp_path):
+    import dataclasses
+    unknown = dataclasses.replace(fingerprint(), model="no-such-model")  # no table anywhere
     with pytest.raises(FileNotFoundError, match="ttile-generate microkernels"):
-        load_table(tmp_path)
+        load_table(tmp_path, cpu=unknown)
 
 
 _ZMM_STACK_STORE = re.compile(r"vmov\w*\s+%zmm\d+,\s*-?\d*\(%r[sb]p\)")

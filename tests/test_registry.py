@@ -1,5 +1,6 @@
-"""The tuned kernels compiled into the extension: each checked against float64, served
-by conv2d for its exact problem, and looked up by its ConvSpec. Needs no generator
+"""The offline search's verdicts compiled into the extension: every kernel checked
+against float64, served by conv2d only on its own CPU at its own thread count, and the
+generic-kernel verdicts keeping known layers from being tuned again. Needs no generator
 libraries (islpy, scipy): the registry is part of every install."""
 import numpy as np
 import pytest
@@ -8,53 +9,112 @@ import ttile
 from ttile import _kernels
 from ttile.core.reference import assert_conv_close
 from ttile.core.spec import ConvSpec
-from ttile.runtime import registry
+from ttile.runtime import dispatch, registry
 from conftest import requires_avx512
 
 
-def _registry_cases():
-    return [pytest.param(e, id=f"{e.layer}-{'par' if e.parallel else 'seq'}")
-            for e in registry.ENTRIES]
+def _kernel_cases():
+    return [pytest.param(e, id=f"{e.layer}-{e.cpu[:16]}-t{e.threads}") for e in registry.KERNELS]
 
 
-def test_registry_entries_are_keyed_by_their_problem():
+def test_entries_name_their_cpu_and_thread_count():
+    assert registry.ENTRIES and registry.KERNELS
     raw = ttile.tuned_kernels()
-    assert len(registry.ENTRIES) == len(raw) > 0
-    for entry, data in zip(registry.ENTRIES, raw):
-        assert entry.index == data["index"] and entry.scheme == data["scheme"]
-        assert entry.spec.k == data["k"] and entry.spec.pad_right == data["pad_right"]
-        assert registry.lookup(entry.spec, 2 if entry.parallel else 1) == entry
+    assert len(raw) == len(registry.KERNELS)
+    for entry, data in zip(registry.KERNELS, raw):
+        assert data["cpu"] == entry.cpu and data["threads"] == entry.threads >= 1
+        assert data["scheme"] == entry.scheme and data["k"] == entry.spec.k
         assert entry.microkernels.startswith("[U") and entry.microkernels.endswith("V k]")
+    for entry in registry.ENTRIES:
+        assert registry.lookup(entry.spec, entry.threads, entry.cpu) == entry
+        assert (entry.kind is ttile.KernelKind.GENERIC) == (entry.scheme == "" == entry.microkernels)
     assert registry.lookup(ConvSpec(1, 16, 3, 5, 5, 1, 1), 1) is None
 
 
+def test_a_verdict_serves_only_its_cpu_and_thread_count():
+    entry = registry.KERNELS[0]
+    others = {e.threads for e in registry.ENTRIES if e.spec == entry.spec and e.cpu == entry.cpu}
+    unmeasured = next(t for t in (3, 4, 5, 7, 16) if t not in others)
+    assert registry.lookup(entry.spec, entry.threads, "another-cpu-0-0-00000000") is None
+    assert registry.lookup(entry.spec, unmeasured, entry.cpu) is None
+    with registry.pretend_cpu(entry.cpu):
+        assert registry.lookup(entry.spec, entry.threads) == entry
+
+
 @requires_avx512
-@pytest.mark.parametrize("entry", _registry_cases())
+@pytest.mark.parametrize("entry", _kernel_cases())
 def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     spec = entry.spec
     rng = np.random.default_rng(entry.index)
     x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
     w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
     y = np.full(spec.output_shape(), np.nan, np.float32)
-    threads = 2 if entry.parallel else 1
-    _kernels.run_tuned(entry.index, x, _kernels.pack_weights(w, entry.panel), y, threads)
+    _kernels.run_tuned(entry.index, x, _kernels.pack_weights(w, entry.panel), y, entry.threads)
     assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
                       (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
-    # conv2d serves the matching call with it (the plan says so, and the bits agree)
+    # conv2d serves the matching call with it on that CPU (the plan says so, the bits agree)
     pads = (spec.pad_top, spec.pad_left)
-    plan = ttile.plan(spec.input_shape(), spec.weight_shape(), (spec.stride_h, spec.stride_w),
-                      pads, "NHWC", threads=threads)
-    assert plan.kind == ttile.KernelKind.TUNED and plan.scheme == entry.scheme
-    out = ttile.conv2d(x, w, stride=(spec.stride_h, spec.stride_w), padding=pads,
-                       layout="NHWC", threads=threads)
+    with registry.pretend_cpu(entry.cpu):
+        plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
+                          (spec.stride_h, spec.stride_w), pads, "NHWC", threads=entry.threads)
+        assert plan.kind == ttile.KernelKind.TUNED and plan.scheme == entry.scheme
+        assert (plan.tuned_cpu, plan.tuned_threads) == (entry.cpu, entry.threads)
+        out = ttile.conv2d(x, w, stride=(spec.stride_h, spec.stride_w), padding=pads,
+                           layout="NHWC", threads=entry.threads)
     np.testing.assert_array_equal(out, y)
+    _forget()
+
+
+@requires_avx512
+def test_a_generic_verdict_serves_the_generic_kernel_without_tuning(jit_cache, monkeypatch):
+    verdicts = [e for e in registry.ENTRIES if e.kind is ttile.KernelKind.GENERIC]
+    if not verdicts:
+        pytest.skip("this build ships no generic-kernel verdict")
+    entry = min(verdicts, key=lambda e: e.spec.flops)
+    from ttile.runtime import jit
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a layer the offline search decided was tuned again")
+
+    monkeypatch.setattr(jit, "tune", forbidden)
+    spec = entry.spec
+    with registry.pretend_cpu(entry.cpu):
+        plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
+                          (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
+                          "NHWC", threads=entry.threads)
+        assert plan.kind == ttile.KernelKind.GENERIC and "offline search" in plan.note
+        assert plan.tuned_cpu == entry.cpu
+        x = np.ones(spec.input_shape(), np.float32)
+        w = np.ones(spec.weight_shape(), np.float32)
+        ttile.conv2d(x, w, (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
+                     "NHWC", threads=entry.threads)
+    _forget()
+
+
+def _forget():
+    """Plans made while pretending to be another CPU must not outlive the pretence."""
+    dispatch.forget_choices()
+    from ttile.runtime import api
+    for call_plan in list(api._plans.values()):
+        call_plan.choices.clear()
+
+
+def test_run_tuned_refuses_a_verdict_without_a_kernel():
+    verdicts = [e for e in registry.ENTRIES if e.kind is ttile.KernelKind.GENERIC]
+    if not verdicts or not ttile.has_avx512f():
+        pytest.skip("no generic verdict or no AVX-512F")
+    spec = verdicts[0].spec
+    with pytest.raises(ValueError, match="verdict"):
+        _kernels.run_tuned(verdicts[0].index, np.zeros(spec.input_shape(), np.float32),
+                           np.zeros((1, 1, 1, 1, 16), np.float32),
+                           np.zeros(spec.output_shape(), np.float32), 1)
 
 
 @requires_avx512
 def test_run_compiled_checks_arrays_against_the_kernels_problem():
     """A compiled kernel's sizes are constants: arrays of another problem are refused
     even when they agree with each other."""
-    entry = min(registry.ENTRIES, key=lambda e: e.spec.flops)
+    entry = min(registry.KERNELS, key=lambda e: e.spec.flops)
     spec = entry.spec
     other = ConvSpec(spec.n, spec.k, spec.c, spec.h + 1, spec.w, spec.r, spec.s,
                      spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_bottom,

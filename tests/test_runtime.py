@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import ttile
 from conftest import random_tensors, requires_avx512
-from ttile.runtime import dispatch, jit
+from ttile.runtime import dispatch, jit, registry
 from ttile.runtime.cache import KernelCache, _json_checksum
 from ttile.core.reference import assert_conv_close
 
@@ -327,14 +327,16 @@ def test_jit_kernels_on_random_shapes_match_reference(case, seed, tmp_path_facto
 
 # -- plan ---------------------------------------------------------------------------------
 def test_plan_reports_a_tuned_kernel_of_the_registry():
-    entry = next(e for e in ttile.tuned_kernels() if not e["parallel"])
-    x_shape = (entry["n"], entry["h"], entry["w"], entry["c"])
-    w_shape = (entry["r"], entry["s"], entry["c"], entry["k"])
-    plan = ttile.plan(x_shape, w_shape, (entry["stride_h"], entry["stride_w"]),
-                      (entry["pad_top"], entry["pad_left"]), "NHWC", threads=1)
-    assert plan.kind == "tuned" and plan.scheme == entry["scheme"]
-    assert plan.expected_gflops == entry["gflops"] and plan.microkernels.startswith("[U")
-    assert entry["layer"] in plan.note
+    entry = registry.KERNELS[0]
+    spec = entry.spec
+    with registry.pretend_cpu(entry.cpu):
+        plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
+                          (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
+                          "NHWC", threads=entry.threads)
+    assert plan.kind == "tuned" and plan.scheme == entry.scheme
+    assert plan.expected_gflops == entry.gflops and plan.microkernels.startswith("[U")
+    assert entry.layer in plan.note and entry.cpu in plan.note
+    assert (plan.tuned_cpu, plan.tuned_threads) == (entry.cpu, entry.threads)
 
 
 def test_plan_checks_its_arguments():
@@ -367,18 +369,22 @@ def test_conv2d_layer_matches_conv2d(layout):
 
 
 def test_conv2d_layer_runs_tuned_kernels_on_prepacked_weights():
-    entry = min(ttile.tuned_kernels(), key=lambda e: e["k"] * e["c"] * e["h"] * e["w"])
-    x_shape = (entry["n"], entry["h"], entry["w"], entry["c"])
-    w_shape = (entry["r"], entry["s"], entry["c"], entry["k"])
-    x, w = random_tensors(np.random.default_rng(11), x_shape, w_shape)
-    pads = (entry["pad_top"], entry["pad_left"])
-    stride = (entry["stride_h"], entry["stride_w"])
+    entry = min(registry.KERNELS, key=lambda e: e.spec.flops)
+    spec = entry.spec
+    x, w = random_tensors(np.random.default_rng(11), spec.input_shape(), spec.weight_shape())
+    pads = (spec.pad_top, spec.pad_left)
+    stride = (spec.stride_h, spec.stride_w)
     layer = ttile.Conv2d(w, stride, pads, "NHWC")
-    threads = 2 if entry["parallel"] else 1
-    assert ttile.plan(x_shape, w_shape, stride, pads, "NHWC", threads).kind == "tuned"
-    assert_conv_close(layer(x, threads=threads), x, w, stride,
-                      (entry["pad_top"], entry["pad_bottom"], entry["pad_left"],
-                       entry["pad_right"]), layout="NHWC")
+    try:
+        with registry.pretend_cpu(entry.cpu):
+            assert ttile.plan(x.shape, w.shape, stride, pads, "NHWC", entry.threads).kind == "tuned"
+            y = layer(x, threads=entry.threads)
+    finally:
+        dispatch.forget_choices()
+        for call_plan in list(ttile.runtime.api._plans.values()):
+            call_plan.choices.clear()
+    assert_conv_close(y, x, w, stride, (spec.pad_top, spec.pad_bottom, spec.pad_left,
+                                        spec.pad_right), layout="NHWC")
 
 
 def test_conv2d_layer_is_safe_to_share_between_threads():

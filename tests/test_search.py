@@ -17,7 +17,7 @@ from conftest import requires_avx512
 pytest.importorskip("islpy")
 pytest.importorskip("scipy")
 
-from ttile.generator.emit import TunedKernel, emit  # noqa: E402
+from ttile.generator.emit import RegistryEntry, emit  # noqa: E402
 from ttile.generator.autotune import TuneSettings, tune_layer  # noqa: E402
 from ttile.generator.costmodel import CostModel  # noqa: E402
 from ttile.generator.machine import CacheLevel  # noqa: E402
@@ -304,17 +304,60 @@ def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
 
 def test_emission_is_deterministic_and_removes_stale_kernels(tmp_path):
     spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
-    kernels = [TunedKernel("tiny", spec, Scheme.parse("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]"),
-                           False, 12.5)]
-    first = emit(kernels, tmp_path, "ttile-generate test")
+    scheme = Scheme.parse("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]")
+    entries = [RegistryEntry(layer="tiny", spec=spec, cpu="cpu-a", threads=1, scheme=scheme,
+                             gflops=12.5),
+               # a second CPU that chose the same scheme shares the kernel's source
+               RegistryEntry(layer="tiny", spec=spec, cpu="cpu-b", threads=1, scheme=scheme,
+                             gflops=13.0),
+               RegistryEntry(layer="tiny", spec=spec, cpu="cpu-b", threads=2, scheme=None,
+                             gflops=20.0)]
+    first = emit(entries, tmp_path, "ttile-generate test")
     contents = {p.name: p.read_text() for p in first}
     stale = tmp_path / "ttile_f32_conv2d_000000000000__avx512f.c"
     stale.write_text("/* old */")
-    second = emit(kernels, tmp_path, "ttile-generate test")
+    second = emit(entries, tmp_path, "ttile-generate test")
     assert {p.name: p.read_text() for p in second} == contents
     assert not stale.exists()
+    assert len(list(tmp_path.glob("ttile_f32_conv2d_*.c"))) == 1
     registry = (tmp_path / "registry.c").read_text()
-    assert '"tiny"' in registry and "ttile_tuned_kernel_count = 1" in registry
+    assert registry.count('"tiny"') == 3 and "ttile_tuned_kernel_count = 3" in registry
+    assert '{"cpu-b", 2, 1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 0, NULL,' in registry
     kernel_file = next(p for p in first if p.name != "registry.c")
     assert "scheme:  [T6 h; T3 r; T3 s; T8 c; U6 w; V k]" in kernel_file.read_text()
     assert "command: ttile-generate test" in kernel_file.read_text()
+
+
+def test_registry_entries_are_the_records_verdicts(tmp_path):
+    from ttile.generator.emit import registry_entries
+    from ttile.tuning.records import new_comparison_id
+    spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
+    win, lose = "[T6 w; T6 h; T4 c; V k]", "[T6 h; T6 w; T4 c; V k]"
+    db = TuningDatabase(tmp_path, cpu_id="cpu-v")
+    for threads, scheme, ratio in ((1, win, 0.8), (2, lose, 0.99)):
+        pair = new_comparison_id()
+        db.add(_record(spec, scheme, ratio * 1e-3, Protocol.PAPER, threads, cpu="cpu-v"))
+        db.add(_record(spec, "", 1e-3, Protocol.PAPER, threads, cpu="cpu-v"))
+        db.add(_record(spec, scheme, ratio * 1e-3, Protocol.WARM, threads, cpu="cpu-v",
+                       comparison=pair))
+        db.add(_record(spec, "", 1e-3, Protocol.WARM, threads, cpu="cpu-v", comparison=pair,
+                       generic_revision=5))
+    verdicts = {e.threads: e for e in registry_entries([db])}
+    assert str(verdicts[1].scheme) == win and verdicts[1].cpu == "cpu-v"
+    assert verdicts[2].scheme is None                 # the generic kernel won at 2 threads
+
+
+@requires_avx512
+def test_warm_comparison_records_both_sides_under_one_id(tmp_path):
+    from ttile.generator.autotune import compare_warm
+    from ttile.tuning.records import GENERIC_REVISION
+    spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
+    db = TuningDatabase(tmp_path, cpu_id="cpu-w")
+    best = _record(spec, "[T6 h; T3 r; T3 s; T8 c; U6 w; V k]", 1e-5, Protocol.PAPER,
+                   cpu="cpu-w")
+    searched, generic = compare_warm("tiny", spec, 1, best, db, rounds=3)
+    assert searched.comparison == generic.comparison != ""
+    assert searched.status is OK and searched.scheme == best.scheme and searched.seconds > 0
+    assert generic.contender is Contender.GENERIC and generic.generic_revision == GENERIC_REVISION
+    assert TuningDatabase(tmp_path, cpu_id="cpu-w").warm_ratios(spec, 1, best.scheme) == [
+        pytest.approx(searched.seconds / generic.seconds)]

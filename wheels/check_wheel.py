@@ -52,15 +52,19 @@ with warnings.catch_warnings(record=True) as caught:
 assert plan.kind == "generic", plan
 assert any("no C compiler" in str(c.message) for c in caught), [str(c.message) for c in caught]
 
-tuned = [e for e in ttile.tuned_kernels() if not e["parallel"]]
+tuned = ttile.tuned_kernels()
 if ttile.has_avx512f() and tuned:
+    from ttile.runtime import registry
     e = min(tuned, key=lambda e: e["k"] * e["c"] * e["h"] * e["w"])
     x = rng.uniform(-1, 1, (e["n"], e["h"], e["w"], e["c"])).astype(np.float32)
     w = rng.uniform(-1, 1, (e["r"], e["s"], e["c"], e["k"])).astype(np.float32)
-    plan = check(x, w, e["stride_h"], e["pad_top"], threads=1)
-    assert plan.kind == "tuned", plan
-    layer = ttile.Conv2d(w, e["stride_h"], e["pad_top"], "NHWC")
-    assert np.array_equal(layer(x, threads=1), ttile.conv2d(x, w, e["stride_h"], e["pad_top"], "NHWC", threads=1))
+    with registry.pretend_cpu(e["cpu"]):   # a kernel serves only on the CPU it was tuned on
+        plan = check(x, w, e["stride_h"], e["pad_top"], threads=e["threads"])
+        assert plan.kind == "tuned" and plan.tuned_cpu == e["cpu"], plan
+        layer = ttile.Conv2d(w, e["stride_h"], e["pad_top"], "NHWC")
+        assert np.array_equal(layer(x, threads=e["threads"]),
+                              ttile.conv2d(x, w, e["stride_h"], e["pad_top"], "NHWC",
+                                           threads=e["threads"]))
 previous = ttile.set_isa("portable")
 check(rng.uniform(-1, 1, (2, 9, 7, 3)).astype(np.float32),
       rng.uniform(-1, 1, (3, 3, 3, 17)).astype(np.float32), 2, 1, threads=2)

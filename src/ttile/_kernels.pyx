@@ -40,10 +40,11 @@ cdef extern from "ttile_runtime.h" nogil:
 cdef extern from "ttile_registry.h" nogil:
     ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads)
     ctypedef struct ttile_tuned_kernel:
+        const char *cpu
+        int threads
         int n, k, c, h, w, r, s
         int stride_h, stride_w
         int pad_top, pad_bottom, pad_left, pad_right
-        int parallel
         int panel
         ttile_kernel_fn fn
         const char *layer
@@ -215,16 +216,18 @@ def read_seconds(cnp.ndarray buffer, int64_t reps):
     return t
 
 
-def tuned_kernels():
-    """The registry: one dict per tuned kernel compiled into this extension."""
+def registry_entries():
+    """The registry: one dict per entry compiled into this extension, kernels and
+    generic-kernel verdicts alike (``has_kernel``)."""
     out = []
     cdef int i
     for i in range(ttile_tuned_kernel_count):
         e = ttile_tuned_kernels[i]
-        out.append({"index": i, "n": e.n, "k": e.k, "c": e.c, "h": e.h, "w": e.w, "r": e.r,
+        out.append({"index": i, "cpu": e.cpu.decode(), "threads": e.threads,
+                    "n": e.n, "k": e.k, "c": e.c, "h": e.h, "w": e.w, "r": e.r,
                     "s": e.s, "stride_h": e.stride_h, "stride_w": e.stride_w,
                     "pad_top": e.pad_top, "pad_bottom": e.pad_bottom, "pad_left": e.pad_left,
-                    "pad_right": e.pad_right, "parallel": bool(e.parallel), "panel": e.panel,
+                    "pad_right": e.pad_right, "panel": e.panel, "has_kernel": e.fn != NULL,
                     "layer": e.layer.decode(), "scheme": e.scheme.decode(),
                     "gflops": e.gflops})
     return out
@@ -360,6 +363,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
         raise IndexError(f"no tuned kernel {index}")
     _check_run(x, y, nthreads)
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
+    if e.fn == NULL:
+        raise ValueError(f"registry entry {index} is a generic-kernel verdict, not a kernel")
     _check_packed(w, e.k, e.panel)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)

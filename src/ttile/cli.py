@@ -252,10 +252,8 @@ def _load_layers(args: argparse.Namespace):
 
 
 def _cmd_network(args: argparse.Namespace) -> int:
-    from .core.cpuinfo import fingerprint
-    from .core.scheme import Scheme
     from .generator.autotune import TuneSettings, compare_warm, measure_generic, tune_layer
-    from .generator.emit import TunedKernel, emit
+    from .generator.emit import databases_in, emit, registry_entries
     from .generator.machine import load_or_measure
     from .generator.microkernels import load_table
     from .generator.search import classes_for, parallel_variants, scheme_space
@@ -263,15 +261,10 @@ def _cmd_network(args: argparse.Namespace) -> int:
     from .tuning.records import Protocol, TuningDatabase
 
     layers = _load_layers(args)
-    cpu_id = args.records_cpu or fingerprint().id
-    foreign = cpu_id != fingerprint().id
-    if foreign and not (args.from_records and not args.warm_check):
-        print(f"--records-cpu {cpu_id} is not this CPU ({fingerprint().id}): its records "
-              f"can only be emitted (--from-records, without --warm-check)", file=sys.stderr)
-        return 2
-    database = TuningDatabase(args.data_dir / "records", cpu_id)
-    if foreign:
-        table, caches = None, ()
+    counts = sorted({1, *args.threads})
+    database = TuningDatabase(args.data_dir / "records")
+    if args.from_records and not args.warm_check:
+        table, caches = None, ()   # nothing is measured: no table needed
     else:
         table = load_table(args.data_dir)
         caches = load_or_measure(args.data_dir).caches()
@@ -283,7 +276,6 @@ def _cmd_network(args: argparse.Namespace) -> int:
     verbose = (lambda message: print(message, file=sys.stderr)) if args.verbose else \
         (lambda message: None)
     progress = _Progress("layers")
-    tuned: list[TunedKernel] = []
     rows = []
     for done, layer in enumerate(layers):
         spec = layer.spec()
@@ -292,68 +284,70 @@ def _cmd_network(args: argparse.Namespace) -> int:
             candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top,
                                       keep_fraction=args.keep_fraction)
             bench = LayerBench.make(spec)
-            for threads in sorted({1, args.threads}):
+            for threads in counts:
                 measure_generic(layer.name, spec, threads, database, bench)
             tune_layer(layer.name, spec, candidates, 1, database, bench, settings, verbose, command)
-            if args.threads > 1:
-                screened = sorted(database.for_layer(spec, 1, Protocol.SCREEN),
-                                  key=lambda r: r.seconds)
-                by_text = {str(c.scheme): c for c in candidates}
+            screened = sorted(database.for_layer(spec, 1, Protocol.SCREEN),
+                              key=lambda r: r.seconds)
+            by_text = {str(c.scheme): c for c in candidates}
+            for threads in counts[1:]:   # a kernel tuned at N threads serves N threads
                 parallel, sources = [], 0
                 for record in screened:  # the fastest that have a loop to parallelize
                     if sources == args.parallel_from:
                         break
                     if record.scheme in by_text:
-                        variants = parallel_variants(by_text[record.scheme], spec, args.threads)
+                        variants = parallel_variants(by_text[record.scheme], spec, threads)
                         parallel += variants
                         sources += bool(variants)
                 parallel_settings = TuneSettings(budget_seconds=args.budget / 2)
-                tune_layer(layer.name, spec, parallel, args.threads, database, bench,
+                tune_layer(layer.name, spec, parallel, threads, database, bench,
                            parallel_settings, verbose, command)
             del bench
-        best1 = database.best(spec, 1)
-        best_n = database.best(spec, args.threads) if args.threads > 1 else None
-        rows.append((layer, best1, best_n))
+        rows.append((layer, {t: database.best(spec, t) for t in counts}))
     progress(len(layers), len(layers), "done")
     progress.close()
     elapsed = time.monotonic() - started
     # The registry holds every layer tuned on this CPU so far, not only this run's, so
     # tuning a second network does not drop the first one's kernels.
-    # A searched kernel ships only where the ship policy says it beats the generic kernel
-    # (database.ships: the warm comparisons when recorded, else the cold timings). With
-    # --warm-check, each layer's best scheme is first timed against the generic kernel
-    # warm and side by side.
-    for spec, name in database.layers():
-        for parallel, threads in ((False, 1), (True, args.threads)):
-            best = database.best(spec, threads) if threads > 1 or not parallel else None
-            if best is None:
-                continue
-            if args.warm_check:
+    # With --warm-check, each layer's best scheme on this CPU is first timed against the
+    # generic kernel warm and side by side (the ship policy weighs those comparisons).
+    if args.warm_check:
+        for spec, name in database.layers():
+            for threads in counts:
+                best = database.best(spec, threads)
+                if best is None:
+                    continue
                 searched, generic = compare_warm(name, spec, threads, best, database)
                 print(f"{name} t{threads}: searched {searched.seconds * 1e3:.3f} ms, generic "
                       f"{generic.seconds * 1e3:.3f} ms (warm)", file=sys.stderr)
-            if database.ships(spec, threads, best):
-                tuned.append(TunedKernel(name, spec, Scheme.parse(best.scheme), parallel,
-                                         best.gflops))
-    emit(tuned, args.kernels_dir, command)
+    # The registry holds every CPU's verdicts (data/records/*.jsonl), this one's included:
+    # tuning one CPU's set keeps the others'.
+    entries = registry_entries(databases_in(args.data_dir / "records"))
+    emit(entries, args.kernels_dir, command)
+    shipped = [e for e in entries if e.cpu == database.cpu_id and e.scheme is not None]
     peak = table.peak_gflops if table is not None else float("nan")
-    print(f"| layer | scheme (1 thread) | microkernels | GFLOP/s | % of peak | generic GFLOP/s "
-          f"| {args.threads} threads GFLOP/s | generic |")
-    print("|---|---|---|---|---|---|---|---|")
-    for layer, best1, best_n in rows:
+    print(f"| layer | scheme (1 thread) | microkernels | GFLOP/s | % of peak | generic GFLOP/s | "
+          + " | ".join(f"{t} threads GFLOP/s | generic" for t in counts[1:]) + " |")
+    print("|---|---|---|---|---|---|" + "---|---|" * len(counts[1:]))
+    for layer, best in rows:
         spec = layer.spec()
-        g1, gn = database.generic(spec, 1), database.generic(spec, args.threads)
-        if best1 is None:
-            print(f"| {layer.name} | (no correct kernel found) | | | | | | |")
+        generic = {t: database.generic(spec, t) for t in counts}
+        rate = {t: f"{generic[t].gflops:.1f}" if generic[t] else "-" for t in counts}
+        if best[1] is None:
+            print(f"| {layer.name} | (no correct kernel found) | | | | {rate[1]} |"
+                  + " | |" * len(counts[1:]))
             continue
-        multi = f"{best_n.gflops:.1f}" if best_n else "-"
-        print(f"| {layer.name} | `{best1.scheme}` | {best1.microkernels} | {best1.gflops:.1f} | "
-              f"{100 * best1.gflops / peak:.0f} | {g1.gflops if g1 else float('nan'):.1f} | "
-              f"{multi} | {gn.gflops if gn else float('nan'):.1f} |")
+        multi = "".join(f" {best[t].gflops:.1f} | {rate[t]} |" if best[t] else f" - | {rate[t]} |"
+                        for t in counts[1:])
+        print(f"| {layer.name} | `{best[1].scheme}` | {best[1].microkernels} | "
+              f"{best[1].gflops:.1f} | {100 * best[1].gflops / peak:.0f} | {rate[1]} |{multi}")
     print(f"(GFLOP/s of the cold-cache protocol: calls rotate over tensor copies; a searched "
           f"kernel ships only when its time is below {database.ship.max_time_ratio:g} of the "
           f"generic kernel's)")
-    print(f"search time: {elapsed:.0f} s; {len(tuned)} kernels written to {args.kernels_dir}")
+    cpus = sorted({e.cpu for e in entries})
+    print(f"search time: {elapsed:.0f} s; registry of {len(entries)} verdicts for "
+          f"{len(cpus)} CPU(s) written to {args.kernels_dir}; this CPU ({database.cpu_id}): "
+          f"{len(shipped)} searched kernels")
     return 0
 
 
@@ -364,9 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_DATA_DIR,
                         help="where measured tables and records are written, and read "
                              "first (default: ./data; then the tables installed with ttile)")
-    parser.add_argument("--records-cpu", metavar="CPU_ID",
-                        help="emit from the records of another CPU (with --from-records), "
-                             "e.g. authenticamd-25-17-b17bf99a")
     parser.add_argument("--network", nargs="+", help="search every layer of built-in "
                         "networks (yolo9000, resnet18) and emit the kernels")
     parser.add_argument("--layers-file", help="search the layers listed in a TOML or JSON "
@@ -376,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=90.0,
                         help="seconds of measurement per layer for the single-thread search "
                              "(half as much for the parallel one)")
-    parser.add_argument("--threads", type=int, default=2, help="threads of the parallel variant")
+    parser.add_argument("--threads", type=int, nargs="+", default=[2],
+                        help="thread counts of the parallel variants, e.g. 2 4 16 (each is "
+                             "tuned, and served at exactly that count)")
     parser.add_argument("--top", type=int, default=200, help="schemes kept after pruning")
     parser.add_argument("--keep-fraction", type=float, default=0.4,
                         help="pruning's first cut: the fraction of each loop-order family "
@@ -434,6 +427,9 @@ def main(argv=None) -> int:
         if not (args.network or args.layers_file):
             parser.error("give a command (microkernels, model) or --network / --layers-file")
         args.run = _cmd_network
+    if args.command is None and not all(1 <= t <= 64 for t in args.threads):
+        print("--threads takes thread counts from 1 to 64", file=sys.stderr)
+        return 2
     if args.command is None and not 0 < args.keep_fraction <= 1:
         print("--keep-fraction must be in (0, 1]", file=sys.stderr)
         return 2

@@ -20,8 +20,8 @@ from ..core.cbuild import build
 from ..core.codegen import GENERATOR_VERSION, generate
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
-from ..tuning.bench import (LayerBench, build_check_time, check_and_time,
-                            generic_packed_copies, head_to_head, time_generic)
+from ..tuning.bench import (LayerBench, build_check_time, generic_packed_copies,
+                            head_to_head, run_and_check, time_generic)
 from ..tuning.records import (GENERIC_REVISION, Contender, Protocol, RecordStatus,
                               TuningDatabase, TuningRecord, new_comparison_id)
 from .search import Candidate
@@ -134,7 +134,8 @@ def compare_warm(name: str, spec: ConvSpec, threads: int, best: TuningRecord,
     kernel = generate(Scheme.parse(best.scheme), spec, "ttile-generate (warm check)")
     library = build([kernel])
     bench = LayerBench.make(spec, copy_bytes=0, max_copies=1, seed=2)
-    status, _, problem = check_and_time(library, kernel, bench, threads, calls=1)
+    problem = run_and_check(library, kernel, bench, threads) or ""
+    status = RecordStatus.WRONG if problem else RecordStatus.OK
     generic_seconds, (searched_seconds,) = head_to_head(spec, bench, [(kernel, library)],
                                                         threads, rounds)
     comparison = new_comparison_id()

@@ -1,75 +1,129 @@
-"""Emit the tuned kernels the wheel ships: ``kernels/gen/*.c`` and their registry.
+"""Emit what the wheel ships: ``kernels/gen/*.c`` and their registry.
 
-Each tuned (layer, thread variant) becomes one C file named by the kernel grammar
-(``ttile_f32_conv2d_<hash>__avx512f.c``), stamped with its scheme, problem and the
-command that made it, and rewritten only when its content changes. ``registry.c`` lists
-them with the exact problem they solve; the extension looks calls up in it. Everything
-is regenerated from scheme text alone, so emitting from the tuning records is
-deterministic and needs no measurement.
+The registry holds the offline search's verdict for every (CPU, thread count, layer)
+the tuning records cover, for every CPU with records: a searched kernel where it beat
+the generic kernel, else an entry saying the generic kernel serves (so that layer is
+never tuned again at run time on that CPU). Each kernel becomes one C file named by the
+kernel grammar (``ttile_f32_conv2d_<hash>__avx512f.c``; two CPUs that chose the same
+scheme share it), stamped with its scheme, problem and the command that made it, and
+rewritten only when its content changes. Everything is regenerated from scheme text
+alone, so emitting from the records is deterministic and needs no measurement.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 from ..core.codegen import generate
 from ..core.fileio import write_if_changed
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
+from ..tuning.records import Contender, RecordStatus, TuningDatabase
 
 
-@dataclass(frozen=True)
-class TunedKernel:
+@dataclass(frozen=True, kw_only=True)
+class RegistryEntry:
+    """One verdict of the offline search: ``scheme`` serves ``spec`` on ``cpu`` at
+    ``threads`` threads, or the generic kernel does (``scheme`` None)."""
+
     layer: str
     spec: ConvSpec
-    scheme: Scheme
-    parallel: bool            # False: the single-thread kernel; True: the multi-thread one
+    cpu: str
+    threads: int
+    scheme: Optional[Scheme]
     gflops: float
 
 
-def emit(kernels: Sequence[TunedKernel], directory: Path, command: str) -> list[Path]:
+def _c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> list[Path]:
     """Write the kernel sources and the registry; remove generated files no longer listed.
 
     Returns the paths written or kept.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    entries, declarations, written = [], [], []
-    names = set()
-    for tuned in sorted(kernels, key=lambda t: (t.spec.key(), t.parallel)):
-        source = generate(tuned.scheme, tuned.spec, command)
-        path = directory / f"{source.name}.c"
-        header = (f"/* layer: {tuned.layer}, {'multi-thread' if tuned.parallel else 'single-thread'}"
-                  f" variant, {tuned.gflops:.1f} GFLOP/s when tuned */\n")
-        write_if_changed(path, header + source.code)
-        written.append(path)
-        names.add(path.name)
-        s = tuned.spec
-        declarations.append(f"void {source.name}(const float *, const float *, float *, int);")
-        entries.append(
-            f"    {{{s.n}, {s.k}, {s.c}, {s.h}, {s.w}, {s.r}, {s.s}, {s.stride_h}, {s.stride_w}, "
-            f"{s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}, {int(tuned.parallel)}, "
-            f"{source.panel}, {source.name},\n     \"{tuned.layer}\", \"{tuned.scheme}\", {tuned.gflops:.1f}}},")
+    rows, declarations, written = [], [], []
+    names: set[str] = set()
+    current_cpu = None
+    for entry in sorted(entries, key=lambda e: (e.cpu, e.spec.key(), e.threads)):
+        if entry.cpu != current_cpu:
+            current_cpu = entry.cpu
+            rows.append(f"    /* {entry.cpu} */")
+        s = entry.spec
+        problem = (f"{s.n}, {s.k}, {s.c}, {s.h}, {s.w}, {s.r}, {s.s}, {s.stride_h}, "
+                   f"{s.stride_w}, {s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}")
+        if entry.scheme is None:
+            rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, 0, NULL,\n"
+                        f"     {_c_string(entry.layer)}, \"\", {entry.gflops:.1f}}},")
+            continue
+        source = generate(entry.scheme, entry.spec, command)
+        if source.name not in names:
+            path = directory / f"{source.name}.c"
+            write_if_changed(path, f"/* layer: {entry.layer} */\n" + source.code)
+            written.append(path)
+            names.add(source.name)
+            declarations.append(f"void {source.name}(const float *, const float *, float *, int);")
+        rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, {source.panel}, "
+                    f"{source.name},\n     {_c_string(entry.layer)}, "
+                    f"{_c_string(str(entry.scheme))}, {entry.gflops:.1f}}},")
     for stale in directory.glob("ttile_f32_conv2d_*.c"):
-        if stale.name not in names:
+        if stale.stem not in names:
             stale.unlink()
+    count = len(entries)
     registry = "\n".join([
-        "/* Generated by ttile, do not edit: the tuned kernels compiled into the extension.",
+        "/* Generated by ttile, do not edit: the offline search's verdicts compiled into the",
+        " * extension, per CPU and thread count (see ttile_registry.h).",
         f" * command: {command}",
         " */",
+        "#include <stddef.h>",
         '#include "ttile_registry.h"',
         "",
         *declarations,
         "",
-        "const ttile_tuned_kernel ttile_tuned_kernels[] = {",
-        *entries,
-        "    {0}  /* end marker: fn == NULL */",
+        f"const ttile_tuned_kernel ttile_tuned_kernels[{max(count, 1)}] = {{",
+        *rows,
+        *(["    {0}  /* no entry: keeps the array non-empty */"] if not count else []),
         "};",
         "",
-        f"const int ttile_tuned_kernel_count = {len(entries)};",
+        f"const int ttile_tuned_kernel_count = {count};",
         "",
     ])
     path = directory / "registry.c"
     write_if_changed(path, registry)
     written.append(path)
     return written
+
+
+def registry_entries(databases: Iterable[TuningDatabase]) -> list[RegistryEntry]:
+    """The verdict for every (CPU, layer, thread count) the databases hold: the best
+    scheme where the database's ship policy says it beats the generic kernel, else the
+    generic kernel, where it was timed (a search that timed nothing decides nothing)."""
+    out = []
+    for database in databases:
+        for spec, name in database.layers():
+            mine = [r for r in database.records if r.spec == spec
+                    and r.status is RecordStatus.OK]
+            for threads in sorted({r.threads for r in mine}):
+                best = database.best(spec, threads)
+                if best is not None and database.ships(spec, threads, best):
+                    out.append(RegistryEntry(layer=name, spec=spec, cpu=database.cpu_id,
+                                             threads=threads, scheme=Scheme.parse(best.scheme),
+                                             gflops=best.gflops))
+                    continue
+                generic = database.generic(spec, threads) or next(
+                    (r for r in reversed(mine) if r.threads == threads
+                     and r.contender is Contender.GENERIC), None)
+                if generic is not None:
+                    out.append(RegistryEntry(layer=name, spec=spec, cpu=database.cpu_id,
+                                             threads=threads, scheme=None,
+                                             gflops=generic.gflops))
+    return out
+
+
+def databases_in(records_dir: Path) -> list[TuningDatabase]:
+    """Every CPU's tuning database under ``records_dir`` (``<cpu-id>.jsonl``)."""
+    return [TuningDatabase(records_dir, path.stem)
+            for path in sorted(Path(records_dir).glob("*.jsonl"))]

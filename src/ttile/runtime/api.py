@@ -18,7 +18,7 @@ import numpy as np
 from .. import _kernels
 from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
-from . import dispatch
+from . import dispatch, registry
 from .scratch import scratch
 
 IntPair = Union[int, tuple[int, int]]
@@ -214,12 +214,27 @@ class _CallPlan:
     spec: ConvSpec
     layout: str
     out_shape: tuple[int, int, int, int]
+    max_threads: int
     choices: dict = field(default_factory=dict)
+
+    def fit(self, threads: int) -> int:
+        """The threads a call of this problem uses when ``threads`` are asked for: no
+        more than its work keeps busy (see :data:`MIN_FLOPS_PER_THREAD`)."""
+        return threads if threads <= self.max_threads else self.max_threads
+
+
+#: Work below which another thread costs more than it brings: starting and joining an
+#: OpenMP team takes microseconds, 4 MFLOP take about 16 us on one AVX-512 core. A
+#: 1.2 MFLOP layer (K 24, C 12, 9x9, 5x5) ran 11x slower on 16 threads than on one.
+MIN_FLOPS_PER_THREAD = 4_000_000
 
 
 def tuned_kernels() -> list[dict]:
-    """The tuned kernels compiled into this build: problem, scheme, measured GFLOP/s."""
-    return _kernels.tuned_kernels()
+    """The searched kernels compiled into this build, for every CPU they were tuned on:
+    problem fields, ``cpu`` (fingerprint id) and ``threads`` they were measured at,
+    ``scheme``, measured ``gflops``, ``panel``, ``layer``. Each serves only on its CPU at
+    its thread count (``plan`` says what serves a call)."""
+    return [e.to_dict() for e in registry.KERNELS]
 
 
 _plans: dict[tuple, _CallPlan] = {}
@@ -253,7 +268,8 @@ def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
     if out_bytes > _memory_limit_bytes():
         raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
                          f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
-    plan = _CallPlan(spec, layout, spec.output_shape())
+    plan = _CallPlan(spec, layout, spec.output_shape(),
+                     max(1, spec.flops // MIN_FLOPS_PER_THREAD))
     if key is not None and len(_plans) < _MAX_PLANS:
         _plans[key] = plan
     return plan
@@ -353,7 +369,8 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
             the bottom/right, as in torch) or "valid".
         layout: "NCHW" (default) or "NHWC", the kernels' native layout: NHWC runs with
             no transposition.
-        threads: number of threads, default all CPUs this process may use.
+        threads: number of threads, default all CPUs this process may use; a small
+            problem uses fewer (one thread per 4 MFLOP of work at most).
 
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
@@ -373,8 +390,8 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
     x_arr = _as_float32(x, "input")
     w_arr = _as_float32(w, "weights")
     plan = _plan(x_arr.shape, w_arr.shape, stride, padding, layout)
-    nthreads = threads if type(threads) is int and 0 < threads <= MAX_THREADS else \
-        _threads(threads)
+    nthreads = plan.fit(threads if type(threads) is int and 0 < threads <= MAX_THREADS
+                        else _threads(threads))
     choice = _choice(plan, nthreads)
 
     weights = _pack_per_call(w_arr, plan.layout, plan.spec, choice.panel, nthreads)
@@ -386,8 +403,10 @@ class KernelPlan:
     """Which kernel serves a call, as :func:`plan` reports it.
 
     kind: "tuned" (compiled into ttile), "jit" (tuned on this machine, from the cache)
-    or "generic". ``scheme`` and ``microkernels`` are in the paper's notation (empty for
-    the generic kernel); ``expected_gflops`` is what the kernel measured when it was
+    or "generic". ``tuned_cpu`` / ``tuned_threads`` name the CPU and thread count the
+    kernel (or the verdict for the generic kernel) was measured at. ``scheme`` and
+    ``microkernels`` are in the paper's notation (empty for the generic kernel);
+    ``expected_gflops`` is what the kernel measured when it was
     tuned (None when unknown); ``note`` says why this kernel was chosen.
     """
 
@@ -399,6 +418,8 @@ class KernelPlan:
     isa: Isa
     problem: ConvSpec
     note: str
+    tuned_cpu: Optional[str] = None      # the CPU a tuned/JIT kernel (or verdict) was measured on
+    tuned_threads: Optional[int] = None  # and the thread count
 
 
 def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
@@ -412,12 +433,13 @@ def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0
     x_dims = _shape_tuple(x_shape, "x_shape")
     w_dims = _shape_tuple(w_shape, "w_shape")
     call = _plan(x_dims, w_dims, stride, padding, layout)
-    nthreads = _threads(threads)
+    nthreads = call.fit(_threads(threads))
     isa = get_isa()
     choice = call.choices.get((nthreads, isa, _use_tuned)) or dispatch.choose(
         call.spec, layout, nthreads, isa, _use_tuned, tune=False)
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
-                      nthreads, isa, call.spec, choice.note)
+                      nthreads, isa, call.spec, choice.note, choice.tuned_cpu,
+                      choice.tuned_threads)
 
 
 def _shape_tuple(shape, name: str) -> tuple[int, ...]:

@@ -81,7 +81,7 @@ class Conv2d:
         plan = _plan(x_arr.shape, self._w_shape, self.stride, self.padding, self.layout)
         if threads is None:
             threads = self.threads
-        nthreads = _threads(threads)
+        nthreads = plan.fit(_threads(threads))
         choice = _choice(plan, nthreads)
         return _execute(plan, choice, x_arr, self._weights_for(choice.panel), nthreads)
 

@@ -48,6 +48,8 @@ class KernelChoice:
     note: str = ""
     handle: Any = None
     final: bool = True              # False while a background tuning may replace it
+    tuned_cpu: Optional[str] = None     # the CPU the choice was measured on
+    tuned_threads: Optional[int] = None  # and the thread count
 
 
 @dataclass(frozen=True)
@@ -162,11 +164,18 @@ def generic_choice(isa: Isa, spec: ConvSpec, note: str = "", final: bool = True
                         note=note or "portable C (no AVX-512F)", final=final)
 
 
-def tuned_choice(entry: registry.TunedEntry) -> KernelChoice:
+def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
+    """What a verdict of the offline search serves: its kernel, or the generic one."""
+    where = f"{entry.layer}, searched on {entry.cpu} at {entry.threads} thread(s)"
+    if entry.kind is KernelKind.GENERIC:
+        return replace(generic_choice(isa, entry.spec, f"the offline search chose the "
+                                                       f"generic kernel ({where})"),
+                       tuned_cpu=entry.cpu, tuned_threads=entry.threads)
     return KernelChoice(kind=KernelKind.TUNED, problem=entry.spec, panel=entry.panel,
                         index=entry.index, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,
-                        note=f"compiled into ttile ({entry.layer})")
+                        note=f"compiled into ttile ({where})", tuned_cpu=entry.cpu,
+                        tuned_threads=entry.threads)
 
 
 # -- the cache key -------------------------------------------------------------------------
@@ -229,6 +238,7 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
     return KernelChoice(kind=KernelKind.JIT, problem=entry.problem, panel=entry.panel,
                         address=address, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,
+                        tuned_cpu=entry.key.cpu, tuned_threads=entry.key.threads,
                         note=f"tuned here in {entry.search_seconds:.1f} s "
                              f"({entry.library.name})", handle=handle)
 
@@ -355,7 +365,7 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: Isa, use_tuned: bool,
         return generic_choice(isa, spec)
     entry = registry.lookup(spec, threads) if use_tuned else None
     if entry is not None:
-        return tuned_choice(entry)
+        return registry_choice(entry, isa)
     key = (spec, layout, threads)
     choice = _choices.get(key)
     if choice is not None:

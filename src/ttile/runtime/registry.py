@@ -1,17 +1,23 @@
-"""The tuned kernels compiled into the extension, keyed by the problem they solve.
+"""The offline search's verdicts compiled into the extension, keyed by the problem, the
+CPU and the thread count they were measured on.
 
-``kernels/gen/registry.c`` (written by :mod:`ttile.generator.emit`) lists every tuned
-kernel with its exact problem; here each entry becomes a typed :class:`TunedEntry` and
-the lookup key is the entry's :class:`~ttile.core.spec.ConvSpec` itself, so no caller
-spells out the problem's fields.
+``kernels/gen/registry.c`` (written by :mod:`ttile.generator.emit` from every CPU's
+tuning records) lists, per CPU fingerprint and thread count, each layer's verdict: a
+searched kernel, or the generic kernel. A verdict is evidence about that CPU and that
+thread count only, so :func:`lookup` serves an entry only when all three match; a call
+elsewhere goes to the run-time tuner or the generic kernel. Each entry becomes a typed
+:class:`TunedEntry`, and the key is the entry's :class:`~ttile.core.spec.ConvSpec`
+itself, so no caller spells out the problem's fields.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import Iterator, Optional
 
 from .. import _kernels
+from ..core.kinds import KernelKind
 from ..core.spec import ConvSpec
 
 _SPEC_FIELDS = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_top",
@@ -20,41 +26,77 @@ _SPEC_FIELDS = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_
 
 @dataclass(frozen=True, kw_only=True)
 class TunedEntry:
-    """One kernel of the registry."""
+    """One verdict of the registry."""
 
     index: int           # its position in the C registry (``_kernels.run_tuned``)
     spec: ConvSpec       # the problem it was generated for, exactly
-    parallel: bool       # False: the single-thread variant; True: the multi-thread one
-    panel: int           # weight panel width it reads
+    cpu: str             # CpuFingerprint.id of the CPU it was measured on
+    threads: int         # the thread count it was measured at
+    kind: KernelKind     # TUNED: a searched kernel; GENERIC: the generic kernel won
+    panel: int           # weight panel width the kernel reads (0 for GENERIC)
     layer: str
-    scheme: str          # paper notation
+    scheme: str          # paper notation ("" for GENERIC)
     gflops: float        # measured when it was tuned
 
     @cached_property
     def microkernels(self) -> str:
-        """The scheme's unrolled block in paper notation."""
+        """The scheme's unrolled block in paper notation ("" for GENERIC)."""
+        if not self.scheme:
+            return ""
         from ..core.scheme import Scheme  # the parser: only when a plan is reported
         return Scheme.parse(self.scheme).microkernel_text()
+
+    def to_dict(self) -> dict:
+        """The public form of ``ttile.tuned_kernels()``."""
+        return {"index": self.index, **self.spec.to_json(), "cpu": self.cpu,
+                "threads": self.threads, "kind": self.kind.value,
+                "parallel": self.threads > 1, "panel": self.panel, "layer": self.layer,
+                "scheme": self.scheme, "gflops": self.gflops}
 
 
 def _read() -> tuple[TunedEntry, ...]:
     return tuple(TunedEntry(index=e["index"], spec=ConvSpec(**{f: e[f] for f in _SPEC_FIELDS}),
-                            parallel=e["parallel"], panel=e["panel"], layer=e["layer"],
-                            scheme=e["scheme"], gflops=e["gflops"])
-                 for e in _kernels.tuned_kernels())
+                            cpu=e["cpu"], threads=e["threads"],
+                            kind=KernelKind.TUNED if e["has_kernel"] else KernelKind.GENERIC,
+                            panel=e["panel"], layer=e["layer"], scheme=e["scheme"],
+                            gflops=e["gflops"])
+                 for e in _kernels.registry_entries())
 
 
 ENTRIES: tuple[TunedEntry, ...] = _read()
-_BY_SPEC: dict[ConvSpec, dict[bool, TunedEntry]] = {}
-for _entry in ENTRIES:
-    _BY_SPEC.setdefault(_entry.spec, {})[_entry.parallel] = _entry
+#: Searched kernels only (the verdicts that carry a kernel).
+KERNELS: tuple[TunedEntry, ...] = tuple(e for e in ENTRIES if e.kind is KernelKind.TUNED)
+_BY_KEY: dict[tuple[ConvSpec, str, int], TunedEntry] = {
+    (e.spec, e.cpu, e.threads): e for e in ENTRIES}
+_serving_cpu: Optional[str] = None
 
 
-def variants(spec: ConvSpec) -> dict[bool, TunedEntry]:
-    """The tuned kernels for exactly ``spec``, by "multi-thread variant?"."""
-    return _BY_SPEC.get(spec, {})
+def serving_cpu() -> str:
+    """The CPU whose verdicts serve calls: this one (its fingerprint id)."""
+    if _serving_cpu is not None:
+        return _serving_cpu
+    from ..core.cpuinfo import fingerprint  # reads /proc/cpuinfo once, on first lookup
+    return fingerprint().id
 
 
-def lookup(spec: ConvSpec, threads: int) -> Optional[TunedEntry]:
-    """The variant that serves ``spec`` on ``threads`` threads, if one was tuned."""
-    return variants(spec).get(threads > 1)
+@contextlib.contextmanager
+def pretend_cpu(cpu_id: str) -> Iterator[None]:
+    """Serve another CPU's verdicts for a while: for tests of the dispatch itself (a
+    kernel measured elsewhere is still correct here, only its speed is unknown)."""
+    global _serving_cpu
+    previous, _serving_cpu = _serving_cpu, cpu_id
+    try:
+        yield
+    finally:
+        _serving_cpu = previous
+
+
+def lookup(spec: ConvSpec, threads: int, cpu: Optional[str] = None) -> Optional[TunedEntry]:
+    """The verdict for ``spec`` at exactly ``threads`` threads on ``cpu`` (default: the
+    serving CPU), if the offline search made one."""
+    return _BY_KEY.get((spec, cpu or serving_cpu(), threads))
+
+
+def cpus() -> list[str]:
+    """The CPUs the registry holds verdicts for."""
+    return sorted({e.cpu for e in ENTRIES})

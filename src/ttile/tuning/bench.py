@@ -14,6 +14,7 @@ The offline generator and the run-time tuner both measure through these function
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 import time
@@ -33,6 +34,26 @@ from .records import RecordStatus
 Copies = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """numpy's BLAS on one thread while the float64 reference is computed.
+
+    A multi-threaded BLAS call leaves its worker threads spinning for a while after it
+    returns; a two-thread kernel timed next shared the two cores with them and ran at
+    one-thread speed, both contenders alike, so warm verdicts came out as ties or worse
+    (Yolo9000-12 at 2 threads: 24.0 ms against 12.4 in a fresh process). With one BLAS
+    thread no worker is woken. Uses threadpoolctl (the ``jit``/``generate`` extras);
+    without it, nothing changes (set OPENBLAS_NUM_THREADS=1 instead).
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 @dataclass
 class LayerBench:
     """Inputs, reference output and tolerance of one layer, made once and reused."""
@@ -50,8 +71,9 @@ class LayerBench:
         w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
         pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
         stride = (spec.stride_h, spec.stride_w)
-        expected = conv2d_nhwc_f64(x, w, stride, pads)
-        magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
+        with single_threaded_blas():
+            expected = conv2d_nhwc_f64(x, w, stride, pads)
+            magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
         terms = spec.c * spec.r * spec.s
         tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
         per_copy = 4 * (x.size + w.size + expected.size)
@@ -82,15 +104,23 @@ class Measured:
     detail: str = ""
 
 
-def check_and_time(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
-                   threads: int, calls: int, drop: int = 0
-                   ) -> tuple[RecordStatus, float, str]:
-    """Run ``kernel`` once and check it; if right, time ``calls`` cold calls and return
-    the median after dropping the ``drop`` fastest and slowest."""
+def run_and_check(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
+                  threads: int) -> Optional[str]:
+    """Run ``kernel`` once on the bench's first tensors: None if its output matches the
+    float64 reference, else what is off."""
     x, w, y = bench.copies[0]
     y.fill(np.nan)
     library.run(kernel, x, w, y, threads)
-    problem = bench.check(y)
+    return bench.check(y)
+
+
+def check_and_time(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
+                   threads: int, calls: int, drop: int = 0
+                   ) -> tuple[RecordStatus, float, str]:
+    """Run ``kernel`` once and check it; if right, time ``calls`` cold calls (the library
+    must be built with timers) and return the median after dropping the ``drop``
+    fastest and slowest."""
+    problem = run_and_check(library, kernel, bench, threads)
     if problem:
         return RecordStatus.WRONG, 0.0, problem
     times = sorted(library.time_each(kernel, bench.copies, calls, threads))

@@ -1,0 +1,66 @@
+"""Thread counts: a call uses no more threads than its work keeps busy, a kernel tuned at
+N threads serves exactly N, and any count from 1 to 64 computes the right result."""
+import numpy as np
+import pytest
+
+import ttile
+from ttile.core.reference import assert_conv_close
+from ttile.runtime import registry
+from ttile.runtime.api import MIN_FLOPS_PER_THREAD
+
+
+def test_a_tiny_problem_runs_on_one_thread_however_many_are_asked():
+    # K 24, C 12, 9x9, 5x5: 1.2 MFLOP (it ran 11x slower on 16 threads than on one)
+    plan = ttile.plan((1, 9, 9, 12), (5, 5, 12, 24), padding=2, layout="NHWC", threads=16)
+    assert plan.threads == 1
+
+
+def test_a_large_problem_keeps_the_threads_it_asks_for():
+    plan = ttile.plan((1, 56, 56, 64), (3, 3, 64, 64), padding=1, layout="NHWC", threads=16)
+    assert plan.problem.flops // MIN_FLOPS_PER_THREAD >= 16 and plan.threads == 16
+
+
+def test_a_registry_verdict_serves_only_its_own_thread_count():
+    entry = next(e for e in registry.KERNELS if e.threads == 2)
+    spec = entry.spec
+    with registry.pretend_cpu(entry.cpu):
+        for threads in (1, 2, 3, 8):
+            found = registry.lookup(spec, threads)
+            assert (found is not None and found.threads == threads) or found is None
+        assert registry.lookup(spec, 3) is None and registry.lookup(spec, 8) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3, 7, 16, 64])
+def test_any_thread_count_computes_the_right_result(threads):
+    rng = np.random.default_rng(threads)
+    x = rng.uniform(-1, 1, (2, 31, 29, 20)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, 20, 40)).astype(np.float32)
+    previous = ttile.set_tuning(mode="never")
+    try:
+        for layout in ("NHWC", "NCHW"):
+            xl = x if layout == "NHWC" else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+            wl = w if layout == "NHWC" else np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+            y = ttile.conv2d(xl, wl, padding=1, layout=layout, threads=threads)
+            assert_conv_close(y, xl, wl, (1, 1), (1, 1, 1, 1), layout=layout)
+    finally:
+        ttile.restore_tuning(previous)
+
+
+@pytest.mark.skipif(not ttile.has_avx512f(), reason="AVX-512F generic kernel")
+@pytest.mark.parametrize("threads", [3, 16, 64])
+@pytest.mark.parametrize("shape", [(1, 7, 7, 64, 96, 3), (2, 5, 9, 16, 20, 1), (1, 17, 17, 8, 33, 3)])
+def test_the_generic_kernel_splits_rows_for_many_threads(shape, threads):
+    """Fewer (image, row) tasks than threads: rows are cut into runs of blocks."""
+    from ttile import _kernels
+    n, h, w_, c, k, r = shape
+    rng = np.random.default_rng(threads + r)
+    x = rng.uniform(-1, 1, (n, h, w_, c)).astype(np.float32)
+    w = rng.uniform(-1, 1, (r, r, c, k)).astype(np.float32)
+    packed = _kernels.pack_weights(w, _kernels.generic_panel(k, w_))
+    pad = r // 2
+    y = np.full((n, h, w_, k), np.nan, np.float32)
+    _kernels.conv2d_generic_packed(x, packed, y, 1, 1, pad, pad, threads)
+    assert_conv_close(y, x, w, (1, 1), (pad,) * 4)
+    y_nchw = np.full((n, k, h, w_), np.nan, np.float32)
+    _kernels.conv2d_generic_packed(x, packed, y_nchw, 1, 1, pad, pad, threads, True)
+    np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))
