@@ -197,6 +197,25 @@ static float *alloc_packed(size_t bytes)
     return buffer;
 }
 
+/* Panel kc of RSCK weights (rsc rows of k floats) into out[rsc][P], zero past k. */
+static void ttile_pack_weights_range(const float *w, int64_t rsc, int64_t k, int64_t P,
+                                     int64_t kc, float *out)
+{
+    const int64_t k0 = kc * P;
+    const int64_t valid = k - k0 < P ? k - k0 : P;
+    for (int64_t i = 0; i < rsc; i++) {
+        const float *src = w + i * k + k0;
+        float *dst = out + i * P;
+        int64_t j = 0;
+        for (; j + 16 <= valid; j += 16)
+            _mm512_storeu_ps(dst + j, _mm512_loadu_ps(src + j));
+        if (j < valid)
+            _mm512_storeu_ps(dst + j, _mm512_maskz_loadu_ps(tail_mask(valid - j), src + j));
+        for (j += 16; j < P; j += 16)
+            _mm512_storeu_ps(dst + j, _mm512_setzero_ps());
+    }
+}
+
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
                               float *y, int nthreads)
 {
@@ -228,8 +247,15 @@ static ttile_conv_shape as_one_row_if_pointwise(const ttile_conv_shape *sh)
 
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
-                                     int nchw_out)
+                                     int flags)
 {
+    const int nchw_out = (flags & TTILE_NCHW_OUT) != 0;
+    /* RSCK weights, packed inside the kernel: each thread packs the panels of the group
+     * it works on into a buffer of its own (at most L2_PANEL_BYTES, or one panel) when
+     * it moves to that group, and reads them from there. A per-call conv2d then reads
+     * its weights once: packed beforehand, they were read, written to memory and read
+     * back (on a 9.4 MB layer, as long as the convolution when the caches were cold). */
+    const int rsck = (flags & TTILE_RSCK_WEIGHTS) != 0;
     /* The panel width follows the shape as given (the caller packed for it). */
     const int64_t P = ttile_generic_panel(shape->k, shape->wo);
     const ttile_conv_shape flat = as_one_row_if_pointwise(shape);
@@ -276,7 +302,9 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
     float *rowbuf = nchw_out ? alloc_packed(rowbuf_bytes) : NULL;
-    if (nchw_out && rowbuf == NULL) {
+    float *wbuf = rsck ? alloc_packed((size_t)(group_width * rsc) * sizeof(float)) : NULL;
+    int64_t wbuf_group = -1;   /* the group whose panels wbuf holds */
+    if ((nchw_out && rowbuf == NULL) || (rsck && wbuf == NULL)) {
 #pragma omp atomic write
         failed = 1;
     }
@@ -284,7 +312,7 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
     for (int64_t n = 0; n < N; n++) {
         for (int64_t g = 0; g < ngroups; g++) {
             for (int64_t row = 0; row < HO * segments; row++) {
-              if (nchw_out && rowbuf == NULL)
+              if ((nchw_out && rowbuf == NULL) || (rsck && wbuf == NULL))
                   continue;
               const int64_t oh = row / segments, segment = row % segments;
               const float *x_n = x + n * sh->h * sh->w * sh->c;
@@ -294,10 +322,16 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
               float *y_row = nchw_out ? rowbuf : y + (n * HO + oh) * WO * K;
               const int64_t ys = nchw_out ? group_width : K;
               int64_t px_lo = WO, px_hi = 0;  /* the pixels this task wrote */
+              if (rsck && wbuf_group != g) {
+                  for (int64_t kc = g * group; kc < kc_end; kc++)
+                      ttile_pack_weights_range(packed, rsc, K, P, kc, wbuf + (kc - g * group) * rsc * P);
+                  wbuf_group = g;
+              }
               for (int64_t kc = g * group; kc < kc_end; kc++) {
                 const int64_t k0 = kc * P, pw = P;
                 const int64_t k_out = nchw_out ? k0 - kg0 : k0;
-                const float *panel = packed + kc * rsc * P;
+                const float *panel = rsck ? wbuf + (kc - g * group) * rsc * P
+                                          : packed + kc * rsc * P;
                 int kv = (int)((K - k0 + 15) / 16);
                 kv = kv < (int)(P / 16) ? kv : (int)(P / 16);
                 __mmask16 mask[MAX_KV];
@@ -332,6 +366,7 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
         }
     }
     free(rowbuf);
+    free(wbuf);
     }
     if (failed) {
         free(zeros);

@@ -33,11 +33,15 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
  * rows of wo pixels: 16 times its register block's vector count (16, 32, 48 or 64). */
 int64_t ttile_generic_panel(int64_t k, int64_t wo);
 /* The same on weights already packed by ttile_pack_weights with that panel width (what
- * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. With
- * nchw_out, y is y[N][K][Ho][Wo] (torch's layout), written from the tile. */
+ * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. Flags:
+ * TTILE_NCHW_OUT: y is y[N][K][Ho][Wo] (torch's layout), written from the tile;
+ * TTILE_RSCK_WEIGHTS: `packed` is the RSCK weights themselves; each thread packs the
+ * panels it needs into a buffer of its own, group by group. */
+#define TTILE_NCHW_OUT 1
+#define TTILE_RSCK_WEIGHTS 2
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
-                                     int nchw_out);
+                                     int flags);
 
 /* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
  * zero-filling the tail. */

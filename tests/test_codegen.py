@@ -158,9 +158,10 @@ def test_microkernel_keeps_accumulators_in_registers(case, text):
 
 @requires_avx512
 def test_generic_kernel_stores_vectors_only_to_the_output():
-    """The hand-written generic kernel's register blocks stay in registers: its only
-    vector stores are the masked output stores at the end of each block. (Register
-    arrays sized by function arguments become stack VLAs; that once halved its speed.)"""
+    """The hand-written generic kernel's register blocks stay in registers: no vector
+    register goes to the stack, and the blocks' stores are masked output stores (the
+    only unmasked ones fill weight panels and transpose tiles). Register arrays sized by
+    function arguments become stack VLAs; that once halved its speed."""
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     source = root / "kernels" / "generic_avx512.c"
@@ -175,6 +176,6 @@ def test_generic_kernel_stores_vectors_only_to_the_output():
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     stores = re.findall(r"vmov\w*\s+%zmm\d+,\s*[^%\s].*", proc.stdout)
-    assert stores, "no vector stores found: is this the generic kernel?"
-    unmasked = [s for s in stores if "{%k" not in s]
-    assert not unmasked, f"vector registers stored outside the output: {unmasked[:5]}"
+    assert any("{%k" in s for s in stores), "no masked stores: is this the generic kernel?"
+    spills = [s for s in stores if "%rsp" in s or "%rbp" in s]
+    assert not spills, f"vector registers stored to the stack: {spills[:5]}"

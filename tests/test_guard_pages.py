@@ -156,3 +156,25 @@ def test_the_guard_page_really_faults(side, offset):
     # SIGSEGV; under AddressSanitizer (abort_on_error) a reported SEGV and SIGABRT
     assert proc.returncode == -11 or (proc.returncode == -6 and b"SEGV" in proc.stderr), \
         (proc.returncode, proc.stderr[-500:])
+
+
+#: RSCK weights handed to the generic kernel, which packs them itself: K on and off the
+#: vector width, one and several panel groups, 1x1 layers.
+RSCK_SHAPES = [
+    (1, 7, 7, 24, 48, 3, 3, (1, 1), (1, 1, 1, 1)),
+    (2, 5, 9, 13, 33, 1, 3, (1, 2), (0, 0, 1, 1)),
+    (1, 14, 14, 8, 70, 3, 3, (2, 2), (1, 1, 1, 1)),
+    (1, 3, 17, 5, 17, 1, 1, (1, 1), (0, 0, 0, 0)),
+    (1, 6, 6, 600, 300, 3, 3, (1, 1), (1, 1, 1, 1)),   # panels larger than L2_PANEL_BYTES
+]
+
+
+@requires_avx512
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", RSCK_SHAPES, ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}")
+def test_generic_kernel_packing_rsck_itself_stays_in_bounds(case, side):
+    spec = _spec(case)
+    _, w = _tensors(spec)
+    for threads in (1, 2, 5):
+        _run_guarded(spec, side, w, lambda gx, gw, gy: _kernels.conv2d_generic_packed(
+            gx, gw, gy, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, threads))
