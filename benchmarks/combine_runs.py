@@ -21,8 +21,8 @@ SECTION = re.compile(r"^### (\d+) threads?")
 
 
 def read_ratios(path: Path) -> dict[tuple[int, str], dict[str, float]]:
-    """(threads, layer) -> {ratio column: value} from one run's markdown tables (every
-    column whose header holds a "/" is a ratio: torch/conv2d, torch/Conv2d, ...)."""
+    """(threads, layer) -> {ratio column: value} from one run's markdown tables (the
+    columns torch.../...: torch/conv2d, torch/Conv2d, torch NCHW/conv2d NCHW, ...)."""
     ratios, threads, header = {}, None, None
     for line in path.read_text().splitlines():
         section = SECTION.match(line)
@@ -38,7 +38,7 @@ def read_ratios(path: Path) -> dict[tuple[int, str], dict[str, float]]:
         if header is None or len(cells) != len(header):
             continue
         ratios[threads, cells[0]] = {name: float(value) for name, value in zip(header, cells)
-                                     if "/" in name}
+                                     if name.startswith("torch") and "/" in name}
     if not ratios:
         raise ValueError(f"{path}: no bench_conv.py tables found")
     return ratios
