@@ -321,7 +321,6 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
               /* NHWC: the output row itself; NCHW: the row buffer, channels from kg0 */
               float *y_row = nchw_out ? rowbuf : y + (n * HO + oh) * WO * K;
               const int64_t ys = nchw_out ? group_width : K;
-              int64_t px_lo = WO, px_hi = 0;  /* the pixels this task wrote */
               if (rsck && wbuf_group != g) {
                   for (int64_t kc = g * group; kc < kc_end; kc++)
                       ttile_pack_weights_range(packed, rsc, K, P, kc, wbuf + (kc - g * group) * rsc * P);
@@ -344,23 +343,27 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
                 const int64_t base = WO / nblocks, wider = WO % nblocks;
                 const int64_t b_lo = nblocks * segment / segments;
                 const int64_t b_hi = nblocks * (segment + 1) / segments;
+                /* the pixels this panel's blocks cover (they depend on kv: panels of one
+                 * segment can cover different pixels) */
+                const int64_t px_lo = b_lo * base + (b_lo < wider ? b_lo : wider);
+                int64_t px_hi = px_lo;
                 for (int64_t c0 = 0; c0 < sh->c; c0 += cchunk) {
                     const int64_t c1 = c0 + cchunk < sh->c ? c0 + cchunk : sh->c;
-                    int64_t ow0 = b_lo * base + (b_lo < wider ? b_lo : wider);
-                    px_lo = ow0 < px_lo ? ow0 : px_lo;
+                    int64_t ow0 = px_lo;
                     for (int64_t b = b_lo; b < b_hi; b++) {
                         const int nw = (int)(base + (b < wider ? 1 : 0));
                         RUN_BLOCK();
                         ow0 += nw;
                     }
-                    px_hi = ow0 > px_hi ? ow0 : px_hi;
+                    px_hi = ow0;
                 }
-              }
-              if (nchw_out && px_hi > px_lo) {
-                  const int64_t kw = (kc_end * P < K ? kc_end * P : K) - kg0;
-                  ttile_transpose_tile_avx512(rowbuf + px_lo * group_width, group_width,
-                                              y + (n * K + kg0) * HO * WO + oh * WO + px_lo,
-                                              HO * WO, px_hi - px_lo, kw, 0, 1, 1);
+                if (nchw_out && px_hi > px_lo) {  /* this panel's channels, into place */
+                    const int64_t kw = K - k0 < P ? K - k0 : P;
+                    ttile_transpose_tile_avx512(rowbuf + px_lo * group_width + k_out,
+                                                group_width,
+                                                y + (n * K + k0) * HO * WO + oh * WO + px_lo,
+                                                HO * WO, px_hi - px_lo, kw, 0, 1, 1);
+                }
               }
             }
         }

@@ -178,3 +178,26 @@ def test_generic_kernel_packing_rsck_itself_stays_in_bounds(case, side):
     for threads in (1, 2, 5):
         _run_guarded(spec, side, w, lambda gx, gw, gy: _kernels.conv2d_generic_packed(
             gx, gw, gy, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, threads))
+
+
+@requires_avx512
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", TAIL_SHAPES + RSCK_SHAPES,
+                         ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}")
+def test_generic_kernel_writing_nchw_stays_in_bounds(case, side):
+    """The NCHW output path: each thread's row buffer is transposed into y[n][k][oh][ow];
+    the NHWC input comes from the layout conversion, also fenced."""
+    spec = _spec(case)
+    x, w = _tensors(spec)
+    x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    for threads in (1, 2, 3):
+        gx = guarded_copy(x_nchw, side)
+        gxh = guarded_copy(np.zeros(spec.input_shape(), np.float32), side)
+        _kernels.nchw_to_nhwc(gx.array, threads, gxh.array)
+        gy = guarded_copy(np.zeros((spec.n, spec.k, spec.ho, spec.wo), np.float32), side)
+        gy.array.view(np.uint32)[...] = 0xA5A5A5A5
+        _kernels.conv2d_generic_packed(gxh.array, w, gy.array, spec.stride_h, spec.stride_w,
+                                       spec.pad_top, spec.pad_left, threads, True)
+        assert gy.canary_intact() and gxh.canary_intact() and gx.canary_intact()
+        assert_conv_close(np.ascontiguousarray(gy.array.transpose(0, 2, 3, 1)), x, w,
+                          (spec.stride_h, spec.stride_w), _pads(spec), layout="NHWC")

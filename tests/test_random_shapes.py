@@ -66,7 +66,8 @@ def pointwise_cases(draw):
     of H*W pixels, split into register blocks (and among threads) across the old rows."""
     return (draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.integers(1, 70)),
             draw(st.integers(1, 23)), draw(st.integers(1, 23)), draw(st.integers(1, 2)),
-            draw(st.sampled_from([0, "valid"])), draw(st.booleans()))
+            draw(st.sampled_from([0, "valid"])), draw(st.booleans()),
+            draw(st.sampled_from(["NHWC", "NCHW"])))
 
 
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS, indirect=True)
@@ -74,12 +75,15 @@ def pointwise_cases(draw):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=pointwise_cases(), seed=st.integers(0, 2**32 - 1))
 def test_pointwise_shape_matches_reference(isa, case, seed):
-    n, c, k, h, w, threads, padding, prepacked = case
+    n, c, k, h, w, threads, padding, prepacked, layout = case
     rng = np.random.default_rng(seed)
     x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
     wt = rng.uniform(-1, 1, (1, 1, c, k)).astype(np.float32)
+    if layout == "NCHW":  # the NCHW output path writes each panel's pixels from its tiles
+        x, wt = np.ascontiguousarray(x.transpose(0, 3, 1, 2)), np.ascontiguousarray(
+            wt.transpose(3, 2, 0, 1))
     if prepacked:
-        y = ttile.Conv2d(wt, padding=padding, layout="NHWC", threads=threads)(x)
+        y = ttile.Conv2d(wt, padding=padding, layout=layout, threads=threads)(x)
     else:
-        y = ttile.conv2d(x, wt, padding=padding, layout="NHWC", threads=threads)
-    assert_conv_close(y, x, wt, (1, 1), (0, 0, 0, 0), layout="NHWC")
+        y = ttile.conv2d(x, wt, padding=padding, layout=layout, threads=threads)
+    assert_conv_close(y, x, wt, (1, 1), (0, 0, 0, 0), layout=layout)

@@ -316,36 +316,35 @@ def pack_weights_kcrs(cnp.ndarray w, int64_t panel, int nthreads=1, out=None, is
     return result
 
 
-def nchw_to_nhwc(cnp.ndarray x, int nthreads=1, out=None, isa=None):
-    """(N,C,H,W) -> (N,H,W,C), blocked and parallel."""
-    _check_f32_c4(x, "x")
+cdef object _convert_activations(cnp.ndarray a, int nthreads, object out, object isa,
+                                 bint to_nhwc):
+    """(N,C,H,W) -> (N,H,W,C) with ``to_nhwc``, else (N,H,W,C) -> (N,C,H,W)."""
+    _check_f32_c4(a, "x" if to_nhwc else "y")
     if nthreads < 1:
         raise ValueError("nthreads must be >= 1")
-    n, c, h, w = (<object>x).shape
-    result = _output(out, (n, h, w, c), "out")
-    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    shape = (<object>a).shape
+    n, c, h, w = shape if to_nhwc else (shape[0], shape[3], shape[1], shape[2])
+    result = _output(out, (n, h, w, c) if to_nhwc else (n, c, h, w), "out")
+    cdef const float *src = <const float *>cnp.PyArray_DATA(a)
     cdef float *dst = <float *>cnp.PyArray_DATA(result)
     cdef int64_t nn = n, cc = c, hw = h * w
     cdef int flag = _layout_isa(isa)
     with nogil:
-        ttile_nchw_to_nhwc(src, dst, nn, cc, hw, nthreads, flag)
+        if to_nhwc:
+            ttile_nchw_to_nhwc(src, dst, nn, cc, hw, nthreads, flag)
+        else:
+            ttile_nhwc_to_nchw(src, dst, nn, hw, cc, nthreads, flag)
     return result
+
+
+def nchw_to_nhwc(cnp.ndarray x, int nthreads=1, out=None, isa=None):
+    """(N,C,H,W) -> (N,H,W,C), blocked and parallel."""
+    return _convert_activations(x, nthreads, out, isa, True)
 
 
 def nhwc_to_nchw(cnp.ndarray y, int nthreads=1, out=None, isa=None):
     """(N,H,W,C) -> (N,C,H,W), blocked and parallel."""
-    _check_f32_c4(y, "y")
-    if nthreads < 1:
-        raise ValueError("nthreads must be >= 1")
-    n, h, w, c = (<object>y).shape
-    result = _output(out, (n, c, h, w), "out")
-    cdef const float *src = <const float *>cnp.PyArray_DATA(y)
-    cdef float *dst = <float *>cnp.PyArray_DATA(result)
-    cdef int64_t nn = n, cc = c, hw = h * w
-    cdef int flag = _layout_isa(isa)
-    with nogil:
-        ttile_nhwc_to_nchw(src, dst, nn, hw, cc, nthreads, flag)
-    return result
+    return _convert_activations(y, nthreads, out, isa, False)
 
 
 cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:
