@@ -216,6 +216,26 @@ static void ttile_pack_weights_range(const float *w, int64_t rsc, int64_t k, int
     }
 }
 
+/* Panel kc of KCRS weights (torch's layout) into out[rs][c][P], zero past k: the panel's
+ * rows of w transposed, column (ci, t) landing on row (t, ci). */
+static void pack_kcrs_panel(const float *w, int64_t k, int64_t c, int64_t rs, int64_t P,
+                            int64_t kc, float *out)
+{
+    const int64_t k0 = kc * P;
+    const int64_t valid = k - k0 < P ? k - k0 : P;
+    ttile_transpose_tile_avx512(w + k0 * c * rs, c * rs, out, P, valid, c * rs, 0, rs, c);
+    if (valid < P) {
+        const __mmask16 zero_from = (__mmask16)~((1u << (valid % 16)) - 1u);
+        for (int64_t row = 0; row < c * rs; row++) {
+            float *dst = out + row * P;
+            int64_t j = valid / 16 * 16;
+            _mm512_mask_storeu_ps(dst + j, zero_from, _mm512_setzero_ps());
+            for (j += 16; j < P; j += 16)
+                _mm512_storeu_ps(dst + j, _mm512_setzero_ps());
+        }
+    }
+}
+
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
                               float *y, int nthreads)
 {
@@ -255,7 +275,8 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
      * it moves to that group, and reads them from there. A per-call conv2d then reads
      * its weights once: packed beforehand, they were read, written to memory and read
      * back (on a 9.4 MB layer, as long as the convolution when the caches were cold). */
-    const int rsck = (flags & TTILE_RSCK_WEIGHTS) != 0;
+    const int kcrs = (flags & TTILE_KCRS_WEIGHTS) != 0;
+    const int rsck = (flags & TTILE_RSCK_WEIGHTS) != 0 || kcrs;
     /* The panel width follows the shape as given (the caller packed for it). */
     const int64_t P = ttile_generic_panel(shape->k, shape->wo);
     const ttile_conv_shape flat = as_one_row_if_pointwise(shape);
@@ -322,8 +343,13 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
               float *y_row = nchw_out ? rowbuf : y + (n * HO + oh) * WO * K;
               const int64_t ys = nchw_out ? group_width : K;
               if (rsck && wbuf_group != g) {
-                  for (int64_t kc = g * group; kc < kc_end; kc++)
-                      ttile_pack_weights_range(packed, rsc, K, P, kc, wbuf + (kc - g * group) * rsc * P);
+                  for (int64_t kc = g * group; kc < kc_end; kc++) {
+                      float *out = wbuf + (kc - g * group) * rsc * P;
+                      if (kcrs)
+                          pack_kcrs_panel(packed, K, sh->c, sh->r * sh->s, P, kc, out);
+                      else
+                          ttile_pack_weights_range(packed, rsc, K, P, kc, out);
+                  }
                   wbuf_group = g;
               }
               for (int64_t kc = g * group; kc < kc_end; kc++) {

@@ -36,9 +36,11 @@ int64_t ttile_generic_panel(int64_t k, int64_t wo);
  * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. Flags:
  * TTILE_NCHW_OUT: y is y[N][K][Ho][Wo] (torch's layout), written from the tile;
  * TTILE_RSCK_WEIGHTS: `packed` is the RSCK weights themselves; each thread packs the
- * panels it needs into a buffer of its own, group by group. */
+ * panels it needs into a buffer of its own, group by group; TTILE_KCRS_WEIGHTS: the
+ * same from KCRS weights (torch's layout). */
 #define TTILE_NCHW_OUT 1
 #define TTILE_RSCK_WEIGHTS 2
+#define TTILE_KCRS_WEIGHTS 4
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
                                      int flags);

@@ -160,11 +160,12 @@ def generic_panel(int64_t k, int64_t wo):
 def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           int64_t stride_h, int64_t stride_w,
                           int64_t pad_top, int64_t pad_left, int nthreads,
-                          bint nchw_out=False):
+                          bint nchw_out=False, bint kcrs=False):
     """The AVX-512F generic kernel on weights packed by
-    ``pack_weights(w, generic_panel(K, Wo))``, or on RSCK weights (R,S,C,K), which the
-    kernel's threads then pack panel group by panel group into buffers of their own;
-    with ``nchw_out``, y is (N,K,Ho,Wo) and written in that layout from the tiles."""
+    ``pack_weights(w, generic_panel(K, Wo))``, or on RSCK weights (R,S,C,K) - KCRS
+    (K,C,R,S), torch's layout, with ``kcrs`` - which the kernel's threads then pack panel
+    group by panel group into buffers of their own; with ``nchw_out``, y is (N,K,Ho,Wo)
+    and written in that layout from the tiles."""
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
     _check_f32_c4(y, "y")
@@ -173,18 +174,25 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef bint rsck = cnp.PyArray_NDIM(w) == 4
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef int64_t r, s, wc
+    if kcrs and not rsck:
+        raise ValueError("kcrs weights are (K, C, R, S): 4 dimensions")
     if rsck:
         _check_f32_c4(w, "w")
-        if ws[3] != k:
-            raise ValueError(f"RSCK weights have {ws[3]} output channels, the output {k}")
-        r, s, wc = ws[0], ws[1], ws[2]
+        if (ws[0] if kcrs else ws[3]) != k:
+            raise ValueError(f"the weights have {ws[0] if kcrs else ws[3]} output channels, "
+                             f"the output {k}")
+        if kcrs:
+            wc, r, s = ws[1], ws[2], ws[3]
+        else:
+            r, s, wc = ws[0], ws[1], ws[2]
     else:
         _check_packed(w, k, ttile_generic_panel(k, yd[3] if nchw_out else yd[2]))
         r, s, wc = ws[1], ws[2], ws[3]
     cdef ttile_conv_shape shape
     _fill_shape(&shape, x, y, r, s, wc, k, stride_h, stride_w, pad_top, pad_left,
                 nthreads, nchw_out)
-    cdef int out_flag = (1 if nchw_out else 0) | (2 if rsck else 0)
+    cdef int out_flag = (1 if nchw_out else 0) | (2 if rsck and not kcrs else 0) \
+        | (4 if kcrs else 0)
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)

@@ -321,10 +321,12 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         spec, isa = plan.spec, _layout_isa()
         x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()), isa)
         if choice.kind is KernelKind.GENERIC and choice.panel:
-            # the AVX-512 generic kernel writes NCHW from its tiles: no second pass
+            # the AVX-512 generic kernel writes NCHW from its tiles: no second pass; it
+            # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
             y = np.empty((spec.n, spec.k, spec.ho, spec.wo), dtype=_FLOAT32)
             _kernels.conv2d_generic_packed(x, weights, y, spec.stride_h, spec.stride_w,
-                                           spec.pad_top, spec.pad_left, nthreads, True)
+                                           spec.pad_top, spec.pad_left, nthreads, True,
+                                           weights.ndim == 4)
             return y
         y = scratch("y", plan.out_shape)
         if y is None:
@@ -346,13 +348,13 @@ def _pack_per_call(w: np.ndarray, layout: str, spec: ConvSpec, choice: dispatch.
     """The weights of one call in the kernel's format (panels of width ``panel``, or RSCK
     for 0), packed in one parallel pass into this thread's scratch buffer: KCRS straight
     into panels for NCHW, RSCK into panels for NHWC (RSCK already is the format of
-    panel 0, and of a panel as wide as K). The AVX-512 generic kernel takes NHWC's RSCK
-    weights as they are: its threads pack the panels they use into buffers of their own,
+    panel 0, and of a panel as wide as K). The AVX-512 generic kernel takes the weights as
+    they are (RSCK, or KCRS): its threads pack the panels they use into buffers of their own,
     so the weights are read once instead of read, written and read back (ResNet18-12 per
     call at 2 threads, caches cold: 1.35 ms packed beforehand against 0.73 pre-packed)."""
     panel = choice.panel
-    if layout == "NHWC" and choice.kind is KernelKind.GENERIC and panel:
-        return w
+    if choice.kind is KernelKind.GENERIC and panel:
+        return w  # RSCK or KCRS: the kernel's threads pack what they use
     if layout == "NCHW":
         shape = spec.weight_shape() if panel == 0 else spec.packed_weight_shape(panel)
         return _kernels.pack_weights_kcrs(w, panel, nthreads, scratch("w", shape),
