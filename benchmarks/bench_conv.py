@@ -211,11 +211,13 @@ def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) 
 
 
 def _served_by(layer, threads: int) -> str:
-    """What conv2d serves this layer with at this thread count, per the plan."""
+    """What serves this layer at this thread count, per the plans: Conv2d's kernel, and
+    per-call conv2d's where it differs ("tuned/generic per call")."""
     spec = layer.spec()
-    plan = ttile.plan(spec.input_shape(), spec.weight_shape(), layer.stride, layer.rs // 2,
-                      "NHWC", threads=threads)
-    return plan.kind.value
+    kinds = [ttile.plan(spec.input_shape(), spec.weight_shape(), layer.stride, layer.rs // 2,
+                        "NHWC", threads=threads, prepacked=prepacked).kind.value
+             for prepacked in (True, False)]
+    return kinds[0] if kinds[0] == kinds[1] else f"{kinds[0]}/{kinds[1]} per call"
 
 
 def main(argv=None) -> int:

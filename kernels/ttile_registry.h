@@ -19,7 +19,11 @@ typedef struct {
     ttile_kernel_fn fn;      /* NULL: the generic kernel serves (it won the search) */
     const char *layer;
     const char *scheme;      /* "" for the generic kernel */
-    double gflops;           /* measured when tuned */
+    double gflops;           /* measured when tuned (cold protocol) */
+    double warm_gflops;      /* the kernel's rate side by side with the generic kernel, warm
+                                (0: not compared) */
+    double generic_gflops;   /* the generic kernel's rate on that CPU and thread count,
+                                warm when compared (0: unknown) */
 } ttile_tuned_kernel;
 
 extern const ttile_tuned_kernel ttile_tuned_kernels[];

@@ -2,6 +2,8 @@
 against float64, served by conv2d only on its own CPU at its own thread count, and the
 generic-kernel verdicts keeping known layers from being tuned again. Needs no generator
 libraries (islpy, scipy): the registry is part of every install."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -52,17 +54,41 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     _kernels.run_tuned(entry.index, x, _kernels.pack_weights(w, entry.panel), y, entry.threads)
     assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
                       (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
-    # conv2d serves the matching call with it on that CPU (the plan says so, the bits agree)
+    # a Conv2d serves the matching call with it on that CPU (the plan says so, the bits
+    # agree); a per-call conv2d serves it too unless packing its weights per call is
+    # estimated to cost more than the generic kernel (which the plan's note then says)
     pads = (spec.pad_top, spec.pad_left)
+    stride = (spec.stride_h, spec.stride_w)
     with registry.pretend_cpu(entry.cpu):
-        plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
-                          (spec.stride_h, spec.stride_w), pads, "NHWC", threads=entry.threads)
+        plan = ttile.plan(spec.input_shape(), spec.weight_shape(), stride, pads, "NHWC",
+                          threads=entry.threads, prepacked=True)
         assert plan.kind == ttile.KernelKind.TUNED and plan.scheme == entry.scheme
         assert (plan.tuned_cpu, plan.tuned_threads) == (entry.cpu, entry.threads)
-        out = ttile.conv2d(x, w, stride=(spec.stride_h, spec.stride_w), padding=pads,
-                           layout="NHWC", threads=entry.threads)
+        out = ttile.Conv2d(w, stride, pads, "NHWC", entry.threads)(x)
+        per_call = ttile.plan(spec.input_shape(), spec.weight_shape(), stride, pads, "NHWC",
+                              threads=entry.threads)
+        assert per_call.kind == ttile.KernelKind.TUNED or "estimated" in per_call.note
     np.testing.assert_array_equal(out, y)
     _forget()
+
+
+def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel():
+    """A searched kernel needs its weights packed per call; the generic kernel packs in
+    place. With both warm rates known, the cheaper serves a per-call conv2d."""
+    from ttile.core.kinds import Isa
+    entry = max((e for e in registry.KERNELS if e.warm_gflops and e.generic_gflops),
+                key=lambda e: e.spec.k * e.spec.c * e.spec.r * e.spec.s / e.spec.flops)
+    choice = dispatch.registry_choice(entry, Isa.AVX512F)
+    kept = dispatch.for_call(choice, entry.spec, "NHWC", False, entry.threads, Isa.AVX512F)
+    assert kept is choice                           # pre-packed NHWC: the faster kernel
+    slow = dataclasses.replace(choice, warm_gflops=entry.generic_gflops * 1.01)
+    packed_weights_cost = dispatch.for_call(slow, entry.spec, "NCHW", True, entry.threads,
+                                            Isa.AVX512F)
+    assert packed_weights_cost.kind is ttile.KernelKind.GENERIC      # 1 % is not worth it
+    assert "estimated" in packed_weights_cost.note
+    fast = dataclasses.replace(choice, warm_gflops=entry.generic_gflops * 100)
+    assert dispatch.for_call(fast, entry.spec, "NCHW", True, entry.threads,
+                             Isa.AVX512F) is fast
 
 
 @requires_avx512

@@ -50,6 +50,8 @@ cdef extern from "ttile_registry.h" nogil:
         const char *layer
         const char *scheme
         double gflops
+        double warm_gflops
+        double generic_gflops
     const ttile_tuned_kernel ttile_tuned_kernels[]
     const int ttile_tuned_kernel_count
 
@@ -247,7 +249,8 @@ def registry_entries():
                     "pad_top": e.pad_top, "pad_bottom": e.pad_bottom, "pad_left": e.pad_left,
                     "pad_right": e.pad_right, "panel": e.panel, "has_kernel": e.fn != NULL,
                     "layer": e.layer.decode(), "scheme": e.scheme.decode(),
-                    "gflops": e.gflops})
+                    "gflops": e.gflops, "warm_gflops": e.warm_gflops,
+                    "generic_gflops": e.generic_gflops})
     return out
 
 

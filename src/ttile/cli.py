@@ -172,7 +172,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             seconds = statistics.median(times)
             total_flops += spec.flops
             total_seconds += seconds
-            plan = ttile.plan(x.shape, w.shape, layer.stride, pad, "NHWC", threads=threads)
+            plan = ttile.plan(x.shape, w.shape, layer.stride, pad, "NHWC", threads=threads,
+                              prepacked=True)
             served = plan.kind.value + (f" `{plan.scheme}`" if plan.scheme else "")
             print(f"| {layer.name} | {served} | {seconds * 1e3:.3f} | "
                   f"{spec.flops / seconds / 1e9:.1f} | {'ok' if problem is None else problem} |",

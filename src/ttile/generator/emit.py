@@ -11,6 +11,7 @@ alone, so emitting from the records is deterministic and needs no measurement.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -19,7 +20,7 @@ from ..core.codegen import generate
 from ..core.fileio import write_if_changed
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
-from ..tuning.records import Contender, RecordStatus, TuningDatabase
+from ..tuning.records import Contender, Protocol, RecordStatus, TuningDatabase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,8 @@ class RegistryEntry:
     threads: int
     scheme: Optional[Scheme]
     gflops: float
+    warm_gflops: float = 0.0       # the scheme beside the generic kernel, warm (0: never)
+    generic_gflops: float = 0.0    # the generic kernel there (warm when compared)
 
 
 def _c_string(text: str) -> str:
@@ -57,7 +60,8 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
                    f"{s.stride_w}, {s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}")
         if entry.scheme is None:
             rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, 0, NULL,\n"
-                        f"     {_c_string(entry.layer)}, \"\", {entry.gflops:.1f}}},")
+                        f"     {_c_string(entry.layer)}, \"\", {entry.gflops:.1f}, 0.0, "
+                        f"{entry.generic_gflops:.1f}}},")
             continue
         source = generate(entry.scheme, entry.spec, command)
         if source.name not in names:
@@ -68,7 +72,8 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
             declarations.append(f"void {source.name}(const float *, const float *, float *, int);")
         rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, {source.panel}, "
                     f"{source.name},\n     {_c_string(entry.layer)}, "
-                    f"{_c_string(str(entry.scheme))}, {entry.gflops:.1f}}},")
+                    f"{_c_string(str(entry.scheme))}, {entry.gflops:.1f}, "
+                    f"{entry.warm_gflops:.1f}, {entry.generic_gflops:.1f}}},")
     for stale in directory.glob("ttile_f32_conv2d_*.c"):
         if stale.stem not in names:
             stale.unlink()
@@ -108,18 +113,26 @@ def registry_entries(databases: Iterable[TuningDatabase]) -> list[RegistryEntry]
                     and r.status is RecordStatus.OK]
             for threads in sorted({r.threads for r in mine}):
                 best = database.best(spec, threads)
-                if best is not None and database.ships(spec, threads, best):
-                    out.append(RegistryEntry(layer=name, spec=spec, cpu=database.cpu_id,
-                                             threads=threads, scheme=Scheme.parse(best.scheme),
-                                             gflops=best.gflops))
-                    continue
+                warm = [r for r in mine if r.threads == threads and r.protocol is Protocol.WARM]
+                generic_warm = [r.gflops for r in warm if r.contender is Contender.GENERIC]
                 generic = database.generic(spec, threads) or next(
                     (r for r in reversed(mine) if r.threads == threads
                      and r.contender is Contender.GENERIC), None)
+                generic_rate = statistics.median(generic_warm) if generic_warm else (
+                    generic.gflops if generic is not None else 0.0)
+                if best is not None and database.ships(spec, threads, best):
+                    searched_warm = [r.gflops for r in warm if r.scheme == best.scheme]
+                    out.append(RegistryEntry(
+                        layer=name, spec=spec, cpu=database.cpu_id, threads=threads,
+                        scheme=Scheme.parse(best.scheme), gflops=best.gflops,
+                        warm_gflops=statistics.median(searched_warm) if searched_warm else 0.0,
+                        generic_gflops=generic_rate))
+                    continue
                 if generic is not None:
                     out.append(RegistryEntry(layer=name, spec=spec, cpu=database.cpu_id,
                                              threads=threads, scheme=None,
-                                             gflops=generic.gflops))
+                                             gflops=generic.gflops,
+                                             generic_gflops=generic_rate))
     return out
 
 

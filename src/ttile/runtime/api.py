@@ -275,13 +275,16 @@ def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
     return plan
 
 
-def _choice(plan: _CallPlan, nthreads: int) -> dispatch.KernelChoice:
-    """The kernel serving ``plan`` on ``nthreads`` threads (tuning it if the policy says so)."""
+def _choice(plan: _CallPlan, nthreads: int, per_call: bool = True) -> dispatch.KernelChoice:
+    """The kernel serving ``plan`` on ``nthreads`` threads (tuning it if the policy says
+    so), for a per-call ``conv2d`` or for a ``Conv2d`` with its weights packed."""
     isa = get_isa()
-    cache_key = (nthreads, isa, _use_tuned)
+    cache_key = (nthreads, isa, _use_tuned, per_call)
     choice = plan.choices.get(cache_key)
     if choice is None:
-        choice = dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned)
+        choice = dispatch.for_call(
+            dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned),
+            plan.spec, plan.layout, per_call, nthreads, isa)
         if choice.final:
             plan.choices[cache_key] = choice
     return choice
@@ -431,9 +434,13 @@ class KernelPlan:
 
 
 def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
-         layout: str = "NCHW", threads: int | None = None) -> KernelPlan:
-    """Which kernel ``conv2d`` would use for these shapes and options, without running
-    or tuning anything (a disk cache entry from an earlier tuning is reported as "jit").
+         layout: str = "NCHW", threads: int | None = None, *,
+         prepacked: bool = False) -> KernelPlan:
+    """Which kernel ``conv2d`` would use for these shapes and options - or, with
+    ``prepacked``, a ``Conv2d`` with these weights (a searched kernel that a per-call
+    call would have to pack weights for may lose to the generic kernel there, see
+    ``dispatch.for_call``) - without running or tuning anything (a disk cache entry from
+    an earlier tuning is reported as "jit").
 
     ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
     (sequences of ints). Raises what ``conv2d`` would raise for them.
@@ -443,8 +450,10 @@ def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0
     call = _plan(x_dims, w_dims, stride, padding, layout)
     nthreads = call.fit(_threads(threads))
     isa = get_isa()
-    choice = call.choices.get((nthreads, isa, _use_tuned)) or dispatch.choose(
-        call.spec, layout, nthreads, isa, _use_tuned, tune=False)
+    per_call = not prepacked
+    choice = call.choices.get((nthreads, isa, _use_tuned, per_call)) or dispatch.for_call(
+        dispatch.choose(call.spec, layout, nthreads, isa, _use_tuned, tune=False),
+        call.spec, layout, per_call, nthreads, isa)
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
                       nthreads, isa, call.spec, choice.note, choice.tuned_cpu,
                       choice.tuned_threads)

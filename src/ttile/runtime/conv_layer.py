@@ -82,7 +82,7 @@ class Conv2d:
         if threads is None:
             threads = self.threads
         nthreads = plan.fit(_threads(threads))
-        choice = _choice(plan, nthreads)
+        choice = _choice(plan, nthreads, per_call=False)
         return _execute(plan, choice, x_arr, self._weights_for(choice.panel), nthreads)
 
     def __repr__(self) -> str:

@@ -50,6 +50,8 @@ class KernelChoice:
     final: bool = True              # False while a background tuning may replace it
     tuned_cpu: Optional[str] = None     # the CPU the choice was measured on
     tuned_threads: Optional[int] = None  # and the thread count
+    warm_gflops: float = 0.0            # a tuned kernel's warm rate, and the generic
+    generic_gflops: float = 0.0         # kernel's beside it (0: not compared)
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,46 @@ def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
                         index=entry.index, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,
                         note=f"compiled into ttile ({where})", tuned_cpu=entry.cpu,
-                        tuned_threads=entry.threads)
+                        tuned_threads=entry.threads, warm_gflops=entry.warm_gflops,
+                        generic_gflops=entry.generic_gflops)
+
+
+#: Data rates that weigh what packing weights costs a per-call conv2d, measured on the
+#: AMD EPYC Zen 5 the Zen 5 set was searched on (one thread; taken to grow with the square
+#: root of the thread count): weights packed per call for a searched kernel, then read
+#: back from that copy, 12 GB/s (ResNet18-10: 0.84 ms for 9.4 MB); the generic kernel's
+#: threads packing the caller's weights themselves, 20 GB/s (0.5 ms). The NCHW output is
+#: not weighed: a rate model of the searched kernel's second pass against the generic
+#: kernel's NCHW stores picked the generic kernel for Yolo9000-5, which then ran 1.4x
+#: slower (its input, cold in the caches, costs the generic kernel more than the model says).
+PACK_PER_CALL_BYTES_PER_S = 12e9
+PACK_IN_KERNEL_BYTES_PER_S = 20e9
+
+
+def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
+             threads: int, isa: Isa) -> KernelChoice:
+    """The kernel for one kind of call: a searched kernel of the registry is the faster
+    kernel, but a per-call ``conv2d`` must pack its weights for it, where the generic
+    kernel packs them in place as its threads go. With both kernels' warm rates in the
+    registry, the generic kernel serves a per-call call when its estimated time is lower
+    (a 9.4 MB layer: ResNet18-10 at 2 threads took 1.20 ms per call with its searched
+    kernel, 0.95 with the generic one)."""
+    if not per_call or choice.kind is not KernelKind.TUNED or isa is not Isa.AVX512F \
+            or not (choice.warm_gflops > 0 and choice.generic_gflops > 0):
+        return choice
+    scale = threads ** 0.5
+    weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
+    tuned = spec.flops / (choice.warm_gflops * 1e9)
+    generic = spec.flops / (choice.generic_gflops * 1e9)
+    if choice.panel != spec.k or layout == "NCHW":
+        tuned += weight_bytes / (PACK_PER_CALL_BYTES_PER_S * scale)
+    generic += weight_bytes / (PACK_IN_KERNEL_BYTES_PER_S * scale)
+    if generic >= tuned:
+        return choice
+    note = (f"the generic kernel, estimated {generic * 1e3:.3f} ms per call with its "
+            f"weights against {tuned * 1e3:.3f} ms for the searched kernel {choice.note}")
+    return replace(generic_choice(isa, spec, note), tuned_cpu=choice.tuned_cpu,
+                   tuned_threads=choice.tuned_threads)
 
 
 # -- the cache key -------------------------------------------------------------------------

@@ -36,7 +36,9 @@ class TunedEntry:
     panel: int           # weight panel width the kernel reads (0 for GENERIC)
     layer: str
     scheme: str          # paper notation ("" for GENERIC)
-    gflops: float        # measured when it was tuned
+    gflops: float        # measured when it was tuned (cold protocol)
+    warm_gflops: float   # the kernel beside the generic kernel, warm (0: never compared)
+    generic_gflops: float  # the generic kernel there, warm when compared (0: unknown)
 
     @cached_property
     def microkernels(self) -> str:
@@ -59,7 +61,8 @@ def _read() -> tuple[TunedEntry, ...]:
                             cpu=e["cpu"], threads=e["threads"],
                             kind=KernelKind.TUNED if e["has_kernel"] else KernelKind.GENERIC,
                             panel=e["panel"], layer=e["layer"], scheme=e["scheme"],
-                            gflops=e["gflops"])
+                            gflops=e["gflops"], warm_gflops=e["warm_gflops"],
+                            generic_gflops=e["generic_gflops"])
                  for e in _kernels.registry_entries())
 
 
