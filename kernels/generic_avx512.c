@@ -197,45 +197,6 @@ static float *alloc_packed(size_t bytes)
     return buffer;
 }
 
-/* Panel kc of RSCK weights (rsc rows of k floats) into out[rsc][P], zero past k. */
-static void ttile_pack_weights_range(const float *w, int64_t rsc, int64_t k, int64_t P,
-                                     int64_t kc, float *out)
-{
-    const int64_t k0 = kc * P;
-    const int64_t valid = k - k0 < P ? k - k0 : P;
-    for (int64_t i = 0; i < rsc; i++) {
-        const float *src = w + i * k + k0;
-        float *dst = out + i * P;
-        int64_t j = 0;
-        for (; j + 16 <= valid; j += 16)
-            _mm512_storeu_ps(dst + j, _mm512_loadu_ps(src + j));
-        if (j < valid)
-            _mm512_storeu_ps(dst + j, _mm512_maskz_loadu_ps(tail_mask(valid - j), src + j));
-        for (j += 16; j < P; j += 16)
-            _mm512_storeu_ps(dst + j, _mm512_setzero_ps());
-    }
-}
-
-/* Panel kc of KCRS weights (torch's layout) into out[rs][c][P], zero past k: the panel's
- * rows of w transposed, column (ci, t) landing on row (t, ci). */
-static void pack_kcrs_panel(const float *w, int64_t k, int64_t c, int64_t rs, int64_t P,
-                            int64_t kc, float *out)
-{
-    const int64_t k0 = kc * P;
-    const int64_t valid = k - k0 < P ? k - k0 : P;
-    ttile_transpose_tile_avx512(w + k0 * c * rs, c * rs, out, P, valid, c * rs, 0, rs, c);
-    if (valid < P) {
-        const __mmask16 zero_from = (__mmask16)~((1u << (valid % 16)) - 1u);
-        for (int64_t row = 0; row < c * rs; row++) {
-            float *dst = out + row * P;
-            int64_t j = valid / 16 * 16;
-            _mm512_mask_storeu_ps(dst + j, zero_from, _mm512_setzero_ps());
-            for (j += 16; j < P; j += 16)
-                _mm512_storeu_ps(dst + j, _mm512_setzero_ps());
-        }
-    }
-}
-
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
                               float *y, int nthreads)
 {
@@ -346,9 +307,10 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
                   for (int64_t kc = g * group; kc < kc_end; kc++) {
                       float *out = wbuf + (kc - g * group) * rsc * P;
                       if (kcrs)
-                          pack_kcrs_panel(packed, K, sh->c, sh->r * sh->s, P, kc, out);
+                          ttile_pack_kcrs_columns(packed, K, sh->c, sh->r * sh->s, P, kc, 0,
+                                                  rsc, out, 1);
                       else
-                          ttile_pack_weights_range(packed, rsc, K, P, kc, out);
+                          ttile_pack_panel_rows(packed, K, P, kc, 0, rsc, out);
                   }
                   wbuf_group = g;
               }

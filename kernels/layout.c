@@ -65,30 +65,35 @@ void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int
     transpose_batched(src, dst, n, hw, c, nthreads, isa);
 }
 
+void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
+                             int64_t panel, int64_t p, int64_t col0, int64_t col1,
+                             float *out, int isa)
+{
+    /* out[t][ci][j] = w[p * panel + j][ci][t] for the columns x = ci * rs + t in
+     * [col0, col1) of the panel's [panel rows][c * rs columns] block of w, column (ci, t)
+     * landing on row (t, ci); zero past k. */
+    const int64_t cols = c * rs;
+    const int64_t valid = min64(panel, k - p * panel);
+    for (int64_t j0 = 0; j0 < valid; j0 += TILE)
+        transpose_tile(w + (p * panel + j0) * cols + col0, cols, out + j0, panel,
+                       min64(TILE, valid - j0), col1 - col0, col0, rs, c, isa);
+    for (int64_t col = col0; col < col1; col++) {
+        float *d = out + ((col % rs) * c + col / rs) * panel;
+        for (int64_t j = valid; j < panel; j++)
+            d[j] = 0.0f;
+    }
+}
+
 void ttile_pack_weights_kcrs(const float *w, int64_t k, int64_t c, int64_t rs,
                              int64_t panel, float *out, int nthreads, int isa)
 {
-    /* out[p][t][ci][j] = w[p * panel + j][ci][t], zero past k: for each panel, the
-     * [panel rows][c * rs columns] block of w transposed, column (ci, t) landing on row
-     * (t, ci). One (panel, column tile) per task. */
-    const int avx512 = isa;
+    /* One (panel, column tile) per task. */
     const int64_t panels = (k + panel - 1) / panel;
     const int64_t cols = c * rs;
     const int64_t ctiles = (cols + TILE - 1) / TILE;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        for (int64_t ct = 0; ct < ctiles; ct++) {
-            const int64_t valid = min64(panel, k - p * panel);
-            const int64_t c0 = ct * TILE, nc = min64(TILE, cols - c0);
-            float *dst = out + p * cols * panel;
-            for (int64_t j0 = 0; j0 < valid; j0 += TILE)
-                transpose_tile(w + (p * panel + j0) * cols + c0, cols, dst + j0, panel,
-                               min64(TILE, valid - j0), nc, c0, rs, c, avx512);
-            for (int64_t col = c0; col < c0 + nc; col++) {
-                float *d = dst + ((col % rs) * c + col / rs) * panel;
-                for (int64_t j = valid; j < panel; j++)
-                    d[j] = 0.0f;
-            }
-        }
-    }
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t ct = 0; ct < ctiles; ct++)
+            ttile_pack_kcrs_columns(w, k, c, rs, panel, p, ct * TILE,
+                                    min64(ct * TILE + TILE, cols), out + p * cols * panel, isa);
 }

@@ -49,6 +49,10 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
  * zero-filling the tail. */
 void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                         int nthreads);
+/* Rows [i0, i1) of panel p alone (out points at the panel): what ttile_pack_weights does
+ * per task, and what the generic kernel's threads do for the panels they use. */
+void ttile_pack_panel_rows(const float *w, int64_t k, int64_t panel, int64_t p, int64_t i0,
+                           int64_t i1, float *out);
 
 /* Activations between torch's layout and the kernels': src[n][c][hw] -> dst[n][hw][c]
  * and back (layout.c, blocked and parallel). isa 1: AVX-512 tiles (the caller checked
@@ -61,6 +65,12 @@ void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int
 void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                                  int64_t dstride, int64_t rows, int64_t cols,
                                  int64_t first, int64_t group, int64_t groups);
+/* Columns [col0, col1) (x = ci * rs + t) of panel p of KCRS weights (out points at the
+ * panel): what ttile_pack_weights_kcrs does per task, and the generic kernel's threads
+ * for the panels they use. */
+void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
+                             int64_t panel, int64_t p, int64_t col0, int64_t col1,
+                             float *out, int isa);
 /* KCRS weights (rs = R*S) straight into panels [ceil(k/panel)][rs][c][panel], the tail
  * zero-filled; panel = k gives RSCK. */
 void ttile_pack_weights_kcrs(const float *w, int64_t k, int64_t c, int64_t rs,
