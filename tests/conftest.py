@@ -35,16 +35,18 @@ def jit_cache(tmp_path):
     from ttile.runtime import dispatch
     previous = ttile.set_tuning(mode="now", budget_seconds=4.0, min_mflops=0.0,
                                 cache_dir=tmp_path / "cache")
-    dispatch.forget_choices()
-    _forget_plans()
+    forget_choices()
     yield tmp_path / "cache"
     dispatch.wait_for_background(60)
     ttile.restore_tuning(previous)
+    forget_choices()
+
+
+def forget_choices():
+    """Forget which kernel serves each problem (dispatch's memory and every call plan's),
+    so the next call decides again: after a test changed the tuning policy, the cache or
+    the CPU whose registry verdicts serve."""
+    from ttile.runtime import api, dispatch
     dispatch.forget_choices()
-    _forget_plans()
-
-
-def _forget_plans():
-    from ttile.runtime import api
     for call_plan in list(api._plans.values()):
         call_plan.choices.clear()

@@ -172,12 +172,19 @@ RSCK_SHAPES = [
 @requires_avx512
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("case", RSCK_SHAPES, ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}")
-def test_generic_kernel_packing_rsck_itself_stays_in_bounds(case, side):
+@pytest.mark.parametrize("weights", ["RSCK", "KCRS"])
+def test_generic_kernel_packing_weights_itself_stays_in_bounds(weights, case, side):
+    """The caller's weights handed to the generic kernel, whose threads pack the panels
+    they use: RSCK (a per-call NHWC conv2d) or torch's KCRS (a per-call NCHW one)."""
     spec = _spec(case)
     _, w = _tensors(spec)
+    kcrs = weights == "KCRS"
+    if kcrs:
+        w = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
     for threads in (1, 2, 5):
         _run_guarded(spec, side, w, lambda gx, gw, gy: _kernels.conv2d_generic_packed(
-            gx, gw, gy, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, threads))
+            gx, gw, gy, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, threads,
+            False, kcrs))
 
 
 @requires_avx512
@@ -201,17 +208,3 @@ def test_generic_kernel_writing_nchw_stays_in_bounds(case, side):
         assert gy.canary_intact() and gxh.canary_intact() and gx.canary_intact()
         assert_conv_close(np.ascontiguousarray(gy.array.transpose(0, 2, 3, 1)), x, w,
                           (spec.stride_h, spec.stride_w), _pads(spec), layout="NHWC")
-
-
-@requires_avx512
-@pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("case", RSCK_SHAPES, ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}")
-def test_generic_kernel_packing_kcrs_itself_stays_in_bounds(case, side):
-    """torch's KCRS weights, packed by the kernel's threads (a per-call NCHW conv2d)."""
-    spec = _spec(case)
-    _, w = _tensors(spec)
-    w_kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
-    for threads in (1, 2, 5):
-        _run_guarded(spec, side, w_kcrs, lambda gx, gw, gy: _kernels.conv2d_generic_packed(
-            gx, gw, gy, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, threads,
-            False, True))

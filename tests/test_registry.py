@@ -12,7 +12,7 @@ from ttile import _kernels
 from ttile.core.reference import assert_conv_close
 from ttile.core.spec import ConvSpec
 from ttile.runtime import dispatch, registry
-from conftest import requires_avx512
+from conftest import forget_choices, requires_avx512
 
 
 def _kernel_cases():
@@ -69,7 +69,7 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
                               threads=entry.threads)
         assert per_call.kind == ttile.KernelKind.TUNED or "estimated" in per_call.note
     np.testing.assert_array_equal(out, y)
-    _forget()
+    forget_choices()
 
 
 def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel():
@@ -114,15 +114,7 @@ def test_a_generic_verdict_serves_the_generic_kernel_without_tuning(jit_cache, m
         w = np.ones(spec.weight_shape(), np.float32)
         ttile.conv2d(x, w, (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
                      "NHWC", threads=entry.threads)
-    _forget()
-
-
-def _forget():
-    """Plans made while pretending to be another CPU must not outlive the pretence."""
-    dispatch.forget_choices()
-    from ttile.runtime import api
-    for call_plan in list(api._plans.values()):
-        call_plan.choices.clear()
+    forget_choices()
 
 
 def test_run_tuned_refuses_a_verdict_without_a_kernel():

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ttile
-from conftest import random_tensors, requires_avx512
+from conftest import forget_choices, random_tensors, requires_avx512
 from ttile.runtime import dispatch, jit, registry
 from ttile.runtime.cache import KernelCache, _json_checksum
 from ttile.core.reference import assert_conv_close
@@ -87,9 +87,7 @@ def test_later_process_reuses_the_entry_without_searching(jit_cache, prefer_jit)
 
 def _tune_then_forget(x, w):
     y = _call(x, w)
-    dispatch.forget_choices()
-    from conftest import _forget_plans
-    _forget_plans()
+    forget_choices()
     return y
 
 
@@ -380,9 +378,7 @@ def test_conv2d_layer_runs_tuned_kernels_on_prepacked_weights():
             assert ttile.plan(x.shape, w.shape, stride, pads, "NHWC", entry.threads).kind == "tuned"
             y = layer(x, threads=entry.threads)
     finally:
-        dispatch.forget_choices()
-        for call_plan in list(ttile.runtime.api._plans.values()):
-            call_plan.choices.clear()
+        forget_choices()
     assert_conv_close(y, x, w, stride, (spec.pad_top, spec.pad_bottom, spec.pad_left,
                                         spec.pad_right), layout="NHWC")
 
