@@ -13,6 +13,7 @@ from conftest import requires_avx512
 from guarded import guarded_copy
 from ttile import _kernels
 from ttile.runtime import jit, registry
+from ttile.core.cbuild import symbol_address
 from ttile.core.reference import assert_conv_close
 from ttile.core.spec import ConvSpec
 
@@ -132,7 +133,7 @@ def test_jit_kernels_stay_in_bounds(case, monkeypatch, tmp_path):
     if result.kind is not ttile.KernelKind.JIT:
         pytest.skip("no scheme of the space fits this shape")  # generic: tested above
     library = ctypes.CDLL(str(result.library))
-    address = ctypes.cast(getattr(library, result.function), ctypes.c_void_p).value
+    address = symbol_address(library, result.function)
     _, w = _tensors(spec)
     packed = _kernels.pack_weights(w, result.panel)
     for side in SIDES:

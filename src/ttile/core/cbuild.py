@@ -118,6 +118,12 @@ class BuiltLibrary:
             raise ValueError("y must be writeable")
 
 
+def symbol_address(handle: ctypes.CDLL, name: str) -> int:
+    """The address of function ``name`` in a loaded library (for ``_kernels.run_compiled``,
+    which calls it without ctypes; AttributeError when the library has no such symbol)."""
+    return ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
+
+
 def packed_weights(kernel: KernelSource, w: np.ndarray) -> np.ndarray:
     """The kernel's weight panels from RSCK weights (see ``_kernels.pack_weights``)."""
     from .. import _kernels

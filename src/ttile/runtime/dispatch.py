@@ -275,7 +275,8 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(private)
-    address = ctypes.cast(getattr(handle, entry.function), ctypes.c_void_p).value
+    from ..core.cbuild import symbol_address
+    address = symbol_address(handle, entry.function)
     return KernelChoice(kind=KernelKind.JIT, problem=entry.problem, panel=entry.panel,
                         address=address, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,

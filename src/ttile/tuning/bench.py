@@ -15,7 +15,6 @@ The offline generator and the run-time tuner both measure through these function
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .. import _kernels
-from ..core.cbuild import BuildError, BuiltLibrary, build_batches
+from ..core.cbuild import BuildError, BuiltLibrary, build_batches, symbol_address
 from ..core.codegen import KernelSource, generate
 from ..core.reference import conv2d_nhwc_f64
 from ..core.scheme import Scheme
@@ -203,11 +202,6 @@ def time_generic(spec: ConvSpec, copies: Copies, threads: int, calls: int
     return times
 
 
-def kernel_address(library: BuiltLibrary, kernel: KernelSource) -> int:
-    """The entry point of ``kernel`` in ``library``, for ``_kernels.run_compiled``."""
-    return ctypes.cast(getattr(library.handle, kernel.name), ctypes.c_void_p).value
-
-
 def head_to_head(spec: ConvSpec, bench: LayerBench,
                  finalists: Sequence[tuple[KernelSource, BuiltLibrary]], threads: int,
                  rounds: int) -> tuple[float, list[float]]:
@@ -219,7 +213,7 @@ def head_to_head(spec: ConvSpec, bench: LayerBench,
     generic = _run_generic(spec, threads)
     runs = [lambda: generic(x, generic_w, y)]
     for kernel, library in finalists:
-        address = kernel_address(library, kernel)
+        address = symbol_address(library.handle, kernel.name)
         packed = _kernels.pack_weights(w, kernel.panel)
         expected_w = spec.packed_weight_shape(kernel.panel)
         runs.append(lambda a=address, p=packed, e=expected_w: _kernels.run_compiled(
