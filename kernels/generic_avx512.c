@@ -95,10 +95,12 @@ static inline __attribute__((always_inline)) void                               
 conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float *panel,\
                        float *y_row, int64_t oh, int64_t ow0, const int64_t P,         \
                        int64_t k0, const __mmask16 *mask, const float *zeros,          \
-                       int64_t c0, int64_t c1, const int64_t YS)                       \
+                       int64_t c0, int64_t c1, const int64_t YS,                       \
+                       const ttile_epilogue *ep, int64_t kb)                           \
 {                                                                                      \
     const int64_t H = sh->h, W = sh->w, S = sh->s;                                     \
-    const int64_t C = sh->c, R = sh->r;                                                \
+    const int64_t C = sh->c, R = sh->r, XS = C * sh->groups;                           \
+    const int64_t DH = sh->dil_h, DW = sh->dil_w;                                      \
     __m512 acc[NW][KV];                                                                \
     _Pragma("GCC unroll 32")                                                           \
     for (int j = 0; j < NW; j++) {                                                     \
@@ -112,13 +114,14 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
      * of S loops of C (7x7 on 3 channels: 21 steps, not 7 x 3).                       \
      */                                                                                \
     const int64_t iw_lo = ow0 * sh->stride_w - sh->pad_left;                           \
-    const int64_t iw_hi = (ow0 + NW - 1) * sh->stride_w - sh->pad_left + S - 1;        \
-    const int fused = c0 == 0 && c1 == C && iw_lo >= 0 && iw_hi < W;                   \
+    const int64_t iw_hi = (ow0 + NW - 1) * sh->stride_w - sh->pad_left + (S - 1) * DW;  \
+    const int fused = c0 == 0 && c1 == C && iw_lo >= 0 && iw_hi < W && XS == C        \
+                      && DW == 1;                                                      \
     for (int64_t r = 0; r < R; r++) {                                                  \
-        const int64_t ih = oh * sh->stride_h + r - sh->pad_top;                        \
+        const int64_t ih = oh * sh->stride_h + r * DH - sh->pad_top;                   \
         if (ih < 0 || ih >= H)                                                         \
             continue;                                                                  \
-        const float *x_row = x_n + ih * W * C;                                         \
+        const float *x_row = x_n + ih * W * XS;                                        \
         if (fused) {                                                                   \
             const float *xp[NW];                                                       \
             _Pragma("GCC unroll 32")                                                   \
@@ -133,8 +136,8 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
             const float *xp[NW];                                                       \
             _Pragma("GCC unroll 32")                                                   \
             for (int j = 0; j < NW; j++) {                                             \
-                const int64_t iw = (ow0 + j) * sh->stride_w + s - sh->pad_left;        \
-                xp[j] = (iw >= 0 && iw < W) ? x_row + iw * C : zeros;                  \
+                const int64_t iw = (ow0 + j) * sh->stride_w + s * DW - sh->pad_left;   \
+                xp[j] = (iw >= 0 && iw < W) ? x_row + iw * XS : zeros;                 \
             }                                                                          \
             const float *wp = panel + (r * S + s) * C * P;                             \
             for (int64_t c = c0; c < c1; c++)                                          \
@@ -147,6 +150,15 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
         for (int v = 0; v < KV; v++)                                                   \
             _mm512_mask_storeu_ps(y_row + (ow0 + j) * YS + k0 + 16 * v, mask[v],       \
                                   acc[j][v]);                                          \
+    }                                                                                  \
+    /* the epilogue (ep: non-NULL on the last channel chunk only), on the outputs just \
+     * stored, from L1 (see ttile_epilogue_apply512) */                                \
+    if (ep != NULL) {                                                                  \
+        __asm__ volatile("" ::: "memory");                                             \
+        for (int j = 0; j < NW; j++)                                                   \
+            for (int v = 0; v < KV; v++)                                               \
+                ttile_epilogue_apply512(ep, y_row, (ow0 + j) * YS + k0 + 16 * v,       \
+                                        kb + 16 * v, mask[v]);                         \
     }                                                                                  \
 }
 
@@ -165,7 +177,7 @@ static inline __mmask16 tail_mask(int64_t remaining)
 #define CASE(NW, KV)                                                                   \
     case NW:                                                                           \
         conv_block_##NW##_##KV(sh, x_n, panel, y_row, oh, ow0, pw, k_out, mask, zeros, \
-                               c0, c1, ys);                                            \
+                               c0, c1, ys, c1 == sh->c ? block_ep : NULL, k0);         \
         break;
 
 #define CASE_KV(KV, W)                                                                 \
@@ -198,8 +210,10 @@ static float *alloc_packed(size_t bytes)
 }
 
 int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const float *w,
-                              float *y, int nthreads)
+                              float *y, int nthreads, const ttile_epilogue *ep)
 {
+    if (sh->groups != 1)
+        return -1;
     const int64_t P = ttile_generic_panel(sh->k, sh->wo);
     const int64_t kchunks = (sh->k + P - 1) / P;
     const int64_t rsc = sh->r * sh->s * sh->c;
@@ -207,7 +221,7 @@ int ttile_conv_generic_avx512(const ttile_conv_shape *sh, const float *x, const 
     if (packed == NULL)
         return -1;
     ttile_pack_weights(w, rsc, sh->k, P, packed, nthreads);
-    const int status = ttile_conv_generic_avx512_packed(sh, x, packed, y, nthreads, 0);
+    const int status = ttile_conv_generic_avx512_packed(sh, x, packed, y, nthreads, 0, ep);
     free(packed);
     return status;
 }
@@ -228,8 +242,10 @@ static ttile_conv_shape as_one_row_if_pointwise(const ttile_conv_shape *sh)
 
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
-                                     int flags)
+                                     int flags, const ttile_epilogue *ep)
 {
+    if (ttile_epilogue_is_empty(ep))
+        ep = NULL;
     const int nchw_out = (flags & TTILE_NCHW_OUT) != 0;
     /* RSCK weights, packed inside the kernel: each thread packs the panels of the group
      * it works on into a buffer of its own (at most L2_PANEL_BYTES, or one panel) when
@@ -238,11 +254,14 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
      * back (on a 9.4 MB layer, as long as the convolution when the caches were cold). */
     const int kcrs = (flags & TTILE_KCRS_WEIGHTS) != 0;
     const int rsck = (flags & TTILE_RSCK_WEIGHTS) != 0 || kcrs;
+    if ((flags & TTILE_RSCK_WEIGHTS) && shape->groups != 1)
+        return -1;
     /* The panel width follows the shape as given (the caller packed for it). */
     const int64_t P = ttile_generic_panel(shape->k, shape->wo);
     const ttile_conv_shape flat = as_one_row_if_pointwise(shape);
     const ttile_conv_shape *sh = &flat;
-    const int64_t N = sh->n, K = sh->k, HO = sh->ho, WO = sh->wo;
+    const int64_t N = sh->n, K = sh->k, HO = sh->ho, WO = sh->wo, G = sh->groups;
+    const int64_t KT = K * G;   /* output channels of all groups: NHWC's pixel stride */
     const int64_t kchunks = (K + P - 1) / P;
     const int64_t rsc = sh->r * sh->s * sh->c;
     /* Channels per chunk: the chunk's part of a panel (R*S*cchunk steps of 4P bytes) is
@@ -269,7 +288,7 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
      * when there are fewer (image, panel group, row) tasks than threads (a 7x7 layer on
      * 16 threads: 7 rows, each cut in 3). A run may end up empty; it costs nothing. */
     int64_t segments = HO == shape->ho ? 1 : shape->ho;
-    const int64_t tasks = N * ngroups * HO * segments;
+    const int64_t tasks = N * G * ngroups * HO * segments;
     if (tasks < nthreads)
         segments *= (nthreads + tasks - 1) / tasks;
 
@@ -290,35 +309,55 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
 #pragma omp atomic write
         failed = 1;
     }
-#pragma omp for collapse(3) schedule(static)
+#pragma omp for collapse(4) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t g = 0; g < ngroups; g++) {
+      for (int64_t cg = 0; cg < G; cg++) {   /* convolution group */
+        for (int64_t g = 0; g < ngroups; g++) {   /* panel group */
             for (int64_t row = 0; row < HO * segments; row++) {
               if ((nchw_out && rowbuf == NULL) || (rsck && wbuf == NULL))
                   continue;
               const int64_t oh = row / segments, segment = row % segments;
-              const float *x_n = x + n * sh->h * sh->w * sh->c;
+              const float *x_n = x + n * sh->h * sh->w * sh->c * G + cg * sh->c;
               const int64_t kc_end = (g + 1) * group < kchunks ? (g + 1) * group : kchunks;
               const int64_t kg0 = g * group * P;
               /* NHWC: the output row itself; NCHW: the row buffer, channels from kg0 */
-              float *y_row = nchw_out ? rowbuf : y + (n * HO + oh) * WO * K;
-              const int64_t ys = nchw_out ? group_width : K;
-              if (rsck && wbuf_group != g) {
+              const int64_t row_offset = (n * HO + oh) * WO * KT + cg * K;
+              float *y_row = nchw_out ? rowbuf : y + row_offset;
+              const int64_t ys = nchw_out ? group_width : KT;
+              /* The epilogue as the blocks apply it: bias from this group's channels;
+               * the residual aligned with y_row (NHWC), or added after the transpose
+               * together with the activation (NCHW, in ttile_epilogue_row512). */
+              ttile_epilogue row_ep;
+              const ttile_epilogue *block_ep = NULL;
+              if (ep != NULL) {
+                  row_ep = *ep;
+                  row_ep.bias = ep->bias ? ep->bias + cg * K : NULL;
+                  if (nchw_out) {
+                      row_ep.residual = NULL;
+                      if (ep->residual)
+                          row_ep.activation = TTILE_ACT_NONE;
+                  } else if (ep->residual) {
+                      row_ep.residual = ep->residual + row_offset;
+                  }
+                  block_ep = &row_ep;
+              }
+              const int64_t wkey = cg * ngroups + g;   /* which panels wbuf holds */
+              if (rsck && wbuf_group != wkey) {
                   for (int64_t kc = g * group; kc < kc_end; kc++) {
                       float *out = wbuf + (kc - g * group) * rsc * P;
                       if (kcrs)
-                          ttile_pack_kcrs_columns(packed, K, sh->c, sh->r * sh->s, P, kc, 0,
-                                                  rsc, out, 1);
+                          ttile_pack_kcrs_columns(packed + cg * K * rsc, K, sh->c,
+                                                  sh->r * sh->s, P, kc, 0, rsc, out, 1);
                       else
                           ttile_pack_panel_rows(packed, K, P, kc, 0, rsc, out);
                   }
-                  wbuf_group = g;
+                  wbuf_group = wkey;
               }
               for (int64_t kc = g * group; kc < kc_end; kc++) {
                 const int64_t k0 = kc * P, pw = P;
                 const int64_t k_out = nchw_out ? k0 - kg0 : k0;
                 const float *panel = rsck ? wbuf + (kc - g * group) * rsc * P
-                                          : packed + kc * rsc * P;
+                                          : packed + (cg * kchunks + kc) * rsc * P;
                 int kv = (int)((K - k0 + 15) / 16);
                 kv = kv < (int)(P / 16) ? kv : (int)(P / 16);
                 __mmask16 mask[MAX_KV];
@@ -347,14 +386,19 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
                 }
                 if (nchw_out && px_hi > px_lo) {  /* this panel's channels, into place */
                     const int64_t kw = K - k0 < P ? K - k0 : P;
+                    const int64_t first = (n * KT + cg * K + k0) * HO * WO + oh * WO + px_lo;
                     ttile_transpose_tile_avx512(rowbuf + px_lo * group_width + k_out,
-                                                group_width,
-                                                y + (n * K + k0) * HO * WO + oh * WO + px_lo,
+                                                group_width, y + first,
                                                 HO * WO, px_hi - px_lo, kw, 0, 1, 1);
+                    if (ep != NULL && ep->residual)   /* still in L1: residual, activation */
+                        for (int64_t kk = 0; kk < kw; kk++)
+                            ttile_epilogue_row512(ep, y, first + kk * HO * WO,
+                                                  px_hi - px_lo, 0, 0);
                 }
               }
             }
         }
+      }
     }
     free(rowbuf);
     free(wbuf);

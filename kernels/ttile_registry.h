@@ -7,7 +7,12 @@
 #ifndef TTILE_REGISTRY_H
 #define TTILE_REGISTRY_H
 
-typedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads);
+#include "ttile_epilogue.h"
+
+/* A generated kernel: NHWC x, packed weights, NHWC y, threads, the epilogue fused into
+ * its output store (NULL: none). */
+typedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads,
+                                const ttile_epilogue *ep);
 
 typedef struct {
     const char *cpu;         /* CpuFingerprint.id of the CPU it was measured on */

@@ -11,12 +11,19 @@
 
 #include <stdint.h>
 
+#include "ttile_epilogue.h"
+
+/* One convolution problem. With groups > 1 the input has c * groups channels and the
+ * output k * groups: group g reads input channels [g*c, (g+1)*c) and writes output
+ * channels [g*k, (g+1)*k) (torch's grouping), so c and k are per group. */
 typedef struct {
-    int64_t n, h, w, c;        /* input extents */
-    int64_t k, r, s;           /* weight extents (besides c) */
+    int64_t n, h, w, c;        /* input extents (c per group) */
+    int64_t k, r, s;           /* weight extents besides c (k per group) */
     int64_t ho, wo;            /* output extents */
     int64_t stride_h, stride_w;
     int64_t pad_top, pad_left; /* bottom/right padding is implied by ho, wo */
+    int64_t dil_h, dil_w;      /* dilation (1: none) */
+    int64_t groups;            /* >= 1 */
 } ttile_conv_shape;
 
 /* 1 when the CPU and the OS (XCR0 state) both support AVX-512F, else 0. */
@@ -25,25 +32,38 @@ int ttile_cpu_has_avx512f(void);
 /* Generic kernels: runtime shapes, any stride and padding, correct for every shape.
  * The AVX-512 one packs the weights into a scratch buffer and returns -1, writing
  * nothing, when that allocation fails; 0 on success. */
+/* Every kernel takes the epilogue to fuse into its output store (NULL: none). The
+ * portable one reads RSCK weights (R, S, c, k * groups). */
 void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
-                                 const float *w, float *y, int nthreads);
+                                 const float *w, float *y, int nthreads,
+                                 const ttile_epilogue *ep);
 int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
-                              const float *w, float *y, int nthreads);
+                              const float *w, float *y, int nthreads,
+                              const ttile_epilogue *ep);
 /* The panel width the AVX-512 generic kernel reads for k output channels and output
  * rows of wo pixels: 16 times its register block's vector count (16, 32, 48 or 64). */
 int64_t ttile_generic_panel(int64_t k, int64_t wo);
 /* The same on weights already packed by ttile_pack_weights with that panel width (what
- * a pre-packed ttile.Conv2d holds); -1 when its small scratch allocation fails. Flags:
+ * a pre-packed ttile.Conv2d holds; with groups, one packed tensor per group, one after
+ * the other); -1 when its small scratch allocation fails. Flags:
  * TTILE_NCHW_OUT: y is y[N][K][Ho][Wo] (torch's layout), written from the tile;
  * TTILE_RSCK_WEIGHTS: `packed` is the RSCK weights themselves; each thread packs the
  * panels it needs into a buffer of its own, group by group; TTILE_KCRS_WEIGHTS: the
- * same from KCRS weights (torch's layout). */
+ * same from KCRS weights (torch's layout, groups stacked along K). RSCK weights need
+ * groups == 1 (-1 otherwise). */
 #define TTILE_NCHW_OUT 1
 #define TTILE_RSCK_WEIGHTS 2
 #define TTILE_KCRS_WEIGHTS 4
 int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
-                                     int flags);
+                                     int flags, const ttile_epilogue *ep);
+
+/* Depthwise convolution (groups == input channels, k = 1 output channel per group),
+ * NHWC, weights (R, S, groups): channels in the vector lanes, outputs blocked along w
+ * (depthwise_avx512.c). */
+void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
+                                 const float *w, float *y, int nthreads,
+                                 const ttile_epilogue *ep);
 
 /* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
  * zero-filling the tail. */

@@ -5,38 +5,38 @@
 #include <stddef.h>
 #include "ttile_registry.h"
 
-void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_9799004ffce1__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_269e0dcbf32d__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_51589ff9ef27__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_c9af8106379b__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_e3b2ad77a4c2__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_d5c6b0a87b57__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_7ae1beea4ee8__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_5131a22dc57b__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_7ecee11c5f9f__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_42ee9095b014__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_13eca7854f61__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_9954b8a648e5__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_b262b1b2c1c9__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_2bb7924376a8__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *, const float *, float *, int);
-void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *, const float *, float *, int);
+void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9799004ffce1__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_269e0dcbf32d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_51589ff9ef27__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_c9af8106379b__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_e3b2ad77a4c2__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_d5c6b0a87b57__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_7ae1beea4ee8__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_5131a22dc57b__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_7ecee11c5f9f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_42ee9095b014__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_13eca7854f61__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9954b8a648e5__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_b262b1b2c1c9__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_2bb7924376a8__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 
 const ttile_tuned_kernel ttile_tuned_kernels[138] = {
     /* authenticamd-25-17-b17bf99a */

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n46 = 0;
@@ -61,7 +62,7 @@ void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float
                                     __m512 acc_0_4_0_2 = _mm512_setzero_ps();
                                     __m512 acc_0_4_0_3 = _mm512_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 - 0)) * 136 + (w4 * 1 + s6 - 0)) * 128;
+                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                                         for (int i9 = 0; i9 < 2; i9++) {
                                             const int c8 = c10 + i9 * 64;
                                             for (int i7 = 0; i7 < 64; i7++) {
@@ -120,6 +121,29 @@ void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float
                                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 16, acc_0_4_0_1);
                                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 32, acc_0_4_0_2);
                                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 48, acc_0_4_0_3);
+                                    if (ep != NULL) {
+                                        __asm__ volatile("" ::: "memory");
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    }
                                 }
                             }
                         }
@@ -174,7 +198,7 @@ void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float
                                     __m512 acc_0_5_0_2 = _mm512_setzero_ps();
                                     __m512 acc_0_5_0_3 = _mm512_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 - 0)) * 136 + (w27 * 1 + s29 - 0)) * 128;
+                                        const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
                                         for (int i32 = 0; i32 < 2; i32++) {
                                             const int c31 = c33 + i32 * 64;
                                             for (int i30 = 0; i30 < 64; i30++) {
@@ -242,6 +266,33 @@ void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float
                                     _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 16, acc_0_5_0_1);
                                     _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 32, acc_0_5_0_2);
                                     _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 48, acc_0_5_0_3);
+                                    if (ep != NULL) {
+                                        __asm__ volatile("" ::: "memory");
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 16, k24 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 32, k24 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 48, k24 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 16, k24 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 32, k24 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 48, k24 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 16, k24 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 32, k24 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 48, k24 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 16, k24 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 32, k24 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 48, k24 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 16, k24 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 32, k24 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 48, k24 + 48, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 16, k24 + 16, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 32, k24 + 32, (__mmask16)0xFFFF);
+                                        ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 5)) * 136 + (w27 + 0)) * 64 + k24 + 48, k24 + 48, (__mmask16)0xFFFF);
+                                    }
                                 }
                             }
                         }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n22 = 0;
@@ -55,7 +56,7 @@ void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                     __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 - 0)) * 56 + (w4 * 2 + s6 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                         for (int i7 = 0; i7 < 64; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -102,6 +103,25 @@ void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 16, acc_0_0_3_1);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 32, acc_0_0_3_2);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 48, acc_0_0_3_3);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }
@@ -137,7 +157,7 @@ void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                     __m512 acc_0_0_4_3 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n11 * 56 + (h14 * 2 + r16 - 0)) * 56 + (w15 * 2 + s17 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)n11 * 56 + (h14 * 2 + r16 * 1 - 0)) * 56 + (w15 * 2 + s17 * 1 - 0)) * 64;
                         for (int i18 = 0; i18 < 64; i18++) {
                             const int c13 = c19 + i18 * 1;
                             {
@@ -193,6 +213,29 @@ void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 16, acc_0_0_4_1);
                     _mm512_storeu_ps(y + (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 32, acc_0_0_4_2);
                     _mm512_storeu_ps(y + (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 48, acc_0_0_4_3);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 0)) * 128 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 0)) * 128 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 0)) * 128 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 0)) * 128 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 1)) * 128 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 1)) * 128 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 1)) * 128 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 1)) * 128 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 2)) * 128 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 2)) * 128 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 2)) * 128 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 2)) * 128 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 3)) * 128 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 3)) * 128 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 3)) * 128 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 3)) * 128 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 28 + (h14 + 0)) * 28 + (w15 + 4)) * 128 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     memset(y, 0, sizeof(float) * (size_t)591872);
@@ -66,7 +67,7 @@ void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float
                                         __m512 acc_0_4_0_2 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 32);
                                         __m512 acc_0_4_0_3 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 48);
                                         {
-                                            const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 - 0)) * 68 + (w4 * 1 + s6 - 0)) * 256;
+                                            const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                                             for (int i7 = 0; i7 < 128; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
@@ -122,6 +123,29 @@ void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float
                                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_4_0_1);
                                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 32, acc_0_4_0_2);
                                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 48, acc_0_4_0_3);
+                                        if (ep != NULL && c8 + 128 == 256) {
+                                            __asm__ volatile("" ::: "memory");
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                        }
                                     }
                                 }
                             }
@@ -176,7 +200,7 @@ void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float
                                         __m512 acc_0_5_0_2 = _mm512_loadu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 32);
                                         __m512 acc_0_5_0_3 = _mm512_loadu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 48);
                                         {
-                                            const float *restrict xb = x + (((int64_t)n21 * 68 + (h24 * 1 + r26 - 0)) * 68 + (w25 * 1 + s27 - 0)) * 256;
+                                            const float *restrict xb = x + (((int64_t)n21 * 68 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0)) * 256;
                                             for (int i28 = 0; i28 < 128; i28++) {
                                                 const int c23 = c29 + i28 * 1;
                                                 {
@@ -241,6 +265,33 @@ void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float
                                         _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 16, acc_0_5_0_1);
                                         _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 32, acc_0_5_0_2);
                                         _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 48, acc_0_5_0_3);
+                                        if (ep != NULL && c29 + 128 == 256) {
+                                            __asm__ volatile("" ::: "memory");
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 0)) * 68 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 0)) * 68 + (w25 + 0)) * 128 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 0)) * 68 + (w25 + 0)) * 128 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 0)) * 68 + (w25 + 0)) * 128 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 1)) * 68 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 1)) * 68 + (w25 + 0)) * 128 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 1)) * 68 + (w25 + 0)) * 128 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 1)) * 68 + (w25 + 0)) * 128 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 2)) * 68 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 2)) * 68 + (w25 + 0)) * 128 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 2)) * 68 + (w25 + 0)) * 128 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 2)) * 68 + (w25 + 0)) * 128 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 3)) * 68 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 3)) * 68 + (w25 + 0)) * 128 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 3)) * 68 + (w25 + 0)) * 128 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 3)) * 68 + (w25 + 0)) * 128 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 4)) * 68 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 4)) * 68 + (w25 + 0)) * 128 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 4)) * 68 + (w25 + 0)) * 128 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 4)) * 68 + (w25 + 0)) * 128 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                            ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                        }
                                     }
                                 }
                             }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n42 = 0;
@@ -59,7 +60,7 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
                                 __m512 acc_0_4_0_2 = _mm512_setzero_ps();
                                 __m512 acc_0_4_0_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 - 0)) * 56 + (w4 * 1 + s6 - 0)) * 64;
+                                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 64;
                                     for (int i9 = 0; i9 < 4; i9++) {
                                         const int c8 = c10 + i9 * 16;
                                         for (int i7 = 0; i7 < 16; i7++) {
@@ -118,6 +119,29 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
                                 _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 16, acc_0_4_0_1);
                                 _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 32, acc_0_4_0_2);
                                 _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 48, acc_0_4_0_3);
+                                if (ep != NULL) {
+                                    __asm__ volatile("" ::: "memory");
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 0)) * 56 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 0)) * 56 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 0)) * 56 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 0)) * 56 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 1)) * 56 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 1)) * 56 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 1)) * 56 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 1)) * 56 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 2)) * 56 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 2)) * 56 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 2)) * 56 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 2)) * 56 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 3)) * 56 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 3)) * 56 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 3)) * 56 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 3)) * 56 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 56 + (h3 + 4)) * 56 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                }
                             }
                         }
                     }
@@ -169,7 +193,7 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
                                 __m512 acc_0_5_0_2 = _mm512_setzero_ps();
                                 __m512 acc_0_5_0_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n21 * 56 + (h24 * 1 + r26 - 0)) * 56 + (w25 * 1 + s27 - 0)) * 64;
+                                    const float *restrict xb = x + (((int64_t)n21 * 56 + (h24 * 1 + r26 * 1 - 0)) * 56 + (w25 * 1 + s27 * 1 - 0)) * 64;
                                     for (int i30 = 0; i30 < 4; i30++) {
                                         const int c29 = c31 + i30 * 16;
                                         for (int i28 = 0; i28 < 16; i28++) {
@@ -237,6 +261,33 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
                                 _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 16, acc_0_5_0_1);
                                 _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 32, acc_0_5_0_2);
                                 _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 48, acc_0_5_0_3);
+                                if (ep != NULL) {
+                                    __asm__ volatile("" ::: "memory");
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 0)) * 56 + (w25 + 0)) * 64 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 0)) * 56 + (w25 + 0)) * 64 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 0)) * 56 + (w25 + 0)) * 64 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 0)) * 56 + (w25 + 0)) * 64 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 1)) * 56 + (w25 + 0)) * 64 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 1)) * 56 + (w25 + 0)) * 64 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 1)) * 56 + (w25 + 0)) * 64 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 1)) * 56 + (w25 + 0)) * 64 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 2)) * 56 + (w25 + 0)) * 64 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 2)) * 56 + (w25 + 0)) * 64 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 2)) * 56 + (w25 + 0)) * 64 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 2)) * 56 + (w25 + 0)) * 64 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 3)) * 56 + (w25 + 0)) * 64 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 3)) * 56 + (w25 + 0)) * 64 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 3)) * 56 + (w25 + 0)) * 64 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 3)) * 56 + (w25 + 0)) * 64 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 4)) * 56 + (w25 + 0)) * 64 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 4)) * 56 + (w25 + 0)) * 64 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 4)) * 56 + (w25 + 0)) * 64 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 4)) * 56 + (w25 + 0)) * 64 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 16, k22 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 32, k22 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 56 + (h24 + 5)) * 56 + (w25 + 0)) * 64 + k22 + 48, k22 + 48, (__mmask16)0xFFFF);
+                                }
                             }
                         }
                     }

@@ -8,10 +8,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
 static const float zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f[512] __attribute__((aligned(64)));
 
-void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n0 = 0;
@@ -46,8 +47,8 @@ void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float
                         const int r5 = r12 + i11 * 1;
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int s6 = s10 + i9 * 1;
-                            if (h3 * 2 + r5 - 1 >= 0 && h3 * 2 + r5 - 1 + 0 < 14 && w4 * 2 + s6 - 1 >= 0 && w4 * 2 + s6 - 1 + 12 < 14) {
-                                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 - 1)) * 14 + (w4 * 2 + s6 - 1)) * 512;
+                            if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 0 < 14 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 12 < 14) {
+                                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 * 1 - 1)) * 14 + (w4 * 2 + s6 * 1 - 1)) * 512;
                                 for (int i7 = 0; i7 < 512; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -77,13 +78,13 @@ void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float
                                     }
                                 }
                             } else {
-                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 0) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 0) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
-                                const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 1) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 1) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
-                                const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 2) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 2) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
-                                const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 3) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 3) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
-                                const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 4) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 4) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
-                                const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 5) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 5) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
-                                const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 2 + r5 + 0 - 1) < 14u && (unsigned)((w4 + 6) * 2 + s6 + 0 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + r5 + 0 - 1)) * 14 + ((w4 + 6) * 2 + s6 + 0 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 1) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 2) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 3) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 4) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 4) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 5) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 5) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
+                                const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 6) * 2 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 6) * 2 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f;
                                 for (int i7 = 0; i7 < 512; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -129,6 +130,23 @@ void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, acc_0_0_5_1);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, acc_0_0_6_0);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, acc_0_0_6_1);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }

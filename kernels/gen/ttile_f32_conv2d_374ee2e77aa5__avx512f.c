@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n0 = 0;
@@ -45,7 +46,7 @@ void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *restrict x, const float
             __m512 acc_0_3_0_2 = _mm512_setzero_ps();
             __m512 acc_0_3_0_3 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 - 0)) * 68 + (w4 * 1 + s6 - 0)) * 256;
+                const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                 for (int i7 = 0; i7 < 256; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {
@@ -92,6 +93,25 @@ void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *restrict x, const float
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_3_0_1);
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 32, acc_0_3_0_2);
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 48, acc_0_3_0_3);
+            if (ep != NULL) {
+                __asm__ volatile("" ::: "memory");
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+            }
         }
     }
 }

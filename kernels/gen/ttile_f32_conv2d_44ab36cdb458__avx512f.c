@@ -8,10 +8,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
 static const float zeros_ttile_f32_conv2d_44ab36cdb458__avx512f[3] __attribute__((aligned(64)));
 
-void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n34 = 0;
@@ -50,8 +51,8 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                             const int r5 = r12 + i11 * 1;
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
-                                if (h3 * 1 + r5 - 1 >= 0 && h3 * 1 + r5 - 1 + 0 < 544 && w4 * 1 + s6 - 1 >= 0 && w4 * 1 + s6 - 1 + 3 < 544) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 544 + (h3 * 1 + r5 - 1)) * 544 + (w4 * 1 + s6 - 1)) * 3;
+                                if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 544 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 3 < 544) {
+                                    const float *restrict xb = x + (((int64_t)n0 * 544 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1)) * 3;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -72,10 +73,10 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 544u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 544 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 544u && (unsigned)((w4 + 1) * 1 + s6 + 0 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 544 + ((w4 + 1) * 1 + s6 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 544u && (unsigned)((w4 + 2) * 1 + s6 + 0 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 544 + ((w4 + 2) * 1 + s6 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 544u && (unsigned)((w4 + 3) * 1 + s6 + 0 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 544 + ((w4 + 3) * 1 + s6 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -106,6 +107,17 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 2)) * 32 + k1 + 16, acc_0_0_2_1);
                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 3)) * 32 + k1 + 0, acc_0_0_3_0);
                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 3)) * 32 + k1 + 16, acc_0_0_3_1);
+                        if (ep != NULL) {
+                            __asm__ volatile("" ::: "memory");
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 0)) * 32 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 0)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 1)) * 32 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 1)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 2)) * 32 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 2)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 3)) * 32 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 544 + (h3 + 0)) * 544 + (w4 + 3)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        }
                     }
                 }
             }
@@ -141,8 +153,8 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                             const int r22 = r29 + i28 * 1;
                             for (int i26 = 0; i26 < 3; i26++) {
                                 const int s23 = s27 + i26 * 1;
-                                if (h20 * 1 + r22 - 1 >= 0 && h20 * 1 + r22 - 1 + 0 < 544 && w21 * 1 + s23 - 1 >= 0 && w21 * 1 + s23 - 1 + 6 < 544) {
-                                    const float *restrict xb = x + (((int64_t)n17 * 544 + (h20 * 1 + r22 - 1)) * 544 + (w21 * 1 + s23 - 1)) * 3;
+                                if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 0 < 544 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 6 < 544) {
+                                    const float *restrict xb = x + (((int64_t)n17 * 544 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1)) * 3;
                                     for (int i24 = 0; i24 < 3; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
@@ -172,13 +184,13 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 0) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 0) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 1) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 1) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 2) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 2) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 3) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 3) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 4) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 4) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 5) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 5) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + r22 + 0 - 1) < 544u && (unsigned)((w21 + 6) * 1 + s23 + 0 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + r22 + 0 - 1)) * 544 + ((w21 + 6) * 1 + s23 + 0 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 1) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 2) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 3) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 4) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 5) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 6) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
                                     for (int i24 = 0; i24 < 3; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
@@ -224,6 +236,23 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                         _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 5)) * 32 + k18 + 16, acc_0_0_5_1);
                         _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 6)) * 32 + k18 + 0, acc_0_0_6_0);
                         _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 6)) * 32 + k18 + 16, acc_0_0_6_1);
+                        if (ep != NULL) {
+                            __asm__ volatile("" ::: "memory");
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 0)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 0)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 1)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 1)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 2)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 2)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 3)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 3)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 4)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 4)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 5)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 5)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 6)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 544 + (h20 + 0)) * 544 + (w21 + 6)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                        }
                     }
                 }
             }

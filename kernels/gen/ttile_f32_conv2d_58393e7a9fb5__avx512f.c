@@ -8,10 +8,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
 static const float zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f[32] __attribute__((aligned(64)));
 
-void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n38 = 0;
@@ -47,8 +48,8 @@ void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float
                             const int r5 = r12 + i11 * 1;
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
-                                if (h3 * 1 + r5 - 1 >= 0 && h3 * 1 + r5 - 1 + 6 < 272 && w4 * 1 + s6 - 1 >= 0 && w4 * 1 + s6 - 1 + 0 < 272) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 272 + (h3 * 1 + r5 - 1)) * 272 + (w4 * 1 + s6 - 1)) * 32;
+                                if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 272 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 272) {
+                                    const float *restrict xb = x + (((int64_t)n0 * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
                                     for (int i7 = 0; i7 < 32; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -70,13 +71,13 @@ void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 1) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 2) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 3) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 4) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 5) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_6_0_0_0 = ((unsigned)((h3 + 6) * 1 + r5 + 0 - 1) < 272u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 6) * 1 + r5 + 0 - 1)) * 272 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 5) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_6_0_0_0 = ((unsigned)((h3 + 6) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 6) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
                                     for (int i7 = 0; i7 < 32; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -107,6 +108,16 @@ void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float
                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 272 + (h3 + 4)) * 272 + (w4 + 0)) * 64 + k1 + 0, acc_0_4_0_0);
                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 272 + (h3 + 5)) * 272 + (w4 + 0)) * 64 + k1 + 0, acc_0_5_0_0);
                         _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 272 + (h3 + 6)) * 272 + (w4 + 0)) * 64 + k1 + 0, acc_0_6_0_0);
+                        if (ep != NULL) {
+                            __asm__ volatile("" ::: "memory");
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 0)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 1)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 2)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 3)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 4)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 5)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 272 + (h3 + 6)) * 272 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        }
                     }
                 }
             }
@@ -139,8 +150,8 @@ void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float
                             const int r24 = r31 + i30 * 1;
                             for (int i28 = 0; i28 < 3; i28++) {
                                 const int s25 = s29 + i28 * 1;
-                                if (h22 * 1 + r24 - 1 >= 0 && h22 * 1 + r24 - 1 + 7 < 272 && w23 * 1 + s25 - 1 >= 0 && w23 * 1 + s25 - 1 + 0 < 272) {
-                                    const float *restrict xb = x + (((int64_t)n19 * 272 + (h22 * 1 + r24 - 1)) * 272 + (w23 * 1 + s25 - 1)) * 32;
+                                if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 7 < 272 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 272) {
+                                    const float *restrict xb = x + (((int64_t)n19 * 272 + (h22 * 1 + r24 * 1 - 1)) * 272 + (w23 * 1 + s25 * 1 - 1)) * 32;
                                     for (int i26 = 0; i26 < 32; i26++) {
                                         const int c21 = c27 + i26 * 1;
                                         {
@@ -164,14 +175,14 @@ void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 0) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 1) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 2) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 3) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 4) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 5) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_6_0_0_0 = ((unsigned)((h22 + 6) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 6) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
-                                    const float *restrict xp_0_7_0_0_0 = ((unsigned)((h22 + 7) * 1 + r24 + 0 - 1) < 272u && (unsigned)((w23 + 0) * 1 + s25 + 0 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 7) * 1 + r24 + 0 - 1)) * 272 + ((w23 + 0) * 1 + s25 + 0 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 0) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 1) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 2) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 3) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 4) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 5) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_6_0_0_0 = ((unsigned)((h22 + 6) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 6) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
+                                    const float *restrict xp_0_7_0_0_0 = ((unsigned)((h22 + 7) * 1 + (r24 + 0) * 1 - 1) < 272u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n19 + 0) * 272 + ((h22 + 7) * 1 + (r24 + 0) * 1 - 1)) * 272 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_58393e7a9fb5__avx512f;
                                     for (int i26 = 0; i26 < 32; i26++) {
                                         const int c21 = c27 + i26 * 1;
                                         {
@@ -205,6 +216,17 @@ void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *restrict x, const float
                         _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 272 + (h22 + 5)) * 272 + (w23 + 0)) * 64 + k20 + 0, acc_0_5_0_0);
                         _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 272 + (h22 + 6)) * 272 + (w23 + 0)) * 64 + k20 + 0, acc_0_6_0_0);
                         _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 272 + (h22 + 7)) * 272 + (w23 + 0)) * 64 + k20 + 0, acc_0_7_0_0);
+                        if (ep != NULL) {
+                            __asm__ volatile("" ::: "memory");
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 0)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 1)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 2)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 3)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 4)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 5)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 6)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                            ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 272 + (h22 + 7)) * 272 + (w23 + 0)) * 64 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
+                        }
                     }
                 }
             }

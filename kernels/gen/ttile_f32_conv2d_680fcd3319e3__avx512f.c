@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n0 = 0;
@@ -38,7 +39,7 @@ void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *restrict x, const float
             __m512 acc_0_5_0_0 = _mm512_setzero_ps();
             __m512 acc_0_6_0_0 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 - 0)) * 14 + (w4 * 2 + s6 - 0)) * 256;
+                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 * 1 - 0)) * 14 + (w4 * 2 + s6 * 1 - 0)) * 256;
                 for (int i9 = 0; i9 < 4; i9++) {
                     const int c8 = c10 + i9 * 64;
                     for (int i7 = 0; i7 < 64; i7++) {
@@ -70,6 +71,16 @@ void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *restrict x, const float
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 4)) * 7 + (w4 + 0)) * 512 + k1 + 0, acc_0_4_0_0);
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 5)) * 7 + (w4 + 0)) * 512 + k1 + 0, acc_0_5_0_0);
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 6)) * 7 + (w4 + 0)) * 512 + k1 + 0, acc_0_6_0_0);
+            if (ep != NULL) {
+                __asm__ volatile("" ::: "memory");
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 1)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 2)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 3)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 4)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 5)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 6)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+            }
         }
     }
 }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n0 = 0;
@@ -43,7 +44,7 @@ void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *restrict x, const float
             __m512 acc_0_0_6_0 = _mm512_setzero_ps();
             __m512 acc_0_0_6_1 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 - 0)) * 14 + (w4 * 2 + s6 - 0)) * 256;
+                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 * 1 - 0)) * 14 + (w4 * 2 + s6 * 1 - 0)) * 256;
                 for (int i13 = 0; i13 < 2; i13++) {
                     const int c12 = c14 + i13 * 128;
                     for (int i11 = 0; i11 < 2; i11++) {
@@ -96,6 +97,23 @@ void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *restrict x, const float
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, acc_0_0_5_1);
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, acc_0_0_6_0);
             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, acc_0_0_6_1);
+            if (ep != NULL) {
+                __asm__ volatile("" ::: "memory");
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+            }
         }
     }
 }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n22 = 0;
@@ -49,7 +50,7 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                     __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 - 0)) * 136 + (w4 * 1 + s6 - 0)) * 128;
+                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                         for (int i7 = 0; i7 < 128; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -96,6 +97,25 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 16, acc_0_0_3_1);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 32, acc_0_0_3_2);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 48, acc_0_0_3_3);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 1)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 1)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 1)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 1)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 2)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 2)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 2)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 2)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 3)) * 64 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }
@@ -135,7 +155,7 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_5_2 = _mm512_setzero_ps();
                     __m512 acc_0_0_5_3 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n11 * 136 + (h14 * 1 + r16 - 0)) * 136 + (w15 * 1 + s17 - 0)) * 128;
+                        const float *restrict xb = x + (((int64_t)n11 * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
                         for (int i18 = 0; i18 < 128; i18++) {
                             const int c13 = c19 + i18 * 1;
                             {
@@ -200,6 +220,33 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 16, acc_0_0_5_1);
                     _mm512_storeu_ps(y + (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 32, acc_0_0_5_2);
                     _mm512_storeu_ps(y + (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 48, acc_0_0_5_3);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 0)) * 64 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 0)) * 64 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 0)) * 64 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 0)) * 64 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 1)) * 64 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 1)) * 64 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 1)) * 64 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 1)) * 64 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 2)) * 64 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 2)) * 64 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 2)) * 64 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 2)) * 64 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 3)) * 64 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 3)) * 64 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 3)) * 64 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 3)) * 64 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 4)) * 64 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 4)) * 64 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 4)) * 64 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 4)) * 64 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 0, k12 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 16, k12 + 16, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 32, k12 + 32, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 136 + (h14 + 0)) * 136 + (w15 + 5)) * 64 + k12 + 48, k12 + 48, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }

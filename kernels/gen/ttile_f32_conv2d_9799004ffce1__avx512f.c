@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n30 = 0;
@@ -32,7 +33,7 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
             for (int i11 = 0; i11 < 68; i11++) {
                 const int w4 = w12 + i11 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 - 0)) * 68 + (w4 * 1 + s6 - 0)) * 256;
+                    const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                     for (int i9 = 0; i9 < 4; i9++) {
                         const int k1 = k10 + i9 * 32;
                         {
@@ -78,6 +79,19 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_3_0_1);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_4_0_1);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }
@@ -97,7 +111,7 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
             for (int i26 = 0; i26 < 68; i26++) {
                 const int w19 = w27 + i26 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n15 * 68 + (h18 * 1 + r20 - 0)) * 68 + (w19 * 1 + s21 - 0)) * 256;
+                    const float *restrict xb = x + (((int64_t)n15 * 68 + (h18 * 1 + r20 * 1 - 0)) * 68 + (w19 * 1 + s21 * 1 - 0)) * 256;
                     for (int i24 = 0; i24 < 4; i24++) {
                         const int k16 = k25 + i24 * 32;
                         {
@@ -150,6 +164,21 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_4_0_1);
                             _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
                             _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_5_0_1);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }

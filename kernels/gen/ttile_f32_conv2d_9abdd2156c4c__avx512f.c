@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n34 = 0;
@@ -34,7 +35,7 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
                 for (int i11 = 0; i11 < 14; i11++) {
                     const int w4 = w12 + i11 * 1;
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 - 0)) * 56 + (w4 * 2 + s6 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                         for (int i9 = 0; i9 < 2; i9++) {
                             const int k1 = k10 + i9 * 64;
                             {
@@ -112,6 +113,29 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
                                 _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 16, acc_0_4_0_1);
                                 _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 32, acc_0_4_0_2);
                                 _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 48, acc_0_4_0_3);
+                                if (ep != NULL) {
+                                    __asm__ volatile("" ::: "memory");
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                }
                             }
                         }
                     }
@@ -134,7 +158,7 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
                 for (int i28 = 0; i28 < 14; i28++) {
                     const int w21 = w29 + i28 * 1;
                     {
-                        const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 - 0)) * 56 + (w21 * 2 + s23 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 0)) * 56 + (w21 * 2 + s23 * 1 - 0)) * 64;
                         for (int i26 = 0; i26 < 2; i26++) {
                             const int k18 = k27 + i26 * 64;
                             {
@@ -225,6 +249,33 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
                                 _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 16, acc_0_5_0_1);
                                 _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 32, acc_0_5_0_2);
                                 _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 48, acc_0_5_0_3);
+                                if (ep != NULL) {
+                                    __asm__ volatile("" ::: "memory");
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 0)) * 28 + (w21 + 0)) * 128 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 0)) * 28 + (w21 + 0)) * 128 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 0)) * 28 + (w21 + 0)) * 128 + k18 + 32, k18 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 0)) * 28 + (w21 + 0)) * 128 + k18 + 48, k18 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 1)) * 28 + (w21 + 0)) * 128 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 1)) * 28 + (w21 + 0)) * 128 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 1)) * 28 + (w21 + 0)) * 128 + k18 + 32, k18 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 1)) * 28 + (w21 + 0)) * 128 + k18 + 48, k18 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 2)) * 28 + (w21 + 0)) * 128 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 2)) * 28 + (w21 + 0)) * 128 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 2)) * 28 + (w21 + 0)) * 128 + k18 + 32, k18 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 2)) * 28 + (w21 + 0)) * 128 + k18 + 48, k18 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 3)) * 28 + (w21 + 0)) * 128 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 3)) * 28 + (w21 + 0)) * 128 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 3)) * 28 + (w21 + 0)) * 128 + k18 + 32, k18 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 3)) * 28 + (w21 + 0)) * 128 + k18 + 48, k18 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 4)) * 28 + (w21 + 0)) * 128 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 4)) * 28 + (w21 + 0)) * 128 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 4)) * 28 + (w21 + 0)) * 128 + k18 + 32, k18 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 4)) * 28 + (w21 + 0)) * 128 + k18 + 48, k18 + 48, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 32, k18 + 32, (__mmask16)0xFFFF);
+                                    ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 28 + (h20 + 5)) * 28 + (w21 + 0)) * 128 + k18 + 48, k18 + 48, (__mmask16)0xFFFF);
+                                }
                             }
                         }
                     }

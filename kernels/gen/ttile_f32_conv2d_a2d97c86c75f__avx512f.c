@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     memset(y, 0, sizeof(float) * (size_t)295936);
@@ -64,7 +65,7 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
                             __m512 acc_0_4_0_2 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 32);
                             __m512 acc_0_4_0_3 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 48);
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 - 0)) * 34 + (w4 * 1 + s6 - 0)) * 512;
+                                const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
                                 for (int i7 = 0; i7 < 128; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -120,6 +121,29 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 16, acc_0_4_0_1);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 32, acc_0_4_0_2);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 48, acc_0_4_0_3);
+                            if (ep != NULL && c8 + 128 == 512) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 0)) * 34 + (w4 + 0)) * 256 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 0)) * 34 + (w4 + 0)) * 256 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 0)) * 34 + (w4 + 0)) * 256 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 0)) * 34 + (w4 + 0)) * 256 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 1)) * 34 + (w4 + 0)) * 256 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 1)) * 34 + (w4 + 0)) * 256 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 1)) * 34 + (w4 + 0)) * 256 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 1)) * 34 + (w4 + 0)) * 256 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 2)) * 34 + (w4 + 0)) * 256 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 2)) * 34 + (w4 + 0)) * 256 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 2)) * 34 + (w4 + 0)) * 256 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 2)) * 34 + (w4 + 0)) * 256 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 3)) * 34 + (w4 + 0)) * 256 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 3)) * 34 + (w4 + 0)) * 256 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 3)) * 34 + (w4 + 0)) * 256 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 3)) * 34 + (w4 + 0)) * 256 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }
@@ -162,7 +186,7 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
                             __m512 acc_0_5_0_2 = _mm512_loadu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 32);
                             __m512 acc_0_5_0_3 = _mm512_loadu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 48);
                             {
-                                const float *restrict xb = x + (((int64_t)n13 * 34 + (h16 * 1 + r18 - 0)) * 34 + (w17 * 1 + s19 - 0)) * 512;
+                                const float *restrict xb = x + (((int64_t)n13 * 34 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0)) * 512;
                                 for (int i20 = 0; i20 < 128; i20++) {
                                     const int c15 = c21 + i20 * 1;
                                     {
@@ -227,6 +251,33 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 16, acc_0_5_0_1);
                             _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 32, acc_0_5_0_2);
                             _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 48, acc_0_5_0_3);
+                            if (ep != NULL && c21 + 128 == 512) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 0)) * 34 + (w17 + 0)) * 256 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 0)) * 34 + (w17 + 0)) * 256 + k14 + 16, k14 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 0)) * 34 + (w17 + 0)) * 256 + k14 + 32, k14 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 0)) * 34 + (w17 + 0)) * 256 + k14 + 48, k14 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 1)) * 34 + (w17 + 0)) * 256 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 1)) * 34 + (w17 + 0)) * 256 + k14 + 16, k14 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 1)) * 34 + (w17 + 0)) * 256 + k14 + 32, k14 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 1)) * 34 + (w17 + 0)) * 256 + k14 + 48, k14 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 2)) * 34 + (w17 + 0)) * 256 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 2)) * 34 + (w17 + 0)) * 256 + k14 + 16, k14 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 2)) * 34 + (w17 + 0)) * 256 + k14 + 32, k14 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 2)) * 34 + (w17 + 0)) * 256 + k14 + 48, k14 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 3)) * 34 + (w17 + 0)) * 256 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 3)) * 34 + (w17 + 0)) * 256 + k14 + 16, k14 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 3)) * 34 + (w17 + 0)) * 256 + k14 + 32, k14 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 3)) * 34 + (w17 + 0)) * 256 + k14 + 48, k14 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 4)) * 34 + (w17 + 0)) * 256 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 4)) * 34 + (w17 + 0)) * 256 + k14 + 16, k14 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 4)) * 34 + (w17 + 0)) * 256 + k14 + 32, k14 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 4)) * 34 + (w17 + 0)) * 256 + k14 + 48, k14 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 16, k14 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 32, k14 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 48, k14 + 48, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }

@@ -8,10 +8,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
 static const float zeros_ttile_f32_conv2d_c5a191140f1a__avx512f[64] __attribute__((aligned(64)));
 
-void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n42 = 0;
@@ -55,8 +56,8 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                 const int r5 = r12 + i11 * 1;
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
-                                    if (h3 * 1 + r5 - 1 >= 0 && h3 * 1 + r5 - 1 + 12 < 136 && w4 * 1 + s6 - 1 >= 0 && w4 * 1 + s6 - 1 + 0 < 136) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 - 1)) * 136 + (w4 * 1 + s6 - 1)) * 64;
+                                    if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 12 < 136 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 136) {
+                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -90,19 +91,19 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                             }
                                         }
                                     } else {
-                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 5) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_6_0_0_0 = ((unsigned)((h3 + 6) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 6) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_7_0_0_0 = ((unsigned)((h3 + 7) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 7) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_8_0_0_0 = ((unsigned)((h3 + 8) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 8) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_9_0_0_0 = ((unsigned)((h3 + 9) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 9) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_10_0_0_0 = ((unsigned)((h3 + 10) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 10) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_11_0_0_0 = ((unsigned)((h3 + 11) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 11) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_12_0_0_0 = ((unsigned)((h3 + 12) * 1 + r5 + 0 - 1) < 136u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 12) * 1 + r5 + 0 - 1)) * 136 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 5) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_6_0_0_0 = ((unsigned)((h3 + 6) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 6) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_7_0_0_0 = ((unsigned)((h3 + 7) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 7) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_8_0_0_0 = ((unsigned)((h3 + 8) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 8) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_9_0_0_0 = ((unsigned)((h3 + 9) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 9) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_10_0_0_0 = ((unsigned)((h3 + 10) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 10) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_11_0_0_0 = ((unsigned)((h3 + 11) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 11) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_12_0_0_0 = ((unsigned)((h3 + 12) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 12) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -151,6 +152,22 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_10_0_0);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_11_0_0);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_12_0_0);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }
@@ -192,8 +209,8 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                 const int r26 = r33 + i32 * 1;
                                 for (int i30 = 0; i30 < 3; i30++) {
                                     const int s27 = s31 + i30 * 1;
-                                    if (h24 * 1 + r26 - 1 >= 0 && h24 * 1 + r26 - 1 + 13 < 136 && w25 * 1 + s27 - 1 >= 0 && w25 * 1 + s27 - 1 + 0 < 136) {
-                                        const float *restrict xb = x + (((int64_t)n21 * 136 + (h24 * 1 + r26 - 1)) * 136 + (w25 * 1 + s27 - 1)) * 64;
+                                    if (h24 * 1 + r26 * 1 - 1 >= 0 && h24 * 1 + r26 * 1 - 1 + 13 < 136 && w25 * 1 + s27 * 1 - 1 >= 0 && w25 * 1 + s27 * 1 - 1 + 0 < 136) {
+                                        const float *restrict xb = x + (((int64_t)n21 * 136 + (h24 * 1 + r26 * 1 - 1)) * 136 + (w25 * 1 + s27 * 1 - 1)) * 64;
                                         for (int i28 = 0; i28 < 64; i28++) {
                                             const int c23 = c29 + i28 * 1;
                                             {
@@ -229,20 +246,20 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                             }
                                         }
                                     } else {
-                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h24 + 0) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 0) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h24 + 1) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 1) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h24 + 2) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 2) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h24 + 3) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 3) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h24 + 4) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 4) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 5) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_6_0_0_0 = ((unsigned)((h24 + 6) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 6) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_7_0_0_0 = ((unsigned)((h24 + 7) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 7) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_8_0_0_0 = ((unsigned)((h24 + 8) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 8) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_9_0_0_0 = ((unsigned)((h24 + 9) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 9) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_10_0_0_0 = ((unsigned)((h24 + 10) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 10) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_11_0_0_0 = ((unsigned)((h24 + 11) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 11) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_12_0_0_0 = ((unsigned)((h24 + 12) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 12) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
-                                        const float *restrict xp_0_13_0_0_0 = ((unsigned)((h24 + 13) * 1 + r26 + 0 - 1) < 136u && (unsigned)((w25 + 0) * 1 + s27 + 0 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 13) * 1 + r26 + 0 - 1)) * 136 + ((w25 + 0) * 1 + s27 + 0 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h24 + 0) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 0) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h24 + 1) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 1) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h24 + 2) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 2) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h24 + 3) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 3) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h24 + 4) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 4) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 5) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_6_0_0_0 = ((unsigned)((h24 + 6) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 6) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_7_0_0_0 = ((unsigned)((h24 + 7) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 7) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_8_0_0_0 = ((unsigned)((h24 + 8) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 8) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_9_0_0_0 = ((unsigned)((h24 + 9) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 9) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_10_0_0_0 = ((unsigned)((h24 + 10) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 10) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_11_0_0_0 = ((unsigned)((h24 + 11) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 11) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_12_0_0_0 = ((unsigned)((h24 + 12) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 12) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
+                                        const float *restrict xp_0_13_0_0_0 = ((unsigned)((h24 + 13) * 1 + (r26 + 0) * 1 - 1) < 136u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n21 + 0) * 136 + ((h24 + 13) * 1 + (r26 + 0) * 1 - 1)) * 136 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_c5a191140f1a__avx512f;
                                         for (int i28 = 0; i28 < 64; i28++) {
                                             const int c23 = c29 + i28 * 1;
                                             {
@@ -294,6 +311,23 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_11_0_0);
                             _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_12_0_0);
                             _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_13_0_0);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n46 = 0;
@@ -40,7 +41,7 @@ void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float
                             for (int i11 = 0; i11 < 34; i11++) {
                                 const int w4 = w12 + i11 * 1;
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 - 0)) * 136 + (w4 * 1 + s6 - 0)) * 128;
+                                    const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                                     for (int i9 = 0; i9 < 2; i9++) {
                                         const int k1 = k10 + i9 * 16;
                                         {
@@ -66,6 +67,13 @@ void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float
                                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_1_0_0);
                                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_2_0_0);
                                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_3_0_0);
+                                            if (ep != NULL) {
+                                                __asm__ volatile("" ::: "memory");
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                            }
                                         }
                                     }
                                 }
@@ -97,7 +105,7 @@ void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float
                             for (int i34 = 0; i34 < 34; i34++) {
                                 const int w27 = w35 + i34 * 1;
                                 {
-                                    const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 - 0)) * 136 + (w27 * 1 + s29 - 0)) * 128;
+                                    const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
                                     for (int i32 = 0; i32 < 2; i32++) {
                                         const int k24 = k33 + i32 * 16;
                                         {
@@ -127,6 +135,14 @@ void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float
                                             _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_2_0_0);
                                             _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_3_0_0);
                                             _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_4_0_0);
+                                            if (ep != NULL) {
+                                                __asm__ volatile("" ::: "memory");
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                                ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                            }
                                         }
                                     }
                                 }

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
 #ifndef TTILE_TAIL_MASK_DEFINED
 #define TTILE_TAIL_MASK_DEFINED
@@ -18,7 +19,7 @@ static inline __mmask16 ttile_tail_mask(int remaining)
 }
 #endif
 
-void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n22 = 0;
@@ -73,7 +74,7 @@ void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float
                             __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_7_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 17 + (h3 * 1 + r5 - 0)) * 17 + (w4 * 1 + s6 - 0)) * 1024;
+                                const float *restrict xb = x + (((int64_t)n0 * 17 + (h3 * 1 + r5 * 1 - 0)) * 17 + (w4 * 1 + s6 * 1 - 0)) * 1024;
                                 for (int i7 = 0; i7 < 1024; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -139,6 +140,33 @@ void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float
                             _mm512_mask_storeu_ps(y + (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 7)) * 28269 + k1 + 0, m0, acc_0_0_7_0);
                             _mm512_mask_storeu_ps(y + (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 7)) * 28269 + k1 + 16, m1, acc_0_0_7_1);
                             _mm512_mask_storeu_ps(y + (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 7)) * 28269 + k1 + 32, m2, acc_0_0_7_2);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 0)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 0)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 0)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 1)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 1)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 1)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 2)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 2)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 2)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 3)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 3)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 3)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 4)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 4)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 4)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 5)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 5)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 5)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 6)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 6)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 6)) * 28269 + k1 + 32, k1 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 7)) * 28269 + k1 + 0, k1 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 7)) * 28269 + k1 + 16, k1 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 17 + (h3 + 0)) * 17 + (w4 + 7)) * 28269 + k1 + 32, k1 + 32, m2);
+                            }
                         }
                     }
                 }
@@ -184,7 +212,7 @@ void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float
                             __m512 acc_0_0_8_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_8_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n11 * 17 + (h14 * 1 + r16 - 0)) * 17 + (w15 * 1 + s17 - 0)) * 1024;
+                                const float *restrict xb = x + (((int64_t)n11 * 17 + (h14 * 1 + r16 * 1 - 0)) * 17 + (w15 * 1 + s17 * 1 - 0)) * 1024;
                                 for (int i18 = 0; i18 < 1024; i18++) {
                                     const int c13 = c19 + i18 * 1;
                                     {
@@ -257,6 +285,36 @@ void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float
                             _mm512_mask_storeu_ps(y + (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 8)) * 28269 + k12 + 0, m0, acc_0_0_8_0);
                             _mm512_mask_storeu_ps(y + (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 8)) * 28269 + k12 + 16, m1, acc_0_0_8_1);
                             _mm512_mask_storeu_ps(y + (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 8)) * 28269 + k12 + 32, m2, acc_0_0_8_2);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 0)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 0)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 0)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 1)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 1)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 1)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 2)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 2)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 2)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 3)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 3)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 3)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 4)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 4)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 4)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 5)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 5)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 5)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 6)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 6)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 6)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 7)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 7)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 7)) * 28269 + k12 + 32, k12 + 32, m2);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 8)) * 28269 + k12 + 0, k12 + 0, m0);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 8)) * 28269 + k12 + 16, k12 + 16, m1);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n11 + 0) * 17 + (h14 + 0)) * 17 + (w15 + 8)) * 28269 + k12 + 32, k12 + 32, m2);
+                            }
                         }
                     }
                 }

@@ -8,8 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
-void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n30 = 0;
@@ -32,7 +33,7 @@ void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float
             for (int i11 = 0; i11 < 28; i11++) {
                 const int h3 = h12 + i11 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 - 0)) * 56 + (w4 * 2 + s6 - 0)) * 64;
+                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                     for (int i9 = 0; i9 < 2; i9++) {
                         const int k1 = k10 + i9 * 64;
                         {
@@ -97,6 +98,25 @@ void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 16, acc_0_0_3_1);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 32, acc_0_0_3_2);
                             _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 48, acc_0_0_3_3);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 128 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }
@@ -116,7 +136,7 @@ void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float
             for (int i26 = 0; i26 < 28; i26++) {
                 const int h18 = h27 + i26 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n15 * 56 + (h18 * 2 + r20 - 0)) * 56 + (w19 * 2 + s21 - 0)) * 64;
+                    const float *restrict xb = x + (((int64_t)n15 * 56 + (h18 * 2 + r20 * 1 - 0)) * 56 + (w19 * 2 + s21 * 1 - 0)) * 64;
                     for (int i24 = 0; i24 < 2; i24++) {
                         const int k16 = k25 + i24 * 64;
                         {
@@ -194,6 +214,29 @@ void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float
                             _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 16, acc_0_0_4_1);
                             _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 32, acc_0_0_4_2);
                             _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 48, acc_0_0_4_3);
+                            if (ep != NULL) {
+                                __asm__ volatile("" ::: "memory");
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 32, k16 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 48, k16 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 1)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 1)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 1)) * 128 + k16 + 32, k16 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 1)) * 128 + k16 + 48, k16 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 2)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 2)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 2)) * 128 + k16 + 32, k16 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 2)) * 128 + k16 + 48, k16 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 3)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 3)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 3)) * 128 + k16 + 32, k16 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 3)) * 128 + k16 + 48, k16 + 48, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 32, k16 + 32, (__mmask16)0xFFFF);
+                                ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 4)) * 128 + k16 + 48, k16 + 48, (__mmask16)0xFFFF);
+                            }
                         }
                     }
                 }

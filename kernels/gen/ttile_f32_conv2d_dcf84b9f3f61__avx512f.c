@@ -8,10 +8,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include "ttile_epilogue.h"
 
 static const float zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f[128] __attribute__((aligned(64)));
 
-void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads)
+void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
     const int n30 = 0;
@@ -51,8 +52,8 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                         const int r5 = r12 + i11 * 1;
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int s6 = s10 + i9 * 1;
-                            if (h3 * 1 + r5 - 1 >= 0 && h3 * 1 + r5 - 1 + 8 < 28 && w4 * 1 + s6 - 1 >= 0 && w4 * 1 + s6 - 1 + 0 < 28) {
-                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 - 1)) * 28 + (w4 * 1 + s6 - 1)) * 128;
+                            if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 8 < 28 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 28) {
+                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
                                 for (int i7 = 0; i7 < 128; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -78,15 +79,15 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                                     }
                                 }
                             } else {
-                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 4) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 5) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_6_0_0_0 = ((unsigned)((h3 + 6) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 6) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_7_0_0_0 = ((unsigned)((h3 + 7) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 7) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_8_0_0_0 = ((unsigned)((h3 + 8) * 1 + r5 + 0 - 1) < 28u && (unsigned)((w4 + 0) * 1 + s6 + 0 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 8) * 1 + r5 + 0 - 1)) * 28 + ((w4 + 0) * 1 + s6 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 5) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_6_0_0_0 = ((unsigned)((h3 + 6) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 6) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_7_0_0_0 = ((unsigned)((h3 + 7) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 7) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_8_0_0_0 = ((unsigned)((h3 + 8) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 8) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
                                 for (int i7 = 0; i7 < 128; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -123,6 +124,18 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
                     _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }
@@ -151,8 +164,8 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                         const int r20 = r27 + i26 * 1;
                         for (int i24 = 0; i24 < 3; i24++) {
                             const int s21 = s25 + i24 * 1;
-                            if (h18 * 1 + r20 - 1 >= 0 && h18 * 1 + r20 - 1 + 9 < 28 && w19 * 1 + s21 - 1 >= 0 && w19 * 1 + s21 - 1 + 0 < 28) {
-                                const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 - 1)) * 28 + (w19 * 1 + s21 - 1)) * 128;
+                            if (h18 * 1 + r20 * 1 - 1 >= 0 && h18 * 1 + r20 * 1 - 1 + 9 < 28 && w19 * 1 + s21 * 1 - 1 >= 0 && w19 * 1 + s21 * 1 - 1 + 0 < 28) {
+                                const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 1)) * 28 + (w19 * 1 + s21 * 1 - 1)) * 128;
                                 for (int i22 = 0; i22 < 128; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
@@ -180,16 +193,16 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                                     }
                                 }
                             } else {
-                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h18 + 1) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 1) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h18 + 2) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 2) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h18 + 3) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 3) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h18 + 4) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 4) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h18 + 5) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 5) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_6_0_0_0 = ((unsigned)((h18 + 6) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 6) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_7_0_0_0 = ((unsigned)((h18 + 7) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 7) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_8_0_0_0 = ((unsigned)((h18 + 8) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 8) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
-                                const float *restrict xp_0_9_0_0_0 = ((unsigned)((h18 + 9) * 1 + r20 + 0 - 1) < 28u && (unsigned)((w19 + 0) * 1 + s21 + 0 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 9) * 1 + r20 + 0 - 1)) * 28 + ((w19 + 0) * 1 + s21 + 0 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h18 + 1) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 1) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h18 + 2) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 2) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h18 + 3) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 3) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h18 + 4) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 4) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h18 + 5) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 5) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_6_0_0_0 = ((unsigned)((h18 + 6) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 6) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_7_0_0_0 = ((unsigned)((h18 + 7) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 7) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_8_0_0_0 = ((unsigned)((h18 + 8) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 8) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
+                                const float *restrict xp_0_9_0_0_0 = ((unsigned)((h18 + 9) * 1 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 9) * 1 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f;
                                 for (int i22 = 0; i22 < 128; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
@@ -229,6 +242,19 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                     _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_7_0_0);
                     _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_8_0_0);
                     _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_9_0_0);
+                    if (ep != NULL) {
+                        __asm__ volatile("" ::: "memory");
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                    }
                 }
             }
         }

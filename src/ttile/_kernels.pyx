@@ -10,6 +10,13 @@ import numpy as np
 
 cnp.import_array()
 
+cdef extern from "ttile_epilogue.h" nogil:
+    ctypedef struct ttile_epilogue:
+        const float *bias
+        const float *residual
+        int activation
+        float negative_slope
+
 cdef extern from "ttile_runtime.h" nogil:
     ctypedef struct ttile_conv_shape:
         int64_t n, h, w, c
@@ -17,15 +24,22 @@ cdef extern from "ttile_runtime.h" nogil:
         int64_t ho, wo
         int64_t stride_h, stride_w
         int64_t pad_top, pad_left
+        int64_t dil_h, dil_w
+        int64_t groups
     int ttile_cpu_has_avx512f()
     void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
-                                     const float *w, float *y, int nthreads)
+                                     const float *w, float *y, int nthreads,
+                                     const ttile_epilogue *ep)
     int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
-                                  const float *w, float *y, int nthreads)
+                                  const float *w, float *y, int nthreads,
+                                  const ttile_epilogue *ep)
     int64_t ttile_generic_panel(int64_t k, int64_t wo)
     int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
                                          const float *packed, float *y, int nthreads,
-                                         int nchw_out)
+                                         int flags, const ttile_epilogue *ep)
+    void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
+                                     const float *w, float *y, int nthreads,
+                                     const ttile_epilogue *ep)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
@@ -38,7 +52,8 @@ cdef extern from "ttile_runtime.h" nogil:
                                  int64_t panel, float *out, int nthreads, int isa)
 
 cdef extern from "ttile_registry.h" nogil:
-    ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads)
+    ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads,
+                                     const ttile_epilogue *ep)
     ctypedef struct ttile_tuned_kernel:
         const char *cpu
         int threads
@@ -59,6 +74,36 @@ ISA_PORTABLE = 0
 ISA_AVX512F = 1
 
 
+cdef const ttile_epilogue *_epilogue(ttile_epilogue *ep, object bias, object residual,
+                                     int activation, float slope, cnp.ndarray y,
+                                     int64_t channels) except? NULL:
+    """Fill ``ep`` from the keyword arguments, checked against the output y (residual:
+    y's shape) and its ``channels`` (bias); NULL when there is nothing to fuse."""
+    cdef cnp.ndarray b, r
+    ep.bias = NULL
+    ep.residual = NULL
+    ep.activation = activation
+    ep.negative_slope = slope
+    if activation < 0 or activation > 5:
+        raise ValueError(f"unknown activation code {activation}")
+    if bias is not None:
+        b = bias
+        if cnp.PyArray_TYPE(b) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(b) != 1 \
+                or not cnp.PyArray_IS_C_CONTIGUOUS(b) or cnp.PyArray_DIMS(b)[0] != channels:
+            raise ValueError(f"bias must be a contiguous float32 vector of {channels}")
+        ep.bias = <const float *>cnp.PyArray_DATA(b)
+    if residual is not None:
+        r = residual
+        if cnp.PyArray_TYPE(r) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(r) \
+                or (<object>r).shape != (<object>y).shape:
+            raise ValueError(f"residual must be a C-contiguous float32 array of the "
+                             f"output's shape {(<object>y).shape}")
+        ep.residual = <const float *>cnp.PyArray_DATA(r)
+    if ep.bias == NULL and ep.residual == NULL and activation == 0:
+        return NULL
+    return ep
+
+
 def cpu_has_avx512f():
     """True when both the CPU and the OS support AVX-512F."""
     return ttile_cpu_has_avx512f() == 1
@@ -77,32 +122,41 @@ cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
 cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
                      int64_t r, int64_t s, int64_t wc, int64_t k,
                      int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
-                     int nthreads, bint nchw_out=False) except -1:
+                     int nthreads, bint nchw_out=False, int64_t dil_h=1, int64_t dil_w=1,
+                     int64_t groups=1) except -1:
     """Fill ``shape`` from x (N,H,W,C), y (N,Ho,Wo,K), or (N,K,Ho,Wo) with ``nchw_out``,
-    and the weights' extents, refusing any combination under which a kernel could index
-    outside the arrays."""
+    and the weights' extents (``wc`` input channels per group, ``k`` output channels in
+    all), refusing any combination under which a kernel could index outside the arrays."""
     _check_f32_c4(x, "x")
     _check_f32_c4(y, "y")
     if not cnp.PyArray_ISWRITEABLE(y):
         raise ValueError("y must be writeable")
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
-    shape.n = xs[0]; shape.h = xs[1]; shape.w = xs[2]; shape.c = xs[3]
-    shape.r = r; shape.s = s; shape.k = k
+    if groups < 1 or dil_h < 1 or dil_w < 1:
+        raise ValueError("groups and dilation must be >= 1")
+    shape.n = xs[0]; shape.h = xs[1]; shape.w = xs[2]; shape.c = xs[3] // groups
+    shape.r = r; shape.s = s; shape.k = k // groups
     shape.ho = ys[2] if nchw_out else ys[1]
     shape.wo = ys[3] if nchw_out else ys[2]
     shape.stride_h = stride_h; shape.stride_w = stride_w
     shape.pad_top = pad_top; shape.pad_left = pad_left
+    shape.dil_h = dil_h; shape.dil_w = dil_w; shape.groups = groups
+    if xs[3] % groups or k % groups:
+        raise ValueError(f"{xs[3]} input and {k} output channels are not divisible by "
+                         f"{groups} groups")
     if wc != shape.c:
-        raise ValueError(f"weights have {wc} input channels, input has {shape.c}")
-    if ys[0] != shape.n or (ys[1] if nchw_out else ys[3]) != shape.k:
+        raise ValueError(f"weights have {wc} input channels per group, input has "
+                         f"{shape.c}")
+    if ys[0] != shape.n or (ys[1] if nchw_out else ys[3]) != k:
         raise ValueError("output shape does not match input batch and weight channels")
     if stride_h < 1 or stride_w < 1 or pad_top < 0 or pad_left < 0 or nthreads < 1:
         raise ValueError("strides and thread count must be >= 1, padding >= 0")
     if shape.n * shape.h * shape.w * shape.c * shape.k * shape.r * shape.s == 0:
         raise ValueError("zero-size dimension")
-    if (shape.ho - 1) * stride_h - pad_top + shape.r > shape.h + pad_top + shape.r \
-            or (shape.wo - 1) * stride_w - pad_left + shape.s > shape.w + pad_left + shape.s:
+    cdef int64_t span_h = (shape.r - 1) * dil_h + 1, span_w = (shape.s - 1) * dil_w + 1
+    if (shape.ho - 1) * stride_h - pad_top + span_h > shape.h + pad_top + span_h \
+            or (shape.wo - 1) * stride_w - pad_left + span_w > shape.w + pad_left + span_w:
         raise ValueError("output extent too large for the input and padding")
     if shape.ho < 1 or shape.wo < 1:
         raise ValueError("empty output")
@@ -111,17 +165,23 @@ cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
 
 def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                         int64_t stride_h, int64_t stride_w,
-                        int64_t pad_top, int64_t pad_left, int nthreads, int isa):
-    """Run the generic kernel on x (N,H,W,C), w (R,S,C,K) into y (N,Ho,Wo,K).
+                        int64_t pad_top, int64_t pad_left, int nthreads, int isa, *,
+                        int64_t dil_h=1, int64_t dil_w=1, int64_t groups=1,
+                        bias=None, residual=None, int activation=0, float slope=0.01):
+    """Run the generic kernel on x (N,H,W,C), w (R,S,C/groups,K) into y (N,Ho,Wo,K),
+    with the epilogue y = act(conv + bias + residual) fused.
 
-    ``isa`` is ISA_PORTABLE or ISA_AVX512F; asking for AVX-512F on a CPU without it
-    raises instead of faulting.
+    ``isa`` is ISA_PORTABLE or ISA_AVX512F (groups 1 only); asking for AVX-512F on a CPU
+    without it raises instead of faulting.
     """
     _check_f32_c4(w, "w")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef ttile_conv_shape shape
     _fill_shape(&shape, x, y, ws[0], ws[1], ws[2], ws[3], stride_h, stride_w, pad_top,
-                pad_left, nthreads)
+                pad_left, nthreads, False, dil_h, dil_w, groups)
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, ws[3])
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
@@ -129,23 +189,52 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     if isa == ISA_AVX512F:
         if ttile_cpu_has_avx512f() != 1:
             raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+        if groups != 1:
+            raise ValueError("the AVX-512F generic kernel takes grouped weights packed")
         with nogil:
-            status = ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads)
+            status = ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads, ep)
         if status != 0:
             raise MemoryError("not enough memory to pack the weights for the generic kernel")
     elif isa == ISA_PORTABLE:
         with nogil:
-            ttile_conv_generic_portable(&shape, xp, wp, yp, nthreads)
+            ttile_conv_generic_portable(&shape, xp, wp, yp, nthreads, ep)
     else:
         raise ValueError(f"unknown isa {isa}")
 
 
-cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel) except -1:
+def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
+                     int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
+                     int nthreads, *, int64_t dil_h=1, int64_t dil_w=1,
+                     bias=None, residual=None, int activation=0, float slope=0.01):
+    """The AVX-512F depthwise kernel: x (N,H,W,C), weights (R,S,1,C) (channels_last
+    depthwise weights, one output channel per input channel), y (N,Ho,Wo,C)."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(w, "w")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    if ws[2] != 1 or ws[3] != xs[3]:
+        raise ValueError(f"depthwise weights must be (R, S, 1, {xs[3]}), got "
+                         f"{(<object>w).shape}")
+    cdef ttile_conv_shape shape
+    _fill_shape(&shape, x, y, ws[0], ws[1], 1, ws[3], stride_h, stride_w, pad_top,
+                pad_left, nthreads, False, dil_h, dil_w, xs[3])
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, ws[3])
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    with nogil:
+        ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
+
+
+cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel, int64_t groups=1) except -1:
     if cnp.PyArray_TYPE(w) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(w) != 5 \
             or not cnp.PyArray_IS_C_CONTIGUOUS(w) or not cnp.PyArray_ISALIGNED(w):
         raise ValueError("w must be packed weights: C-contiguous float32 (K/P, R, S, C, P)")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
-    if ws[4] != panel or ws[0] != (k + panel - 1) // panel:
+    if ws[4] != panel or ws[0] != groups * ((k + panel - 1) // panel):
         raise ValueError(f"packed weights {(<object>w).shape} do not hold {k} output channels "
                          f"in panels of {panel}")
     return 0
@@ -162,24 +251,34 @@ def generic_panel(int64_t k, int64_t wo):
 def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           int64_t stride_h, int64_t stride_w,
                           int64_t pad_top, int64_t pad_left, int nthreads,
-                          bint nchw_out=False, bint kcrs=False):
+                          bint nchw_out=False, bint kcrs=False, *,
+                          int64_t dil_h=1, int64_t dil_w=1, int64_t groups=1,
+                          bias=None, residual=None, int activation=0, float slope=0.01):
     """The AVX-512F generic kernel on weights packed by
-    ``pack_weights(w, generic_panel(K, Wo))``, or on RSCK weights (R,S,C,K) - KCRS
-    (K,C,R,S), torch's layout, with ``kcrs`` - which the kernel's threads then pack panel
-    group by panel group into buffers of their own; with ``nchw_out``, y is (N,K,Ho,Wo)
-    and written in that layout from the tiles."""
+    ``pack_weights(w, generic_panel(K, Wo))`` (with groups: each group's packed weights,
+    concatenated along the first axis), or on RSCK weights (R,S,C,K) - KCRS
+    (K,C/groups,R,S), torch's layout, with ``kcrs`` - which the kernel's threads then
+    pack panel group by panel group into buffers of their own; with ``nchw_out``, y is
+    (N,K,Ho,Wo) and written in that layout from the tiles. The epilogue
+    y = act(conv + bias + residual) is fused (residual in y's layout)."""
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
     _check_f32_c4(y, "y")
+    if groups < 1:
+        raise ValueError("groups must be >= 1")
     cdef cnp.npy_intp *yd = cnp.PyArray_DIMS(y)
     cdef int64_t k = yd[1] if nchw_out else yd[3]
     cdef bint rsck = cnp.PyArray_NDIM(w) == 4
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
-    cdef int64_t r, s, wc
+    cdef int64_t r, s, wc, panel
     if kcrs and not rsck:
         raise ValueError("kcrs weights are (K, C, R, S): 4 dimensions")
+    if k % groups:
+        raise ValueError(f"{k} output channels are not divisible by {groups} groups")
     if rsck:
         _check_f32_c4(w, "w")
+        if groups != 1 and not kcrs:
+            raise ValueError("grouped weights must be packed or KCRS")
         if (ws[0] if kcrs else ws[3]) != k:
             raise ValueError(f"the weights have {ws[0] if kcrs else ws[3]} output channels, "
                              f"the output {k}")
@@ -188,11 +287,15 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
         else:
             r, s, wc = ws[0], ws[1], ws[2]
     else:
-        _check_packed(w, k, ttile_generic_panel(k, yd[3] if nchw_out else yd[2]))
+        panel = ttile_generic_panel(k // groups, yd[3] if nchw_out else yd[2])
+        _check_packed(w, k // groups, panel, groups)
         r, s, wc = ws[1], ws[2], ws[3]
     cdef ttile_conv_shape shape
     _fill_shape(&shape, x, y, r, s, wc, k, stride_h, stride_w, pad_top, pad_left,
-                nthreads, nchw_out)
+                nthreads, nchw_out, dil_h, dil_w, groups)
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, k)
     cdef int out_flag = (1 if nchw_out else 0) | (2 if rsck and not kcrs else 0) \
         | (4 if kcrs else 0)
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
@@ -200,7 +303,7 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     cdef int status
     with nogil:
-        status = ttile_conv_generic_avx512_packed(&shape, xp, wp, yp, nthreads, out_flag)
+        status = ttile_conv_generic_avx512_packed(&shape, xp, wp, yp, nthreads, out_flag, ep)
     if status != 0:
         raise MemoryError("not enough memory for the generic kernel's scratch row")
 
@@ -372,7 +475,8 @@ cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:
     return 0
 
 
-def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads):
+def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
+              bias=None, residual=None, int activation=0, float slope=0.01):
     """Run registry entry ``index`` on x (N,H,W,C), weights packed in panels
     (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K).
 
@@ -396,16 +500,20 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
                                                     e.c, e.panel) or \
             (ys[0], ys[1], ys[2], ys[3]) != (e.n, ho, wo, e.k):
         raise ValueError("arrays do not match the tuned kernel's problem")
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, e.k)
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
-        e.fn(xp, wp, yp, nthreads)
+        e.fn(xp, wp, yp, nthreads, ep)
 
 
 
 def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
-                 tuple x_shape, tuple w_shape, tuple y_shape):
+                 tuple x_shape, tuple w_shape, tuple y_shape, bias=None, residual=None,
+                 int activation=0, float slope=0.01):
     """Call a kernel compiled at run time (its address from the loaded library) on x,
     packed weights w and y, after checking them against the shapes it was built for.
 
@@ -421,8 +529,11 @@ def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, in
     if (<object>x).shape != x_shape or (<object>w).shape != w_shape or (<object>y).shape != y_shape:
         raise ValueError("arrays do not match the compiled kernel's problem")
     cdef ttile_kernel_fn fn = <ttile_kernel_fn>address
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, y_shape[3])
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
-        fn(xp, wp, yp, nthreads)
+        fn(xp, wp, yp, nthreads, ep)

@@ -25,6 +25,24 @@ from .fileio import atomic_write, publish
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 
 
+class EpilogueArgs(ctypes.Structure):
+    """``ttile_epilogue`` (kernels/ttile_epilogue.h) for calling a kernel through ctypes."""
+
+    _fields_ = [("bias", _FLOAT_P), ("residual", _FLOAT_P), ("activation", ctypes.c_int),
+                ("negative_slope", ctypes.c_float)]
+
+    @classmethod
+    def of(cls, bias: np.ndarray | None, residual: np.ndarray | None, activation: int,
+           negative_slope: float) -> "EpilogueArgs":
+        def pointer(array):
+            if array is None:
+                return None
+            if array.dtype != np.float32 or not array.flags.c_contiguous:
+                raise ValueError("bias and residual must be C-contiguous float32")
+            return array.ctypes.data_as(_FLOAT_P)
+        return cls(pointer(bias), pointer(residual), int(activation), float(negative_slope))
+
+
 class BuildError(RuntimeError):
     """The C compiler rejected a generated source; ``log`` holds its messages."""
 
@@ -48,6 +66,28 @@ def find_compiler() -> str | None:
     return None
 
 
+#: The header generated kernels include (``#include "ttile_epilogue.h"``): installed with
+#: the package under ttile/include, or kernels/ in a source checkout.
+EPILOGUE_HEADER = "ttile_epilogue.h"
+
+
+def include_dir() -> Path:
+    """The folder holding the headers generated kernels include."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "include", package.parent.parent / "kernels"):
+        if (candidate / EPILOGUE_HEADER).is_file():
+            return candidate
+    raise BuildError(f"{EPILOGUE_HEADER} is missing from {package / 'include'}: "
+                     f"reinstall ttile", "")
+
+
+def _include_flags() -> tuple[tuple[str, ...], str]:
+    """Compiler flags for the kernels' headers, and their text (part of a build's hash:
+    a changed header must not reuse a library built with the old one)."""
+    folder = include_dir()
+    return (f"-I{folder}",), (folder / EPILOGUE_HEADER).read_text()
+
+
 def compiler_version(compiler: str) -> str:
     """First line of ``compiler --version`` (the compiler itself when it says nothing)."""
     try:
@@ -66,15 +106,16 @@ class BuiltLibrary:
     handle: ctypes.CDLL
 
     def run(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
-            nthreads: int = 1) -> None:
-        """Run ``kernel`` on x (NHWC), RSCK weights (packed here) and y, checking shapes."""
+            nthreads: int = 1, epilogue: EpilogueArgs | None = None) -> None:
+        """Run ``kernel`` on x (NHWC), RSCK weights (packed here) and y, checking shapes;
+        ``epilogue`` (its residual shaped as y) is fused into the store."""
         self._check(kernel, x, w, y)
         w = packed_weights(kernel, w)
         fn = getattr(self.handle, kernel.name)
         fn.restype = None
-        fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int]
+        fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int, ctypes.c_void_p]
         fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P), y.ctypes.data_as(_FLOAT_P),
-           int(nthreads))
+           int(nthreads), None if epilogue is None else ctypes.addressof(epilogue))
 
     def time(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
              reps: int, nthreads: int = 1) -> float:
@@ -151,7 +192,7 @@ double {timer_name(kernel)}(const float *restrict x, const float *restrict w,
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (long i = 0; i < reps; i++) {{
-        {kernel.name}(x, w, y, nthreads);
+        {kernel.name}(x, w, y, nthreads, 0);
         __asm__ volatile("" : : "r"(y) : "memory");
     }}
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -166,7 +207,7 @@ void {each_timer_name(kernel)}(const float *const *xs, const float *const *ws,
     for (int i = 0; i < calls; i++) {{
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        {kernel.name}(xs[i % copies], ws[i % copies], ys[i % copies], nthreads);
+        {kernel.name}(xs[i % copies], ws[i % copies], ys[i % copies], nthreads, 0);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         seconds[i] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     }}
@@ -196,8 +237,10 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
         if timers:
             parts.append(timing_harness(kernel))
     source = "\n".join(parts)
-    flags = (*KERNEL_CFLAGS, *extra_flags)
-    digest = hashlib.sha1((compiler + "|" + " ".join(flags) + "|" + source).encode()).hexdigest()
+    includes, header = _include_flags()
+    flags = (*KERNEL_CFLAGS, *extra_flags, *includes)
+    digest = hashlib.sha1((compiler + "|" + " ".join(flags) + "|" + header + "|"
+                           + source).encode()).hexdigest()
     workdir = Path(workdir or Path(tempfile.gettempdir()) / f"ttile-build-{os.getuid()}")
     workdir.mkdir(parents=True, exist_ok=True)
     lib_path = workdir / f"kernels_{digest[:16]}.so"
@@ -240,7 +283,9 @@ def assembly(kernel: KernelSource, extra_flags: tuple[str, ...] = ()) -> str:
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C compiler found", "")
-    proc = subprocess.run([compiler, *KERNEL_CFLAGS, *extra_flags, "-S", "-o", "-", "-x", "c", "-"],
+    includes, _ = _include_flags()
+    proc = subprocess.run([compiler, *KERNEL_CFLAGS, *extra_flags, *includes, "-S", "-o", "-",
+                           "-x", "c", "-"],
                           input=kernel.code, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BuildError("compiling to assembly failed", proc.stderr)

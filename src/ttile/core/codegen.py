@@ -27,11 +27,21 @@ microkernel at full speed without copying tensors:
   not the register use: ``accumulators + k vectors + 1`` registers are live, the budget
   :class:`ttile.scheme.Block` checks. An empty asm with a memory clobber separates the
   steps so the compiler cannot stretch values across them (it would, and spill).
+* **Epilogue at the store.** The kernel's last argument is a ``ttile_epilogue`` (bias,
+  residual, activation; see kernels/ttile_epilogue.h), NULL for a bare convolution.
+  Where the accumulators are stored for the last time (the whole reduction done: at
+  once when the block's reduction region is complete, else when every reduction loop
+  outside it is at its last step), the block's just-stored outputs are rewritten as
+  ``act(y + bias + residual)`` while they are in L1: no second pass over the output,
+  and no epilogue temporaries on top of the live accumulators (they spilled).
+* **Dilation.** Kernel taps are ``dilation`` input pixels apart; the offsets are
+  constants like the strides.
 * **Parallel band.** Consecutive parallel loops (``PT``/``PR``) become one
   ``#pragma omp parallel for collapse(m)`` whose thread count is a kernel argument.
 
 The generated function is
-``void NAME(const float *x, const float *w, float *y, int nthreads)`` over x[N][H][W][C]
+``void NAME(const float *x, const float *w, float *y, int nthreads, const ttile_epilogue *ep)``
+over x[N][H][W][C]
 and y[N][Ho][Wo][K], with every size a constant, and weights packed in panels
 w[K/P][R][S][C][P] where P is the block's width along k (16 per unrolled vector; see
 ``ttile._kernels.pack_weights``): in RSCK the weights of consecutive (r, s, c) steps are K
@@ -46,6 +56,10 @@ from dataclasses import dataclass
 from .scheme import Block, Loop, Node, Scheme, Seq, lower
 from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
 
+#: Version of the generated loop nests: tuning records measured with another version are
+#: not used. Kept at 3 when the fused epilogue was added: a bare call runs the same loops
+#: and stores, past one untaken branch per block store (``ep != NULL``), so the records'
+#: timings still describe the kernels (the Fig. 8 benchmark re-measured them).
 GENERATOR_VERSION = 3
 
 #: Flags generated kernels are compiled with. Only AVX-512F (+FMA, implied by every
@@ -179,10 +193,10 @@ class _Generator:
         """The loops right above a block: accumulator and input-pointer regions."""
         acc_len = _suffix_len(chain, lambda lp: lp.dim in REDUCTION_DIMS and not lp.parallel)
         ptr_len = _suffix_len(chain, lambda lp: lp.dim in ("c", "k") and not lp.parallel)
-        complete = all(
-            block.count(d) * _product(lp.count for lp in chain[len(chain) - acc_len:]
-                                      if lp.dim == d) == self.totals[d]
-            for d in REDUCTION_DIMS)
+        extents = {d: block.count(d) * _product(lp.count for lp in chain[len(chain) - acc_len:]
+                                                if lp.dim == d)
+                   for d in REDUCTION_DIMS}
+        complete = all(extents[d] == self.totals[d] for d in REDUCTION_DIMS)
         if not complete:
             self.clears_output = True
 
@@ -197,9 +211,9 @@ class _Generator:
                 fast = self.pointer_region(block, fast, slow)
                 slow = None
             if position == acc_len:
-                fast = self.accumulator_region(block, fast, complete)
+                fast = self.accumulator_region(block, fast, complete, extents)
                 if slow is not None:
-                    slow = self.accumulator_region(block, slow, complete)
+                    slow = self.accumulator_region(block, slow, complete, extents)
             if position == len(chain):
                 return fast
             if position == max(acc_len, ptr_len):
@@ -211,7 +225,10 @@ class _Generator:
                 fast, slow = self.wrap_loop(loop, fast, slow)
             position += 1
 
-    def accumulator_region(self, block: Block, inner: _Code, complete: bool) -> _Code:
+    def accumulator_region(self, block: Block, inner: _Code, complete: bool,
+                           extents: dict[str, int]) -> _Code:
+        """Accumulators loaded (or zeroed) around ``inner`` and stored after it, through
+        the epilogue when this store is the last one (see the module docstring)."""
         spec, names = self.spec, inner.names
         lines: list[str] = []
         kvs = range(block.count("k"))
@@ -220,10 +237,15 @@ class _Generator:
                 lines.append(f"const __mmask16 m{kv} = ttile_tail_mask({spec.k} - "
                              f"({names['k']} + {kv * VECTOR_LANES}));")
         stores: list[str] = []
+        fused: list[str] = []
         for out in _out_combos(block):
             for kv in kvs:
                 acc = _acc(out, kv)
-                addr = self.y_address(names, out, kv)
+                offset = self.y_offset(names, out, kv)
+                addr = f"y + {offset}"
+                mask = f"m{kv}" if self.k_tail else "(__mmask16)0xFFFF"
+                fused.append(f"ttile_epilogue_apply512(ep, y, {offset}, {names['k']} + "
+                             f"{kv * VECTOR_LANES}, {mask});")
                 if complete:
                     lines.append(f"__m512 {acc} = _mm512_setzero_ps();")
                 elif self.k_tail:
@@ -234,23 +256,33 @@ class _Generator:
                     stores.append(f"_mm512_mask_storeu_ps({addr}, m{kv}, {acc});")
                 else:
                     stores.append(f"_mm512_storeu_ps({addr}, {acc});")
-        return _Code(["{", *_indent(lines + inner.lines + stores), "}"], inner.names)
+        if complete:
+            last = "ep != NULL"
+        else:
+            last = " && ".join(["ep != NULL"] + [
+                f"{names[d]} + {extents[d]} == {self.totals[d]}"
+                for d in sorted(REDUCTION_DIMS) if extents[d] != self.totals[d]])
+        # the epilogue from memory, after the stores (see ttile_epilogue_apply512)
+        store = [*stores, f"if ({last}) {{", '    __asm__ volatile("" ::: "memory");',
+                 *_indent(fused), "}"]
+        return _Code(["{", *_indent(lines + inner.lines + store), "}"], inner.names)
 
     def pointer_region(self, block: Block, fast: _Code, slow: _Code | None) -> _Code:
         """Input addressing for the c/k band: base pointer, or guarded per-pixel pointers."""
         spec, names = self.spec, fast.names
+        dh, dw = spec.dilation_h, spec.dilation_w
         base = (f"x + (((int64_t){names['n']} * {spec.h} + ({names['h']} * {spec.stride_h} + "
-                f"{names['r']} - {spec.pad_top})) * {spec.w} + ({names['w']} * {spec.stride_w} "
-                f"+ {names['s']} - {spec.pad_left})) * {spec.c}")
+                f"{names['r']} * {dh} - {spec.pad_top})) * {spec.w} + ({names['w']} * "
+                f"{spec.stride_w} + {names['s']} * {dw} - {spec.pad_left})) * {spec.c}")
         fast_lines = [f"const float *restrict xb = {base};", *fast.lines]
         if slow is None:
             return _Code(["{", *_indent(fast_lines), "}"], names)
 
         conditions = []
-        h_first = f"{names['h']} * {spec.stride_h} + {names['r']} - {spec.pad_top}"
-        w_first = f"{names['w']} * {spec.stride_w} + {names['s']} - {spec.pad_left}"
-        h_span = (block.count("h") - 1) * spec.stride_h + block.count("r") - 1
-        w_span = (block.count("w") - 1) * spec.stride_w + block.count("s") - 1
+        h_first = f"{names['h']} * {spec.stride_h} + {names['r']} * {dh} - {spec.pad_top}"
+        w_first = f"{names['w']} * {spec.stride_w} + {names['s']} * {dw} - {spec.pad_left}"
+        h_span = (block.count("h") - 1) * spec.stride_h + (block.count("r") - 1) * dh
+        w_span = (block.count("w") - 1) * spec.stride_w + (block.count("s") - 1) * dw
         if self.row_guard:
             conditions += [f"{h_first} >= 0", f"{h_first} + {h_span} < {spec.h}"]
         if self.col_guard:
@@ -260,8 +292,10 @@ class _Generator:
         setup = []
         for pix in _pixel_combos(block):
             n_u, h_u, w_u, r_u, s_u = pix
-            ih = f"({names['h']} + {h_u}) * {spec.stride_h} + {names['r']} + {r_u} - {spec.pad_top}"
-            iw = f"({names['w']} + {w_u}) * {spec.stride_w} + {names['s']} + {s_u} - {spec.pad_left}"
+            ih = (f"({names['h']} + {h_u}) * {spec.stride_h} + ({names['r']} + {r_u}) * {dh} - "
+                  f"{spec.pad_top}")
+            iw = (f"({names['w']} + {w_u}) * {spec.stride_w} + ({names['s']} + {s_u}) * {dw} - "
+                  f"{spec.pad_left}")
             checks = []
             if self.row_guard:
                 checks.append(f"(unsigned)({ih}) < {spec.h}u")
@@ -281,10 +315,11 @@ class _Generator:
 
     # -- the unrolled block --------------------------------------------------------
 
-    def y_address(self, names: dict[str, str], out: tuple[int, int, int], kv: int) -> str:
+    def y_offset(self, names: dict[str, str], out: tuple[int, int, int], kv: int) -> str:
+        """Offset from y of accumulator ``out``, vector ``kv`` (NHWC)."""
         spec = self.spec
         n_u, h_u, w_u = out
-        return (f"y + (((int64_t)({names['n']} + {n_u}) * {spec.ho} + ({names['h']} + {h_u})) "
+        return (f"(((int64_t)({names['n']} + {n_u}) * {spec.ho} + ({names['h']} + {h_u})) "
                 f"* {spec.wo} + ({names['w']} + {w_u})) * {spec.k} + {names['k']} + "
                 f"{kv * VECTOR_LANES}")
 
@@ -314,8 +349,9 @@ class _Generator:
                 if guarded:
                     x = f"{_xp((n_u, h_u, w_u, r_u, s_u))}[{names['c']} + {c_u}]"
                 else:
-                    offset = (((n_u * spec.h + h_u * spec.stride_h + r_u) * spec.w
-                               + w_u * spec.stride_w + s_u) * spec.c + c_u)
+                    offset = (((n_u * spec.h + h_u * spec.stride_h + r_u * spec.dilation_h)
+                               * spec.w + w_u * spec.stride_w + s_u * spec.dilation_w)
+                              * spec.c + c_u)
                     x = f"xb[{names['c']} + {offset}]"
                 step.append(f"    const __m512 b{'_'.join(map(str, out))} = _mm512_set1_ps({x});")
                 for kv in kvs:
@@ -372,13 +408,15 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         "/* Generated by ttile, do not edit.",
         f" * scheme:  {scheme}",
         f" * problem: {spec.key()} (K={spec.k} C={spec.c} H={spec.h} W={spec.w} "
-        f"R={spec.r} S={spec.s}, output {spec.ho}x{spec.wo})",
+        f"R={spec.r} S={spec.s}, output {spec.ho}x{spec.wo}"
+        + (f", dilation {spec.dilation_h}x{spec.dilation_w}" if spec.dilated else "") + ")",
         f" * command: {command}",
         f" * generator version {GENERATOR_VERSION}",
         " */",
         "#include <immintrin.h>",
         "#include <stdint.h>",
         "#include <string.h>",
+        '#include "ttile_epilogue.h"',
         "",
     ]
     if gen.k_tail:  # guarded: several kernels may share one translation unit
@@ -394,7 +432,7 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     if gen.uses_zeros:
         out += [f"static const float {gen.zeros}[{spec.c}] __attribute__((aligned(64)));", ""]
     out += [f"void {name}(const float *restrict x, const float *restrict w, "
-            f"float *restrict y, int nthreads)",
+            f"float *restrict y, int nthreads, const ttile_epilogue *restrict ep)",
             "{",
             "    (void)nthreads;"]
     if gen.clears_output:

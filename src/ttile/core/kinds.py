@@ -18,6 +18,8 @@ class KernelKind(str, Enum):
     JIT = "jit"
     #: the hand-written generic kernel (AVX-512F, or portable C)
     GENERIC = "generic"
+    #: the depthwise kernel (groups == channels, one output channel per group)
+    DEPTHWISE = "depthwise"
 
     def __str__(self) -> str:
         return self.value
@@ -32,3 +34,26 @@ class Isa(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Activation(str, Enum):
+    """The activations a kernel can fuse into its output store: y = act(conv + bias +
+    residual). ``code`` is the kernels' number for it (kernels/ttile_epilogue.h)."""
+
+    NONE = "none"
+    RELU = "relu"
+    RELU6 = "relu6"
+    LEAKY_RELU = "leaky_relu"
+    SILU = "silu"
+    SIGMOID = "sigmoid"
+
+    @property
+    def code(self) -> int:
+        return _ACTIVATION_CODES[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTIVATION_CODES = {Activation.NONE: 0, Activation.RELU: 1, Activation.RELU6: 2,
+                     Activation.LEAKY_RELU: 3, Activation.SILU: 4, Activation.SIGMOID: 5}

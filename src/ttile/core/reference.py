@@ -9,8 +9,10 @@ import numpy as np
 
 
 def conv2d_nhwc_f64(x: np.ndarray, w: np.ndarray, stride=(1, 1),
-                    pads=(0, 0, 0, 0)) -> np.ndarray:
-    """y[n,oh,ow,k] = sum x[n, oh*sh+r-pt, ow*sw+s-pl, c] * w[r,s,c,k], in float64.
+                    pads=(0, 0, 0, 0), dilation=(1, 1), groups: int = 1) -> np.ndarray:
+    """y[n,oh,ow,k] = sum x[n, oh*sh+r*dh-pt, ow*sw+s*dw-pl, c] * w[r,s,c,k], in float64;
+    with ``groups``, w is (R, S, C/groups, K) and group g maps input channels
+    [g*C/G, (g+1)*C/G) to outputs [g*K/G, (g+1)*K/G), as in torch.
 
     ``pads`` is (top, bottom, left, right). Computed as R*S matrix products over a
     zero-padded float64 copy, so it is simple enough to trust and fast enough for the
@@ -19,23 +21,30 @@ def conv2d_nhwc_f64(x: np.ndarray, w: np.ndarray, stride=(1, 1),
     x = np.asarray(x, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
     sh, sw = stride
+    dh, dw = dilation
     pt, pb, pl, pr = pads
     n, h, wd, c = x.shape
-    r, s, _, k = w.shape
+    r, s, cg, k = w.shape
+    kg = k // groups
     xp = np.zeros((n, h + pt + pb, wd + pl + pr, c))
     xp[:, pt:pt + h, pl:pl + wd, :] = x
-    ho = (h + pt + pb - r) // sh + 1
-    wo = (wd + pl + pr - s) // sw + 1
+    ho = (h + pt + pb - (r - 1) * dh - 1) // sh + 1
+    wo = (wd + pl + pr - (s - 1) * dw - 1) // sw + 1
     y = np.zeros((n, ho, wo, k))
     for i in range(r):
         for j in range(s):
-            patch = xp[:, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw, :]
-            y += patch.reshape(-1, c).dot(w[i, j]).reshape(n, ho, wo, k)
+            patch = xp[:, i * dh:i * dh + (ho - 1) * sh + 1:sh,
+                       j * dw:j * dw + (wo - 1) * sw + 1:sw, :]
+            for g in range(groups):
+                y[..., g * kg:(g + 1) * kg] += (
+                    patch[..., g * cg:(g + 1) * cg].reshape(-1, cg)
+                    .dot(w[i, j, :, g * kg:(g + 1) * kg]).reshape(n, ho, wo, kg))
     return y
 
 
 def conv_mismatch(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(1, 1),
-                  pads=(0, 0, 0, 0), layout: str = "NHWC") -> str | None:
+                  pads=(0, 0, 0, 0), layout: str = "NHWC", dilation=(1, 1),
+                  groups: int = 1) -> str | None:
     """None if a float32 result matches the float64 reference elementwise, else why not.
 
     The tolerance scales with the magnitude of the terms summed (conv of |x| and |w|)
@@ -46,12 +55,12 @@ def conv_mismatch(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(1, 1
         x = np.transpose(x, (0, 2, 3, 1))
         w = np.transpose(w, (2, 3, 1, 0))
         actual = np.transpose(actual, (0, 2, 3, 1))
-    expected = conv2d_nhwc_f64(x, w, stride, pads)
+    expected = conv2d_nhwc_f64(x, w, stride, pads, dilation, groups)
     if actual.shape != expected.shape:
         return f"shape {actual.shape}, expected {expected.shape}"
     if actual.dtype != np.float32:
         return f"dtype {actual.dtype}, expected float32"
-    magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
+    magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads, dilation, groups)
     terms = w.shape[0] * w.shape[1] * w.shape[2]
     tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
     error = np.abs(actual.astype(np.float64) - expected)

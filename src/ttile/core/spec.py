@@ -20,9 +20,13 @@ VECTOR_LANES = 16
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """A 2D convolution y[n,oh,ow,k] = sum_{c,r,s} x[n, oh*sh+r-pt, ow*sw+s-pl, c] * w[r,s,c,k].
+    """A 2D convolution
+    y[n,oh,ow,k] = sum_{c,r,s} x[n, oh*sh + r*dh - pt, ow*sw + s*dw - pl, c] * w[r,s,c,k].
 
     Sizes are those of the input (h, w) and of the weights; ``ho``/``wo`` are derived.
+    A grouped convolution is ``groups`` of these side by side (one ConvSpec per group's
+    shape); the dilation (dh, dw) defaults to 1 and is left out of ``key()`` and
+    ``to_json()`` then, so the keys of undilated problems are what they always were.
     """
 
     n: int
@@ -38,9 +42,12 @@ class ConvSpec:
     pad_bottom: int = 0
     pad_left: int = 0
     pad_right: int = 0
+    dilation_h: int = 1
+    dilation_w: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w"):
+        for name in ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w",
+                     "dilation_h", "dilation_w"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ConvSpec.{name} must be an integer >= 1, got {value!r}")
@@ -48,22 +55,35 @@ class ConvSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ConvSpec.{name} must be an integer >= 0, got {value!r}")
-        if self.h + self.pad_top + self.pad_bottom < self.r:
+        if self.h + self.pad_top + self.pad_bottom < self.span_h:
             raise ValueError(
-                f"kernel height {self.r} is larger than the padded input height "
-                f"{self.h + self.pad_top + self.pad_bottom}")
-        if self.w + self.pad_left + self.pad_right < self.s:
+                f"kernel height {self.span_h} (dilated) is larger than the padded input "
+                f"height {self.h + self.pad_top + self.pad_bottom}")
+        if self.w + self.pad_left + self.pad_right < self.span_w:
             raise ValueError(
-                f"kernel width {self.s} is larger than the padded input width "
-                f"{self.w + self.pad_left + self.pad_right}")
+                f"kernel width {self.span_w} (dilated) is larger than the padded input "
+                f"width {self.w + self.pad_left + self.pad_right}")
+
+    @property
+    def span_h(self) -> int:
+        """Rows of input one output reads: the dilated kernel height."""
+        return (self.r - 1) * self.dilation_h + 1
+
+    @property
+    def span_w(self) -> int:
+        return (self.s - 1) * self.dilation_w + 1
+
+    @property
+    def dilated(self) -> bool:
+        return self.dilation_h != 1 or self.dilation_w != 1
 
     @property
     def ho(self) -> int:
-        return (self.h + self.pad_top + self.pad_bottom - self.r) // self.stride_h + 1
+        return (self.h + self.pad_top + self.pad_bottom - self.span_h) // self.stride_h + 1
 
     @property
     def wo(self) -> int:
-        return (self.w + self.pad_left + self.pad_right - self.s) // self.stride_w + 1
+        return (self.w + self.pad_left + self.pad_right - self.span_w) // self.stride_w + 1
 
     @property
     def k_vectors(self) -> int:
@@ -101,21 +121,26 @@ class ConvSpec:
 
     def needs_row_guard(self) -> bool:
         """True when some output row reads input rows outside [0, h) (zero padding)."""
-        last = (self.ho - 1) * self.stride_h + self.r - 1 - self.pad_top
+        last = (self.ho - 1) * self.stride_h + self.span_h - 1 - self.pad_top
         return self.pad_top > 0 or last > self.h - 1
 
     def needs_col_guard(self) -> bool:
-        last = (self.wo - 1) * self.stride_w + self.s - 1 - self.pad_left
+        last = (self.wo - 1) * self.stride_w + self.span_w - 1 - self.pad_left
         return self.pad_left > 0 or last > self.w - 1
 
     def key(self) -> str:
-        """Compact, stable text key, e.g. ``n1k64c3h224w224r7s7_s2x2_p3.3.3.3``."""
-        return (f"n{self.n}k{self.k}c{self.c}h{self.h}w{self.w}r{self.r}s{self.s}"
-                f"_s{self.stride_h}x{self.stride_w}"
-                f"_p{self.pad_top}.{self.pad_bottom}.{self.pad_left}.{self.pad_right}")
+        """Compact, stable text key, e.g. ``n1k64c3h224w224r7s7_s2x2_p3.3.3.3``
+        (``_d2x2`` appended for a dilated problem)."""
+        key = (f"n{self.n}k{self.k}c{self.c}h{self.h}w{self.w}r{self.r}s{self.s}"
+               f"_s{self.stride_h}x{self.stride_w}"
+               f"_p{self.pad_top}.{self.pad_bottom}.{self.pad_left}.{self.pad_right}")
+        return key + (f"_d{self.dilation_h}x{self.dilation_w}" if self.dilated else "")
 
     def to_json(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        if not self.dilated:
+            del data["dilation_h"], data["dilation_w"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, int]) -> "ConvSpec":

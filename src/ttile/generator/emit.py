@@ -69,7 +69,8 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
             write_if_changed(path, f"/* layer: {entry.layer} */\n" + source.code)
             written.append(path)
             names.add(source.name)
-            declarations.append(f"void {source.name}(const float *, const float *, float *, int);")
+            declarations.append(f"void {source.name}(const float *, const float *, float *, int, "
+                                f"const ttile_epilogue *);")
         rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, {source.panel}, "
                     f"{source.name},\n     {_c_string(entry.layer)}, "
                     f"{_c_string(str(entry.scheme))}, {entry.gflops:.1f}, "

@@ -39,7 +39,8 @@ from ..core.spec import ConvSpec
 
 #: 2: entries name the problem their kernel was compiled for and count the candidates
 #: the search found wrong or could not build.
-CACHE_FORMAT = 2
+#: 3: kernels take the fused epilogue as a fifth argument (generator version 4).
+CACHE_FORMAT = 3
 WRITER = "ttile"
 #: Entry kinds: a compiled kernel (KernelKind.JIT), or the verdict that the generic
 #: kernel was faster (KernelKind.GENERIC, remembered so later processes do not search).

@@ -70,9 +70,10 @@ class LayerBench:
         w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
         pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
         stride = (spec.stride_h, spec.stride_w)
+        dilation = (spec.dilation_h, spec.dilation_w)
         with single_threaded_blas():
-            expected = conv2d_nhwc_f64(x, w, stride, pads)
-            magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads)
+            expected = conv2d_nhwc_f64(x, w, stride, pads, dilation)
+            magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads, dilation)
         terms = spec.c * spec.r * spec.s
         tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
         per_copy = 4 * (x.size + w.size + expected.size)

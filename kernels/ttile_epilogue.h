@@ -1,0 +1,153 @@
+/* Fused epilogues: y = act(conv + bias + residual), applied where a kernel stores its
+ * accumulators, never as a second pass over the output.
+ *
+ * One header for every kernel family: the generic kernels include it, and generated
+ * kernels include it too (the build puts kernels/ on the include path, the run-time
+ * compiler the copy installed with the package). The epilogue is a run-time argument
+ * rather than code specialised per combination: a kernel then serves a layer with or
+ * without bias, residual and any activation, and the registry ships one kernel per
+ * problem instead of one per (problem, epilogue). Its cost is one well-predicted branch
+ * and a switch per stored vector, once per full reduction (C*R*S FMAs per vector).
+ *
+ * `residual` has the output's shape and layout: the element a kernel stores at y + i
+ * reads residual + i. `bias` holds the (group's) K output channels. */
+#ifndef TTILE_EPILOGUE_H
+#define TTILE_EPILOGUE_H
+
+#include <math.h>
+#include <stdint.h>
+
+enum {
+    TTILE_ACT_NONE = 0,
+    TTILE_ACT_RELU = 1,
+    TTILE_ACT_RELU6 = 2,
+    TTILE_ACT_LEAKY_RELU = 3,
+    TTILE_ACT_SILU = 4,
+    TTILE_ACT_SIGMOID = 5,
+};
+
+typedef struct {
+    const float *bias;      /* K floats, or NULL */
+    const float *residual;  /* shaped and laid out as y, or NULL */
+    int activation;         /* TTILE_ACT_* */
+    float negative_slope;   /* leaky_relu only */
+} ttile_epilogue;
+
+/* True when the epilogue does nothing (NULL or all fields empty). */
+static inline int ttile_epilogue_is_empty(const ttile_epilogue *ep)
+{
+    return ep == 0 || (ep->bias == 0 && ep->residual == 0 && ep->activation == TTILE_ACT_NONE);
+}
+
+static inline float ttile_activate1(int activation, float slope, float v)
+{
+    switch (activation) {
+    case TTILE_ACT_RELU:
+        return v > 0.0f ? v : 0.0f;
+    case TTILE_ACT_RELU6:
+        return v > 0.0f ? (v < 6.0f ? v : 6.0f) : 0.0f;
+    case TTILE_ACT_LEAKY_RELU:
+        return v >= 0.0f ? v : v * slope;
+    case TTILE_ACT_SILU:
+        return v / (1.0f + expf(-v));
+    case TTILE_ACT_SIGMOID:
+        return 1.0f / (1.0f + expf(-v));
+    default:
+        return v;
+    }
+}
+
+/* One output element: y[i] = act(acc + bias[k] + residual[i]). */
+static inline float ttile_epilogue1(const ttile_epilogue *ep, float acc, int64_t i, int64_t k)
+{
+    if (ep == 0)
+        return acc;
+    if (ep->bias)
+        acc += ep->bias[k];
+    if (ep->residual)
+        acc += ep->residual[i];
+    return ttile_activate1(ep->activation, ep->negative_slope, acc);
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* e^x on 16 lanes, within 2 ulp on [-87, 88] (Cephes' expf polynomial; 2^n applied
+ * with scalef, so no integer tricks that need AVX-512DQ). */
+static inline __m512 ttile_exp512(__m512 x)
+{
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 ttile_activate512(int activation, float slope, __m512 v)
+{
+    const __m512 zero = _mm512_setzero_ps();
+    switch (activation) {
+    case TTILE_ACT_RELU:
+        return _mm512_max_ps(v, zero);
+    case TTILE_ACT_RELU6:
+        return _mm512_min_ps(_mm512_max_ps(v, zero), _mm512_set1_ps(6.0f));
+    case TTILE_ACT_LEAKY_RELU:
+        return _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v,
+                                  _mm512_set1_ps(slope));
+    case TTILE_ACT_SILU:
+        return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                              ttile_exp512(_mm512_sub_ps(zero, v))));
+    case TTILE_ACT_SIGMOID:
+        return _mm512_div_ps(_mm512_set1_ps(1.0f),
+                             _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                           ttile_exp512(_mm512_sub_ps(zero, v))));
+    default:
+        return v;
+    }
+}
+
+/* In place on the 16 outputs (lanes of `mask`) at y + i, output channels k..k+15, that
+ * a kernel has just stored (they are in L1): y = act(y + bias + residual). Kernels store
+ * their accumulators first and then run this from memory, with a compiler barrier
+ * between: applied on the accumulators themselves, the epilogue's temporaries (exp's
+ * constants, bias and residual vectors) came on top of 30 live accumulators and spilled. */
+static inline void ttile_epilogue_apply512(const ttile_epilogue *ep, float *y, int64_t i,
+                                           int64_t k, __mmask16 mask)
+{
+    __m512 v = _mm512_maskz_loadu_ps(mask, y + i);
+    if (ep->bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, ep->bias + k));
+    if (ep->residual)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, ep->residual + i));
+    v = ttile_activate512(ep->activation, ep->negative_slope, v);
+    _mm512_mask_storeu_ps(y + i, mask, v);
+}
+
+/* In place on n contiguous floats of one output channel k (an NCHW row): the epilogue's
+ * residual and activation, and the bias when `with_bias`. */
+static inline void ttile_epilogue_row512(const ttile_epilogue *ep, float *y, int64_t i,
+                                         int64_t n, int64_t k, int with_bias)
+{
+    const __m512 b = _mm512_set1_ps(with_bias && ep->bias ? ep->bias[k] : 0.0f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF
+                                        : (__mmask16)((1u << (n - j)) - 1u);
+        __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i + j), b);
+        if (ep->residual)
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, ep->residual + i + j));
+        v = ttile_activate512(ep->activation, ep->negative_slope, v);
+        _mm512_mask_storeu_ps(y + i + j, m, v);
+    }
+}
+#endif /* __AVX512F__ */
+
+#endif
