@@ -154,15 +154,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         for layer in NETWORKS[args.network]:
             spec = layer.spec()
-            x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
-            w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
+            x = rng.uniform(-1, 1, (1, layer.hw, layer.hw, layer.c)).astype(np.float32)
+            w = rng.uniform(-1, 1, (layer.rs, layer.rs, layer.c // layer.groups,
+                                    layer.k)).astype(np.float32)
             pad = (spec.pad_top, spec.pad_left)
-            conv = ttile.Conv2d(w, stride=layer.stride, padding=pad, layout="NHWC",
-                                threads=threads)
+            conv = ttile.Conv2d(w, stride=layer.stride, padding=pad, groups=layer.groups,
+                                layout="NHWC", threads=threads)
             y = conv(x)                       # the first call tunes, if the policy says so
             problem = conv_mismatch(y, x, w, (spec.stride_h, spec.stride_w),
                                     (spec.pad_top, spec.pad_bottom, spec.pad_left,
-                                     spec.pad_right))
+                                     spec.pad_right), groups=layer.groups)
             wrong += problem is not None
             times = []
             for _ in range(args.reps):
@@ -170,13 +171,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 conv(x)
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times)
-            total_flops += spec.flops
+            total_flops += layer.flops
             total_seconds += seconds
-            plan = ttile.plan(x.shape, w.shape, layer.stride, pad, "NHWC", threads=threads,
+            plan = ttile.plan(x.shape, w.shape, stride=layer.stride, padding=pad,
+                              groups=layer.groups, layout="NHWC", threads=threads,
                               prepacked=True)
             served = plan.kind.value + (f" `{plan.scheme}`" if plan.scheme else "")
             print(f"| {layer.name} | {served} | {seconds * 1e3:.3f} | "
-                  f"{spec.flops / seconds / 1e9:.1f} | {'ok' if problem is None else problem} |",
+                  f"{layer.flops / seconds / 1e9:.1f} | {'ok' if problem is None else problem} |",
                   flush=True)
     finally:
         ttile.restore_tuning(previous)
@@ -245,10 +247,11 @@ def _load_layers(args: argparse.Namespace):
     for i, e in enumerate(entries):
         try:
             layers.append(Layer(str(e.get("name", f"layer-{i}")), int(e["k"]), int(e["c"]),
-                                int(e["hw"]), int(e["rs"]), int(e.get("stride", 1))))
+                                int(e["hw"]), int(e["rs"]), int(e.get("stride", 1)),
+                                int(e.get("groups", 1))))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: layer {i} needs integer k, c, hw, rs (and optional "
-                             f"stride, name): {exc}") from None
+                             f"stride, groups, name): {exc}") from None
     return layers
 
 
@@ -281,6 +284,9 @@ def _cmd_network(args: argparse.Namespace) -> int:
     for done, layer in enumerate(layers):
         spec = layer.spec()
         progress(done, len(layers), layer.name)
+        if layer.groups > 1:   # the depthwise / grouped kernels serve it: nothing to search
+            rows.append((layer, None))
+            continue
         if not args.from_records:
             candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top,
                                       keep_fraction=args.keep_fraction)
@@ -331,6 +337,11 @@ def _cmd_network(args: argparse.Namespace) -> int:
           + " | ".join(f"{t} threads GFLOP/s | generic" for t in counts[1:]) + " |")
     print("|---|---|---|---|---|---|" + "---|---|" * len(counts[1:]))
     for layer, best in rows:
+        if best is None:
+            kernel = "depthwise" if layer.depthwise else "generic (grouped)"
+            print(f"| {layer.name} | ({kernel} kernel, {layer.groups} groups: not searched) "
+                  f"| | | | |" + " | |" * len(counts[1:]))
+            continue
         spec = layer.spec()
         generic = {t: database.generic(spec, t) for t in counts}
         rate = {t: f"{generic[t].gflops:.1f}" if generic[t] else "-" for t in counts}
@@ -402,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.set_defaults(run=_cmd_model)
     run = sub.add_parser("run", help="serve a built-in network's layers with ttile on this "
                                      "CPU: what serves each, checked and timed")
-    run.add_argument("--network", default="resnet18", choices=("resnet18", "yolo9000"))
+    run.add_argument("--network", default="resnet18", choices=("resnet18", "yolo9000", "mobilenet_v2"))
     run.add_argument("--threads", type=int, default=1)
     run.add_argument("--reps", type=int, default=5, help="timed calls per layer")
     run.add_argument("--tuning", default="never", choices=("never", "now"),

@@ -1,4 +1,5 @@
-"""Benchmark layers of the TTile paper (Fig. 8): Yolo9000 and ResNet18, batch 1.
+"""Built-in networks: the TTile paper's benchmark layers (Fig. 8: Yolo9000 and ResNet18)
+and MobileNetV2's convolutions, batch 1.
 
 Sizes are (K, C, H=W, R=S) as printed in the paper; H is the input size. Layers marked
 with * in the paper have stride 2. Padding is R // 2 on every side: 'same' for the
@@ -21,12 +22,23 @@ class Layer:
     hw: int
     rs: int
     stride: int = 1
+    groups: int = 1   # == c == k: a depthwise layer
+
+    @property
+    def depthwise(self) -> bool:
+        return self.groups > 1 and self.groups == self.c == self.k
 
     def spec(self, batch: int = 1) -> ConvSpec:
+        """One group's problem (the whole layer when groups is 1)."""
         pad = self.rs // 2
-        return ConvSpec(n=batch, k=self.k, c=self.c, h=self.hw, w=self.hw, r=self.rs,
-                        s=self.rs, stride_h=self.stride, stride_w=self.stride,
-                        pad_top=pad, pad_bottom=pad, pad_left=pad, pad_right=pad)
+        return ConvSpec(n=batch, k=self.k // self.groups, c=self.c // self.groups, h=self.hw,
+                        w=self.hw, r=self.rs, s=self.rs, stride_h=self.stride,
+                        stride_w=self.stride, pad_top=pad, pad_bottom=pad, pad_left=pad,
+                        pad_right=pad)
+
+    @property
+    def flops(self) -> int:
+        return self.spec().flops * self.groups
 
 
 YOLO9000: tuple[Layer, ...] = (
@@ -58,9 +70,45 @@ RESNET18: tuple[Layer, ...] = (
     Layer("ResNet18-12", 512, 512, 7, 3),
 )
 
-NETWORKS: dict[str, tuple[Layer, ...]] = {"yolo9000": YOLO9000, "resnet18": RESNET18}
 
-ALL_LAYERS: tuple[Layer, ...] = YOLO9000 + RESNET18
+
+def _mobilenet_v2() -> tuple[Layer, ...]:
+    """MobileNetV2 (Sandler et al. 2018, Table 2) at 224x224: each distinct convolution
+    once, in network order - the stem, then per bottleneck the 1x1 expansion, the 3x3
+    depthwise and the 1x1 projection - and the last 1x1 (the classifier is a matrix
+    product, not a convolution)."""
+    layers: list[Layer] = [Layer("MobileNetV2-0", 32, 3, 224, 3, stride=2)]
+    seen: set[tuple] = set()
+
+    def add(kind: str, k: int, c: int, hw: int, rs: int, stride: int, groups: int = 1):
+        key = (k, c, hw, rs, stride, groups)
+        if key not in seen:
+            seen.add(key)
+            layers.append(Layer(f"MobileNetV2-{len(layers)}-{kind}", k, c, hw, rs, stride,
+                                groups))
+
+    channels, size = 32, 112
+    for t, c, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                       (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)):
+        for i in range(n):
+            stride = s if i == 0 else 1
+            hidden = channels * t
+            if t != 1:
+                add("expand", hidden, channels, size, 1, 1)
+            add("dw", hidden, hidden, size, 3, stride, groups=hidden)
+            size = (size - 1) // stride + 1
+            add("project", c, hidden, size, 1, 1)
+            channels = c
+    add("last", 1280, channels, size, 1, 1)
+    return tuple(layers)
+
+
+MOBILENET_V2: tuple[Layer, ...] = _mobilenet_v2()
+
+NETWORKS: dict[str, tuple[Layer, ...]] = {"yolo9000": YOLO9000, "resnet18": RESNET18,
+                                          "mobilenet_v2": MOBILENET_V2}
+
+ALL_LAYERS: tuple[Layer, ...] = YOLO9000 + RESNET18 + MOBILENET_V2
 
 
 def layer(name: str) -> Layer:

@@ -1,8 +1,14 @@
 """``ttile.conv2d``: argument checking, layout handling and kernel dispatch.
 
-The semantics are those of ``torch.nn.functional.conv2d`` with bias=None, dilation=1,
-groups=1. Everything a caller can get wrong is caught here with a ValueError or
-TypeError that names the problem, before any pointer reaches C.
+The semantics are those of ``torch.nn.functional.conv2d`` (bias, stride, padding,
+dilation, groups), plus an epilogue fused into the kernels' output store:
+``act(conv + bias + residual)``. Everything a caller can get wrong is caught here with a
+ValueError or TypeError that names the problem, before any pointer reaches C and before
+anything is written to ``out``.
+
+Three kernel families serve a call (``_CallPlan.family``): the dense one (groups 1:
+tuned, run-time tuned or generic kernels), the depthwise kernel (groups == channels, one
+output channel each) and the generic kernel's grouped form (any other grouping).
 
 Kept free of heavy imports: this is the hot path of every call.
 """
@@ -11,12 +17,13 @@ from __future__ import annotations
 import operator
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional, Union
 
 import numpy as np
 
 from .. import _kernels
-from ..core.kinds import Isa, KernelKind
+from ..core.kinds import Activation, Isa, KernelKind
 from ..core.spec import ConvSpec
 from . import dispatch, registry
 from .scratch import scratch
@@ -144,7 +151,8 @@ def _as_float32(array, name: str) -> np.ndarray:
     return np.require(array, dtype=np.float32, requirements=("C", "A"))
 
 
-def _padding(padding, r: int, s: int, stride: tuple[int, int]) -> tuple[int, int, int, int]:
+def _padding(padding, r: int, s: int, stride: tuple[int, int],
+             dilation: tuple[int, int] = (1, 1)) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) for torch's padding argument."""
     if isinstance(padding, str):
         if padding == "valid":
@@ -153,8 +161,9 @@ def _padding(padding, r: int, s: int, stride: tuple[int, int]) -> tuple[int, int
             if stride != (1, 1):
                 raise ValueError("padding='same' is not supported for strided convolutions "
                                  "(as in torch); pass explicit padding instead")
-            top, left = (r - 1) // 2, (s - 1) // 2
-            return top, r - 1 - top, left, s - 1 - left
+            total_h, total_w = (r - 1) * dilation[0], (s - 1) * dilation[1]
+            top, left = total_h // 2, total_w // 2
+            return top, total_h - top, left, total_w - left
         raise ValueError(f"padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
     ph, pw = _as_pair(padding, "padding", 0)
     return ph, ph, pw, pw
@@ -171,9 +180,18 @@ def _threads(threads) -> int:
     return count
 
 
+def _groups(groups) -> int:
+    count = _strict_int(groups, f"groups must be a positive int, got {groups!r}")
+    if count < 1:
+        raise ValueError(f"groups must be >= 1, got {count}")
+    return count
+
+
 def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPair = 1,
-              padding: Union[IntPair, str] = 0, layout: str = "NCHW") -> ConvSpec:
-    """The ConvSpec of a conv2d call, checking ranks, channels and sizes."""
+              padding: Union[IntPair, str] = 0, layout: str = "NCHW",
+              dilation: IntPair = 1, groups: int = 1) -> ConvSpec:
+    """The ConvSpec of a conv2d call - of one group's convolution when ``groups`` > 1 -
+    checking ranks, channels and sizes."""
     if layout not in ("NCHW", "NHWC"):
         raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
     if len(x_shape) != 4:
@@ -191,31 +209,66 @@ def make_spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: IntPai
         r, s, wc, k = w_shape
     if 0 in x_shape or 0 in w_shape:
         raise ValueError(f"zero-size dimension: input {tuple(x_shape)}, weights {tuple(w_shape)}")
-    if wc != c:
-        raise ValueError(f"channel mismatch: input has {c} channels, weights expect {wc}")
+    g = _groups(groups)
+    if c % g:
+        raise ValueError(f"input channels ({c}) are not divisible by groups ({g})")
+    if k % g:
+        raise ValueError(f"output channels ({k}) are not divisible by groups ({g})")
+    if wc * g != c:
+        if g == 1:
+            raise ValueError(f"channel mismatch: input has {c} channels, weights expect {wc}")
+        raise ValueError(f"channel mismatch: input has {c} channels, {g} groups of weights "
+                         f"with {wc} each expect {wc * g}")
     sh, sw = _as_pair(stride, "stride", 1)
-    pt, pb, pl, pr = _padding(padding, r, s, (sh, sw))
-    if h + pt + pb < r or w + pl + pr < s:
-        raise ValueError(f"kernel {r}x{s} is larger than the padded input "
+    dh, dw = _as_pair(dilation, "dilation", 1)
+    pt, pb, pl, pr = _padding(padding, r, s, (sh, sw), (dh, dw))
+    span_h, span_w = (r - 1) * dh + 1, (s - 1) * dw + 1
+    if h + pt + pb < span_h or w + pl + pr < span_w:
+        raise ValueError(f"kernel {span_h}x{span_w} (dilated) is larger than the padded input "
                          f"{h + pt + pb}x{w + pl + pr}")
-    return ConvSpec(n=n, k=k, c=c, h=h, w=w, r=r, s=s, stride_h=sh, stride_w=sw,
-                    pad_top=pt, pad_bottom=pb, pad_left=pl, pad_right=pr)
+    return ConvSpec(n=n, k=k // g, c=wc, h=h, w=w, r=r, s=s, stride_h=sh, stride_w=sw,
+                    pad_top=pt, pad_bottom=pb, pad_left=pl, pad_right=pr,
+                    dilation_h=dh, dilation_w=dw)
+
+
+class Family(Enum):
+    """Which kernels can serve a call (see the module docstring)."""
+
+    DENSE = "dense"            # groups 1: tuned, run-time tuned or generic
+    DEPTHWISE = "depthwise"    # groups == channels, one output channel per group
+    GROUPED = "grouped"        # any other grouping: the generic kernel, group by group
 
 
 @dataclass(frozen=True)
 class _CallPlan:
     """What conv2d derives from a call's shapes and options, computed once per signature.
 
-    ``choices`` remembers, per (thread count, ISA, tuned kernels on?), the kernel that
-    serves the call once that is final (a background tuning may still replace a
-    provisional choice).
+    ``spec`` is one group's problem; ``out_shape`` the whole output in the call's layout.
+    ``choices`` remembers, per (thread count, ISA, tuned kernels on?, per call?), the
+    kernel that serves the call once that is final (a background tuning may still
+    replace a provisional choice).
     """
 
     spec: ConvSpec
     layout: str
     out_shape: tuple[int, int, int, int]
     max_threads: int
+    groups: int = 1
+    family: "Family" = None  # set in __post_init__
     choices: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.groups == 1:
+            family = Family.DENSE
+        elif self.spec.c == 1 and self.spec.k == 1:
+            family = Family.DEPTHWISE
+        else:
+            family = Family.GROUPED
+        object.__setattr__(self, "family", family)
+
+    @property
+    def channels_out(self) -> int:
+        return self.spec.k * self.groups
 
     def fit(self, threads: int) -> int:
         """The threads a call of this problem uses when ``threads`` are asked for: no
@@ -255,21 +308,27 @@ def _exact_key(value):
     return None
 
 
-def _plan(x_shape, w_shape, stride, padding, layout) -> _CallPlan:
+def _plan(x_shape, w_shape, stride, padding, layout, dilation=1, groups=1) -> _CallPlan:
     stride_key, padding_key = _exact_key(stride), _exact_key(padding)
+    dilation_key = _exact_key(dilation)
     key = None
-    if stride_key is not None and padding_key is not None and type(layout) is str:
-        key = (x_shape, w_shape, stride_key, padding_key, layout)
+    if stride_key is not None and padding_key is not None and dilation_key is not None \
+            and type(layout) is str and type(groups) is int:
+        key = (x_shape, w_shape, stride_key, padding_key, layout, dilation_key, groups)
         plan = _plans.get(key)
         if plan is not None:
             return plan
-    spec = make_spec(x_shape, w_shape, stride, padding, layout)
-    out_bytes = 4 * spec.n * spec.k * spec.ho * spec.wo
+    spec = make_spec(x_shape, w_shape, stride, padding, layout, dilation, groups)
+    g = _groups(groups)
+    k = spec.k * g
+    out_bytes = 4 * spec.n * k * spec.ho * spec.wo
     if out_bytes > _memory_limit_bytes():
-        raise ValueError(f"output of shape ({spec.n}, {spec.k}, {spec.ho}, {spec.wo}) needs "
+        raise ValueError(f"output of shape ({spec.n}, {k}, {spec.ho}, {spec.wo}) needs "
                          f"{out_bytes / 2**30:.1f} GiB, more than this machine's memory")
-    plan = _CallPlan(spec, layout, spec.output_shape(),
-                     max(1, spec.flops // MIN_FLOPS_PER_THREAD))
+    out_shape = ((spec.n, k, spec.ho, spec.wo) if layout == "NCHW"
+                 else (spec.n, spec.ho, spec.wo, k))
+    plan = _CallPlan(spec, layout, out_shape,
+                     max(1, spec.flops * g // MIN_FLOPS_PER_THREAD), g)
     if key is not None and len(_plans) < _MAX_PLANS:
         _plans[key] = plan
     return plan
@@ -282,63 +341,191 @@ def _choice(plan: _CallPlan, nthreads: int, per_call: bool = True) -> dispatch.K
     cache_key = (nthreads, isa, _use_tuned, per_call)
     choice = plan.choices.get(cache_key)
     if choice is None:
-        choice = dispatch.for_call(
-            dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned),
-            plan.spec, plan.layout, per_call, nthreads, isa)
+        choice = _family_choice(plan, isa)
+        if choice is None:
+            choice = dispatch.for_call(
+                dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned),
+                plan.spec, plan.layout, per_call, nthreads, isa)
         if choice.final:
             plan.choices[cache_key] = choice
     return choice
 
 
-def _run(choice: dispatch.KernelChoice, spec: ConvSpec, x: np.ndarray, weights: np.ndarray,
-         y: np.ndarray, nthreads: int) -> None:
-    """Run ``choice`` on NHWC x into y; ``weights`` are packed for ``choice.panel`` (RSCK
-    for panel 0)."""
-    kind = choice.kind
+def _family_choice(plan: _CallPlan, isa: Isa) -> Optional[dispatch.KernelChoice]:
+    """The kernel of a depthwise or grouped call (None for a dense one: dispatch decides)."""
+    if plan.family is Family.DENSE:
+        return None
+    if plan.family is Family.DEPTHWISE and isa is Isa.AVX512F:
+        return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec, panel=0,
+                                     note="the depthwise kernel (channels in the vector "
+                                          "lanes)")
+    return dispatch.generic_choice(isa, plan.spec, f"the generic kernel, {plan.groups} groups")
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """The epilogue of one call, checked: what the kernels fuse into their store."""
+
+    bias: Optional[np.ndarray] = None      # float32, (K,)
+    residual: Optional[np.ndarray] = None  # float32, the output's shape and layout
+    activation: Activation = Activation.NONE
+    negative_slope: float = 0.01
+
+    def kwargs(self, residual: Optional[np.ndarray] = None) -> dict:
+        """Keyword arguments of the _kernels entry points (``residual`` replaces the
+        call's, when the kernel writes another layout)."""
+        return {"bias": self.bias,
+                "residual": self.residual if residual is None else residual,
+                "activation": self.activation.code, "slope": self.negative_slope}
+
+
+_BARE = _Fused()
+
+
+def _activation(activation) -> Activation:
+    if activation is None:
+        return Activation.NONE
+    if isinstance(activation, Activation):
+        return activation
+    if isinstance(activation, str):
+        try:
+            return Activation(activation)
+        except ValueError:
+            pass
+    names = ", ".join(repr(a.value) for a in Activation if a is not Activation.NONE)
+    raise ValueError(f"unknown activation {activation!r}; expected None or one of {names}")
+
+
+def _slope(negative_slope) -> float:
+    if isinstance(negative_slope, (bool, np.bool_)) or not isinstance(
+            negative_slope, (int, float, np.integer, np.floating)):
+        raise TypeError(f"negative_slope must be a real number, got {negative_slope!r}")
+    value = float(negative_slope)
+    if not np.isfinite(value):
+        raise ValueError(f"negative_slope must be finite, got {negative_slope!r}")
+    return value
+
+
+def _bias(bias, channels: int) -> Optional[np.ndarray]:
+    if bias is None:
+        return None
+    array = _as_float32(bias, "bias")
+    if array.ndim != 1 or array.shape[0] != channels:
+        raise ValueError(f"bias must have shape ({channels},) (one value per output "
+                         f"channel), got {array.shape}")
+    return array
+
+
+def _fused(plan: _CallPlan, bias, residual, activation, negative_slope) -> _Fused:
+    if bias is None and residual is None and activation is None:
+        return _BARE
+    fused_residual = None
+    if residual is not None:
+        fused_residual = _as_float32(residual, "residual")
+        if fused_residual.shape != plan.out_shape:
+            raise ValueError(f"residual must have the output's shape {plan.out_shape} "
+                             f"({plan.layout}), got {fused_residual.shape}")
+    return _Fused(_bias(bias, plan.channels_out), fused_residual, _activation(activation),
+                  _slope(negative_slope))
+
+
+def _out(out, plan: _CallPlan, *inputs) -> Optional[np.ndarray]:
+    """The caller's ``out`` checked (None: allocate); refused when it overlaps an input."""
+    if out is None:
+        return None
+    if type(out) is not np.ndarray:
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.dtype != _FLOAT32:
+        raise TypeError(f"out must be float32, got {out.dtype}")
+    if out.shape != plan.out_shape:
+        raise ValueError(f"out must have the output's shape {plan.out_shape} ({plan.layout}), "
+                         f"got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.aligned:
+        raise ValueError("out must be C-contiguous and aligned")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    for name, array in inputs:
+        if array is not None and np.may_share_memory(out, array):
+            raise ValueError(f"out overlaps the {name}: the kernels would read what they "
+                             f"have already written")
+    return out
+
+
+def _nhwc_shape(plan: _CallPlan) -> tuple[int, int, int, int]:
+    spec = plan.spec
+    return (spec.n, spec.ho, spec.wo, plan.channels_out)
+
+
+def _generic_args(spec: ConvSpec) -> tuple:
+    return (spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left)
+
+
+def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights: np.ndarray,
+         y: np.ndarray, nthreads: int, fused: dict) -> None:
+    """Run ``choice`` on NHWC x into NHWC y with the epilogue ``fused`` (_Fused.kwargs);
+    ``weights`` are in the kernel's format (panels of ``choice.panel``, RSCK for panel 0;
+    (R, S, 1, C) for the depthwise kernel; KCRS for the AVX-512 grouped kernel)."""
+    kind, spec = choice.kind, plan.spec
+    dilation = {"dil_h": spec.dilation_h, "dil_w": spec.dilation_w}
     if kind is KernelKind.TUNED:
-        _kernels.run_tuned(choice.index, x, weights, y, nthreads)
+        _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused)
     elif kind is KernelKind.JIT:
         # The kernel's sizes are those of the problem it was compiled for: the arrays
         # are checked against that problem, not against themselves.
         problem = choice.problem
         _kernels.run_compiled(choice.address, x, weights, y, nthreads, problem.input_shape(),
                               problem.packed_weight_shape(choice.panel),
-                              problem.output_shape())
+                              problem.output_shape(), **fused)
+    elif kind is KernelKind.DEPTHWISE:
+        _kernels.conv2d_depthwise(x, weights, y, *_generic_args(spec), nthreads, **dilation,
+                                  **fused)
     elif choice.panel:
-        _kernels.conv2d_generic_packed(x, weights, y, spec.stride_h, spec.stride_w,
-                                       spec.pad_top, spec.pad_left, nthreads)
+        # 4-D weights: RSCK for a dense NHWC call, KCRS for NCHW and grouped calls
+        kcrs = weights.ndim == 4 and (plan.family is not Family.DENSE or plan.layout == "NCHW")
+        _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, False,
+                                       kcrs, groups=plan.groups, **dilation, **fused)
     else:
-        _kernels.conv2d_generic_nhwc(x, weights, y, spec.stride_h, spec.stride_w,
-                                     spec.pad_top, spec.pad_left, nthreads,
-                                     _kernels.ISA_PORTABLE)
+        _kernels.conv2d_generic_nhwc(x, weights, y, *_generic_args(spec), nthreads,
+                                     _kernels.ISA_PORTABLE, groups=plan.groups, **dilation,
+                                     **fused)
 
 
 def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
-             weights: np.ndarray, nthreads: int) -> np.ndarray:
+             weights: np.ndarray, nthreads: int, fused: _Fused = _BARE,
+             out: Optional[np.ndarray] = None) -> np.ndarray:
     """Run ``choice`` on input ``x`` in the plan's layout with weights already in the
-    kernel's format; returns the output. An NCHW input is converted to NHWC by one
-    blocked, parallel pass into a per-thread scratch buffer; the generic kernel writes
-    the NCHW output directly, other kernels' NHWC output is converted back by a second
-    pass."""
-    if plan.layout == "NCHW":
-        spec, isa = plan.spec, _layout_isa()
-        x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()), isa)
-        if choice.kind is KernelKind.GENERIC and choice.panel:
-            # the AVX-512 generic kernel writes NCHW from its tiles: no second pass; it
-            # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
-            y = np.empty((spec.n, spec.k, spec.ho, spec.wo), dtype=_FLOAT32)
-            _kernels.conv2d_generic_packed(x, weights, y, spec.stride_h, spec.stride_w,
-                                           spec.pad_top, spec.pad_left, nthreads, True,
-                                           weights.ndim == 4)
-            return y
-        y = scratch("y", plan.out_shape)
-        if y is None:
-            y = np.empty(plan.out_shape, dtype=_FLOAT32)
-        _run(choice, spec, x, weights, y, nthreads)
-        return _kernels.nhwc_to_nchw(y, nthreads, None, isa)
-    y = np.empty(plan.out_shape, dtype=_FLOAT32)
-    _run(choice, plan.spec, x, weights, y, nthreads)
-    return y
+    kernel's format, the epilogue fused; returns the output (``out`` when given).
+
+    An NCHW input is converted to NHWC by one blocked, parallel pass into a per-thread
+    scratch buffer; the AVX-512 generic kernel writes the NCHW output directly (and takes
+    the NCHW residual as it is), other kernels' NHWC output is converted back by a second
+    pass (and an NCHW residual converted for them first)."""
+    spec = plan.spec
+    if plan.layout == "NHWC":
+        y = out if out is not None else np.empty(plan.out_shape, dtype=_FLOAT32)
+        _run(choice, plan, x, weights, y, nthreads, fused.kwargs())
+        return y
+    isa = _layout_isa()
+    x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
+                                                   + (spec.c * plan.groups,)), isa)
+    if choice.kind is KernelKind.GENERIC and choice.panel:
+        # the AVX-512 generic kernel writes NCHW from its tiles: no second pass; it
+        # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
+        y = out if out is not None else np.empty(plan.out_shape, dtype=_FLOAT32)
+        _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
+                                       weights.ndim == 4, groups=plan.groups,
+                                       dil_h=spec.dilation_h, dil_w=spec.dilation_w,
+                                       **fused.kwargs())
+        return y
+    nhwc = _nhwc_shape(plan)
+    residual = None
+    if fused.residual is not None:
+        residual = _kernels.nchw_to_nhwc(fused.residual, nthreads, scratch("r", nhwc), isa)
+    y = scratch("y", nhwc)
+    if y is None:
+        y = np.empty(nhwc, dtype=_FLOAT32)
+    _run(choice, plan, x, weights, y, nthreads, fused.kwargs(residual))
+    return _kernels.nhwc_to_nchw(y, nthreads, out, isa)
 
 
 def _layout_isa() -> Optional[int]:
@@ -346,8 +533,22 @@ def _layout_isa() -> Optional[int]:
     return _kernels.ISA_PORTABLE if get_isa() is Isa.PORTABLE else None
 
 
-def _pack_per_call(w: np.ndarray, layout: str, spec: ConvSpec, choice: dispatch.KernelChoice,
-                   nthreads: int) -> np.ndarray:
+def family_weights(w: np.ndarray, layout: str, plan: _CallPlan,
+                   choice: dispatch.KernelChoice) -> Optional[np.ndarray]:
+    """The weights of a depthwise or grouped call in its kernel's format (None for a
+    dense call): (R, S, 1, C) for the depthwise kernel, KCRS for the AVX-512 generic
+    kernel (its threads pack each group's panels), RSCK for the portable one."""
+    if plan.family is Family.DENSE:
+        return None
+    if choice.kind is KernelKind.DEPTHWISE:
+        return w if layout == "NHWC" else np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+    if choice.panel:  # KCRS (K, C/groups, R, S)
+        return w if layout == "NCHW" else np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+    return np.ascontiguousarray(w.transpose(2, 3, 1, 0)) if layout == "NCHW" else w
+
+
+def _pack_per_call(w: np.ndarray, layout: str, plan: _CallPlan,
+                   choice: dispatch.KernelChoice, nthreads: int) -> np.ndarray:
     """The weights of one call in the kernel's format (panels of width ``panel``, or RSCK
     for 0), packed in one parallel pass into this thread's scratch buffer: KCRS straight
     into panels for NCHW, RSCK into panels for NHWC (RSCK already is the format of
@@ -355,7 +556,10 @@ def _pack_per_call(w: np.ndarray, layout: str, spec: ConvSpec, choice: dispatch.
     they are (RSCK, or KCRS): its threads pack the panels they use into buffers of their own,
     so the weights are read once instead of read, written and read back (ResNet18-12 per
     call at 2 threads, caches cold: 1.35 ms packed beforehand against 0.73 pre-packed)."""
-    panel = choice.panel
+    grouped = family_weights(w, layout, plan, choice)
+    if grouped is not None:
+        return grouped
+    spec, panel = plan.spec, choice.panel
     if choice.kind is KernelKind.GENERIC and panel:
         return w  # RSCK or KCRS: the kernel's threads pack what they use
     if layout == "NCHW":
@@ -368,20 +572,33 @@ def _pack_per_call(w: np.ndarray, layout: str, spec: ConvSpec, choice: dispatch.
                                  scratch("w", spec.packed_weight_shape(panel)))
 
 
-def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
-           layout: str = "NCHW", threads: int | None = None) -> np.ndarray:
-    """2D convolution with the semantics of ``torch.nn.functional.conv2d`` (no bias).
+def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
+           dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
+           threads: int | None = None, activation: Optional[str] = None,
+           negative_slope: float = 0.01, residual=None, out=None) -> np.ndarray:
+    """2D convolution with the semantics of ``torch.nn.functional.conv2d``, and an
+    epilogue fused into the kernel's output store: ``act(conv(x, w) + bias + residual)``.
 
     Args:
         x: input, (N, C, H, W) for layout "NCHW" or (N, H, W, C) for "NHWC".
-        w: weights, (K, C, R, S) for "NCHW" or (R, S, C, K) for "NHWC".
+        w: weights, (K, C/groups, R, S) for "NCHW" or (R, S, C/groups, K) for "NHWC".
+        bias: None or (K,) values added to each output channel.
         stride: int or (sh, sw), >= 1.
         padding: int, (ph, pw), "same" (stride 1 only; the odd extra row/column goes to
             the bottom/right, as in torch) or "valid".
+        dilation: int or (dh, dw), >= 1: the spacing of the kernel's taps.
+        groups: input and output channels are split into this many groups, each
+            convolved with its own weights (groups == C: depthwise).
         layout: "NCHW" (default) or "NHWC", the kernels' native layout: NHWC runs with
             no transposition.
         threads: number of threads, default all CPUs this process may use; a small
             problem uses fewer (one thread per 4 MFLOP of work at most).
+        activation: None, "relu", "relu6", "leaky_relu" (with ``negative_slope``),
+            "silu" or "sigmoid", applied last.
+        residual: None or an array of the output's shape (in ``layout``) added before
+            the activation (a ResNet shortcut).
+        out: None, or a C-contiguous float32 array of the output's shape written in
+            place and returned (it must not overlap x, w, bias or residual).
 
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
@@ -394,31 +611,39 @@ def conv2d(x, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
         float16, float64 and integer inputs are converted to float32.
 
     Raises:
-        ValueError: wrong ranks or channels, zero sizes, bad stride/padding/threads,
-            kernel larger than the padded input, output too large for memory.
-        TypeError: non-numeric, bool or complex data; non-integer stride or padding.
+        ValueError: wrong ranks or channels, channels not divisible by groups, zero
+            sizes, bad stride/padding/dilation/threads, kernel larger than the padded
+            input, bias/residual/out of the wrong shape, out overlapping an input, an
+            unknown activation, output too large for memory. Nothing is written to
+            ``out`` then.
+        TypeError: non-numeric, bool or complex data; non-integer stride or padding;
+            ``out`` not a float32 numpy array.
     """
     x_arr = _as_float32(x, "input")
     w_arr = _as_float32(w, "weights")
-    plan = _plan(x_arr.shape, w_arr.shape, stride, padding, layout)
+    plan = _plan(x_arr.shape, w_arr.shape, stride, padding, layout, dilation, groups)
+    fused = _fused(plan, bias, residual, activation, negative_slope)
+    y = _out(out, plan, ("input", x_arr), ("weights", w_arr), ("bias", fused.bias),
+             ("residual", fused.residual))
     nthreads = plan.fit(threads if type(threads) is int and 0 < threads <= MAX_THREADS
                         else _threads(threads))
     choice = _choice(plan, nthreads)
-
-    weights = _pack_per_call(w_arr, plan.layout, plan.spec, choice, nthreads)
-    return _execute(plan, choice, x_arr, weights, nthreads)
+    weights = _pack_per_call(w_arr, plan.layout, plan, choice, nthreads)
+    return _execute(plan, choice, x_arr, weights, nthreads, fused, y)
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     """Which kernel serves a call, as :func:`plan` reports it.
 
-    kind: "tuned" (compiled into ttile), "jit" (tuned on this machine, from the cache)
-    or "generic". ``tuned_cpu`` / ``tuned_threads`` name the CPU and thread count the
-    kernel (or the verdict for the generic kernel) was measured at. ``scheme`` and
-    ``microkernels`` are in the paper's notation (empty for the generic kernel);
-    ``expected_gflops`` is what the kernel measured when it was
-    tuned (None when unknown); ``note`` says why this kernel was chosen.
+    kind: "tuned" (compiled into ttile), "jit" (tuned on this machine, from the cache),
+    "generic" or "depthwise". ``tuned_cpu`` / ``tuned_threads`` name the CPU and thread
+    count the kernel (or the verdict for the generic kernel) was measured at. ``scheme``
+    and ``microkernels`` are in the paper's notation (empty for the hand-written
+    kernels); ``expected_gflops`` is what the kernel measured when it was tuned (None
+    when unknown); ``note`` says why this kernel was chosen. ``problem`` is one group's
+    convolution (``groups`` of them side by side); ``epilogue`` what is fused into the
+    store ("" for none, else e.g. "bias+residual+relu").
     """
 
     kind: KernelKind
@@ -431,11 +656,14 @@ class KernelPlan:
     note: str
     tuned_cpu: Optional[str] = None      # the CPU a tuned/JIT kernel (or verdict) was measured on
     tuned_threads: Optional[int] = None  # and the thread count
+    groups: int = 1
+    epilogue: str = ""
 
 
-def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
-         layout: str = "NCHW", threads: int | None = None, *,
-         prepacked: bool = False) -> KernelPlan:
+def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
+         dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
+         threads: int | None = None, activation: Optional[str] = None,
+         negative_slope: float = 0.01, residual=None, prepacked: bool = False) -> KernelPlan:
     """Which kernel ``conv2d`` would use for these shapes and options - or, with
     ``prepacked``, a ``Conv2d`` with these weights (a searched kernel that a per-call
     call would have to pack weights for may lose to the generic kernel there, see
@@ -443,20 +671,39 @@ def plan(x_shape, w_shape, stride: IntPair = 1, padding: Union[IntPair, str] = 0
     an earlier tuning is reported as "jit").
 
     ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
-    (sequences of ints). Raises what ``conv2d`` would raise for them.
+    (sequences of ints); ``bias`` and ``residual`` may be arrays or their shapes. Raises
+    what ``conv2d`` would raise for them.
     """
     x_dims = _shape_tuple(x_shape, "x_shape")
     w_dims = _shape_tuple(w_shape, "w_shape")
-    call = _plan(x_dims, w_dims, stride, padding, layout)
+    call = _plan(x_dims, w_dims, stride, padding, layout, dilation, groups)
+    bias_dims = None if bias is None else _shape_tuple(getattr(bias, "shape", bias), "bias")
+    if bias_dims is not None and bias_dims != (call.channels_out,):
+        raise ValueError(f"bias must have shape ({call.channels_out},) (one value per output "
+                         f"channel), got {bias_dims}")
+    residual_dims = (None if residual is None
+                     else _shape_tuple(getattr(residual, "shape", residual), "residual"))
+    if residual_dims is not None and residual_dims != call.out_shape:
+        raise ValueError(f"residual must have the output's shape {call.out_shape} "
+                         f"({call.layout}), got {residual_dims}")
+    act = _activation(activation)
+    _slope(negative_slope)
     nthreads = call.fit(_threads(threads))
     isa = get_isa()
     per_call = not prepacked
-    choice = call.choices.get((nthreads, isa, _use_tuned, per_call)) or dispatch.for_call(
-        dispatch.choose(call.spec, layout, nthreads, isa, _use_tuned, tune=False),
-        call.spec, layout, per_call, nthreads, isa)
+    choice = (call.choices.get((nthreads, isa, _use_tuned, per_call))
+              or _family_choice(call, isa)
+              or dispatch.for_call(
+                  dispatch.choose(call.spec, call.layout, nthreads, isa, _use_tuned,
+                                  tune=False),
+                  call.spec, call.layout, per_call, nthreads, isa))
+    parts = [name for name, given in (("bias", bias_dims), ("residual", residual_dims))
+             if given is not None]
+    if act is not Activation.NONE:
+        parts.append(act.value)
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
                       nthreads, isa, call.spec, choice.note, choice.tuned_cpu,
-                      choice.tuned_threads)
+                      choice.tuned_threads, call.groups, "+".join(parts))
 
 
 def _shape_tuple(shape, name: str) -> tuple[int, ...]:

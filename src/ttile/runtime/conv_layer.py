@@ -9,30 +9,36 @@ JIT kernel's own), made on first use and shared by every later call and thread.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Optional, Union
 
 import numpy as np
 
 from .. import _kernels
-from .api import (IntPair, _as_float32, _as_pair, _choice, _execute, _padding, _plan,
-                  _threads)
+from .api import (Family, IntPair, _as_float32, _choice, _execute, _fused, _out, _plan,
+                  _as_pair, _threads, family_weights)
 
 
 class Conv2d:
-    """Callable convolution with fixed weights (no bias), like ``torch.nn.Conv2d``.
+    """Callable convolution with fixed weights and bias, like ``torch.nn.Conv2d``.
 
     Args:
-        w: weights, (K, C, R, S) for layout "NCHW" or (R, S, C, K) for "NHWC".
-        stride, padding, layout: as for :func:`ttile.conv2d`.
+        w: weights, (K, C/groups, R, S) for layout "NCHW" or (R, S, C/groups, K) for
+            "NHWC".
+        bias, stride, padding, dilation, groups, layout, activation, negative_slope: as
+            for :func:`ttile.conv2d`.
         threads: default thread count of calls (None: all CPUs this process may use).
 
-    ``layer(x)`` (or ``layer(x, threads=n)``) returns ``conv2d(x, w, ...)``. The weights
-    are copied: changing the array passed in later does not change the layer. Calls
-    from several threads at once are safe; the kernel runs without the GIL.
+    ``layer(x)`` (or ``layer(x, threads=n, residual=r, out=y)``) returns
+    ``conv2d(x, w, bias, ...)``. The weights and bias are copied: changing the arrays
+    passed in later does not change the layer. Calls from several threads at once are
+    safe; the kernel runs without the GIL.
     """
 
-    def __init__(self, w, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
-                 layout: str = "NCHW", threads: Optional[int] = None):
+    def __init__(self, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
+                 dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
+                 threads: Optional[int] = None, activation: Optional[str] = None,
+                 negative_slope: float = 0.01):
         weights = _as_float32(w, "weights")
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
@@ -42,20 +48,38 @@ class Conv2d:
                              f"{weights.ndim}: shape {weights.shape}")
         if 0 in weights.shape:
             raise ValueError(f"zero-size dimension in weights {weights.shape}")
-        if layout == "NCHW":
-            rsck = _kernels.pack_weights_kcrs(weights, 0, _threads(None))
+        # Everything but the input's size is checked now, so a bad layer fails where it
+        # is made: a stand-in input as large as the dilated kernel.
+        wc = weights.shape[1] if layout == "NCHW" else weights.shape[2]
+        r, s = weights.shape[2:] if layout == "NCHW" else weights.shape[:2]
+        channels = wc * groups if type(groups) is int and groups > 0 else wc
+        dh, dw = _as_pair(dilation, "dilation", 1)
+        probe_h, probe_w = 1 + (r - 1) * dh, 1 + (s - 1) * dw
+        probe = ((1, channels, probe_h, probe_w) if layout == "NCHW"
+                 else (1, probe_h, probe_w, channels))
+        probe_plan = _plan(probe, tuple(weights.shape), stride, padding, layout, dilation,
+                           groups)
+        self._fused = _fused(probe_plan, bias, None, activation, negative_slope)
+        if self._fused.bias is not None:
+            self._fused = replace(self._fused, bias=self._fused.bias.copy())
+            self._fused.bias.flags.writeable = False
+        if probe_plan.family is Family.DENSE:
+            rsck = (_kernels.pack_weights_kcrs(weights, 0, _threads(None))
+                    if layout == "NCHW" else weights.copy())
         else:
-            rsck = weights.copy()
+            rsck = weights.copy()   # the family's format is made on first use
         rsck.flags.writeable = False
-        # Stride and padding are checked now, so a bad layer fails where it is made.
-        _padding(padding, rsck.shape[0], rsck.shape[1], _as_pair(stride, "stride", 1))
         self._rsck = rsck
         self._w_shape = tuple(weights.shape)
         self.stride = stride
         self.padding = padding
+        self.dilation = dilation
+        self.groups = groups
         self.layout = layout
+        self.activation = activation
+        self.negative_slope = negative_slope
         self.threads = None if threads is None else _threads(threads)
-        self._packed: dict[int, np.ndarray] = {}
+        self._packed: dict = {}
         self._lock = threading.Lock()
 
     @property
@@ -63,28 +87,45 @@ class Conv2d:
         """Shape of the weights as given (in the layer's layout)."""
         return self._w_shape
 
-    def _weights_for(self, panel: int) -> np.ndarray:
-        if panel == 0:
-            return self._rsck
-        packed = self._packed.get(panel)
-        if packed is None:
-            with self._lock:
-                packed = self._packed.get(panel)
-                if packed is None:
-                    packed = _kernels.pack_weights(self._rsck, panel, _threads(None))
-                    packed.flags.writeable = False
-                    self._packed[panel] = packed
+    def _weights_for(self, plan, choice) -> np.ndarray:
+        key = (choice.kind, choice.panel)
+        packed = self._packed.get(key)
+        if packed is not None:
+            return packed
+        with self._lock:
+            packed = self._packed.get(key)
+            if packed is None:
+                packed = family_weights(self._rsck, self.layout, plan, choice)
+                if packed is None:  # dense: RSCK, or panels of the kernel's width
+                    packed = (_kernels.pack_weights(self._rsck, choice.panel, _threads(None))
+                              if choice.panel else self._rsck)
+                packed.flags.writeable = False
+                self._packed[key] = packed
         return packed
 
-    def __call__(self, x, threads: Optional[int] = None) -> np.ndarray:
+    def __call__(self, x, threads: Optional[int] = None, *, residual=None,
+                 out=None) -> np.ndarray:
         x_arr = _as_float32(x, "input")
-        plan = _plan(x_arr.shape, self._w_shape, self.stride, self.padding, self.layout)
+        plan = _plan(x_arr.shape, self._w_shape, self.stride, self.padding, self.layout,
+                     self.dilation, self.groups)
+        fused = self._fused
+        if residual is not None:
+            fused = replace(_fused(plan, None, residual, None, 0.01), bias=fused.bias,
+                            activation=fused.activation, negative_slope=fused.negative_slope)
+        y = _out(out, plan, ("input", x_arr), ("weights", self._rsck),
+                 ("bias", fused.bias), ("residual", fused.residual))
         if threads is None:
             threads = self.threads
         nthreads = plan.fit(_threads(threads))
         choice = _choice(plan, nthreads, per_call=False)
-        return _execute(plan, choice, x_arr, self._weights_for(choice.panel), nthreads)
+        return _execute(plan, choice, x_arr, self._weights_for(plan, choice), nthreads,
+                        fused, y)
 
     def __repr__(self) -> str:
-        return (f"ttile.Conv2d(weights {self._w_shape}, stride={self.stride!r}, "
-                f"padding={self.padding!r}, layout={self.layout!r})")
+        extras = "".join(f", {name}={getattr(self, name)!r}"
+                         for name, default in (("dilation", 1), ("groups", 1),
+                                               ("activation", None))
+                         if getattr(self, name) != default)
+        bias = "" if self._fused.bias is None else ", bias"
+        return (f"ttile.Conv2d(weights {self._w_shape}{bias}, stride={self.stride!r}, "
+                f"padding={self.padding!r}{extras}, layout={self.layout!r})")
