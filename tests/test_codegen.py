@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from ttile.core.cbuild import assembly, build, find_compiler
+from ttile.core.cbuild import EpilogueArgs, assembly, build, find_compiler
 from ttile.core.codegen import generate, kernel_name
 from ttile.core.scheme import Scheme
 from ttile.core.spec import ConvSpec
@@ -112,7 +112,9 @@ def test_golden_partial_reduction_clears_output_and_accumulates():
 
 
 def test_golden_masks_only_when_k_has_a_tail():
-    assert "mask" not in generate(Scheme.parse(CASES["lseq"][1]), CASES["lseq"][0]).code
+    code = generate(Scheme.parse(CASES["lseq"][1]), CASES["lseq"][0]).code
+    # (the epilogue takes a full mask on every vector)
+    assert "ttile_tail_mask" not in code and "_mask_storeu" not in code
     code = generate(Scheme.parse(CASES["k_tail"][1]), CASES["k_tail"][0]).code
     # outputs are masked; weight panels are zero-filled past K, so their loads are not
     assert "_mm512_mask_storeu_ps(y" in code and "_mm512_maskz_loadu_ps(m0, w" not in code
@@ -121,7 +123,8 @@ def test_golden_masks_only_when_k_has_a_tail():
 def test_golden_no_guards_without_padding():
     spec, text = CASES["r_and_batch"]
     code = generate(Scheme.parse(text), spec).code
-    assert "zeros_" not in code and "if (" not in code
+    # the one branch left is the epilogue's, at the store
+    assert "zeros_" not in code and code.count("if (") == 1 and "if (ep != NULL)" in code
 
 
 def test_kernel_names_follow_the_grammar_and_differ_by_scheme():
@@ -179,3 +182,47 @@ def test_generic_kernel_stores_vectors_only_to_the_output():
     assert any("{%k" in s for s in stores), "no masked stores: is this the generic kernel?"
     spills = [s for s in stores if "%rsp" in s or "%rbp" in s]
     assert not spills, f"vector registers stored to the stack: {spills[:5]}"
+
+
+# Epilogues on every store pattern: complete reductions (zeroed accumulators), partial
+# ones (the epilogue only on the last reduction step), K tails, Seq compositions, and the
+# three parallel strategies.
+EPILOGUE_CASES = ["lseq", "k_tail", "parallel_reductions_outer", "k_inside_c", "unroll_rsc",
+                  "stride2_7x7", "unroll_n"]
+
+
+@requires_avx512
+@pytest.mark.parametrize("activation,code", [("relu", 1), ("leaky_relu", 3), ("silu", 4)])
+@pytest.mark.parametrize("case", EPILOGUE_CASES)
+def test_generated_kernel_fuses_bias_residual_and_activation(case, activation, code):
+    spec, text = CASES[case]
+    kernel = generate(Scheme.parse(text), spec)
+    library = build([kernel])
+    rng = np.random.default_rng(11)
+    x, w = random_tensors(rng, (spec.n, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
+    bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (spec.n, spec.ho, spec.wo, spec.k)).astype(np.float32)
+    y = np.full(residual.shape, np.nan, dtype=np.float32)
+    library.run(kernel, x, w, y, nthreads=2,
+                epilogue=EpilogueArgs.of(bias, residual, code, 0.1))
+    from ttile.core.reference import conv2d_nhwc_f64
+    pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
+    z = conv2d_nhwc_f64(x, w, (spec.stride_h, spec.stride_w), pads) + bias + residual
+    expected = {"relu": np.maximum(z, 0), "leaky_relu": np.where(z >= 0, z, 0.1 * z),
+                "silu": z / (1 + np.exp(-z))}[activation]
+    np.testing.assert_allclose(y, expected, rtol=2e-5, atol=2e-5 * np.sqrt(spec.c * spec.r * spec.s))
+
+
+@requires_avx512
+def test_generated_kernel_with_dilation_matches_reference():
+    spec = ConvSpec(1, 32, 8, 15, 13, 3, 3, 1, 2, 2, 2, 2, 2, dilation_h=2, dilation_w=3)
+    kernel = generate(Scheme.parse(f"[T{spec.ho} h; T{spec.wo} w; T3 r; T3 s; T8 c; U2 k; V k]"),
+                      spec)
+    library = build([kernel])
+    rng = np.random.default_rng(2)
+    x, w = random_tensors(rng, (1, spec.h, spec.w, spec.c), (3, 3, spec.c, spec.k))
+    y = np.full((1, spec.ho, spec.wo, spec.k), np.nan, dtype=np.float32)
+    library.run(kernel, x, w, y, nthreads=1)
+    from ttile.core.reference import conv2d_nhwc_f64
+    expected = conv2d_nhwc_f64(x, w, (1, 2), (2, 2, 2, 2), (2, 3))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)

@@ -25,7 +25,7 @@ def test_threads_calling_conv2d_on_different_shapes_match_serial_calls(isa):
     rng = np.random.default_rng(0)
     inputs = [(rng.uniform(-1, 1, xs).astype(np.float32), rng.uniform(-1, 1, ws).astype(np.float32))
               for _, xs, ws, _, _ in CASES]
-    serial = [ttile.conv2d(x, w, stride, pad, layout, threads=1)
+    serial = [ttile.conv2d(x, w, stride=stride, padding=pad, layout=layout, threads=1)
               for (layout, _, _, stride, pad), (x, w) in zip(CASES, inputs)]
     errors, barrier = [], threading.Barrier(len(CASES) * 2)
 
@@ -35,7 +35,9 @@ def test_threads_calling_conv2d_on_different_shapes_match_serial_calls(isa):
         try:
             barrier.wait()
             for round_ in range(10):
-                y = ttile.conv2d(x, w, stride, pad, layout, threads=1 + (i + round_) % 2)
+                y = ttile.conv2d(x, w,
+                                 stride=stride,
+                                     padding=pad, layout=layout, threads=1 + (i + round_) % 2)
                 np.testing.assert_allclose(y, serial[i % len(CASES)], rtol=1e-5, atol=1e-5)
         except Exception as exc:  # reported below
             errors.append((i, exc))
@@ -69,7 +71,7 @@ def test_the_gil_is_released_while_a_kernel_runs():
     time.sleep(0.1)
     idle_rate = (count[0] - before) / (time.perf_counter() - t0)
     before, t0 = count[0], time.perf_counter()
-    ttile.conv2d(x, w, 1, 1, "NHWC", threads=1)
+    ttile.conv2d(x, w, stride=1, padding=1, layout="NHWC", threads=1)
     during, seconds = count[0] - before, time.perf_counter() - t0
     stop.set()
     t.join()

@@ -209,3 +209,56 @@ def test_generic_kernel_writing_nchw_stays_in_bounds(case, side):
         assert gy.canary_intact() and gxh.canary_intact() and gx.canary_intact()
         assert_conv_close(np.ascontiguousarray(gy.array.transpose(0, 2, 3, 1)), x, w,
                           (spec.stride_h, spec.stride_w), _pads(spec), layout="NHWC")
+
+
+#: (n, h, w, channels, k, r, s, stride, pad, dilation, groups): depthwise with channel
+#: tails and both fast-path strides, a 5x5, a dilated and a 7x7 (general blocks), and
+#: grouped layers with several channels per group.
+GROUPED_SHAPES = [
+    (1, 9, 13, 37, 37, 3, 3, 1, 1, 1, 37),
+    (2, 8, 11, 20, 20, 3, 3, 2, 1, 1, 20),
+    (1, 10, 19, 16, 16, 5, 5, 2, 2, 1, 16),
+    (1, 12, 12, 24, 24, 3, 3, 1, 2, 2, 24),
+    (1, 9, 9, 5, 5, 7, 7, 1, 3, 1, 5),
+    (1, 7, 9, 12, 20, 3, 3, 1, 1, 1, 4),
+    (2, 6, 7, 9, 6, 1, 1, 1, 0, 1, 3),
+]
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", GROUPED_SHAPES,
+                         ids=lambda c: f"c{c[3]}k{c[4]}r{c[5]}s{c[7]}d{c[9]}g{c[10]}")
+@pytest.mark.parametrize("isa", ["portable", "avx512f"])
+def test_grouped_kernels_and_epilogues_stay_in_bounds(isa, case, side):
+    """The depthwise kernel and the generic kernels' grouped form, with every epilogue
+    operand (bias, residual) against guard pages too."""
+    if isa == "avx512f" and not ttile.has_avx512f():
+        pytest.skip("no AVX-512F")
+    n, h, w, c, k, r, s, stride, pad, dil, groups = case
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
+    wt = rng.uniform(-1, 1, (r, s, c // groups, k)).astype(np.float32)
+    ho = (h + 2 * pad - (r - 1) * dil - 1) // stride + 1
+    wo = (w + 2 * pad - (s - 1) * dil - 1) // stride + 1
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (n, ho, wo, k)).astype(np.float32)
+    from ttile.core.reference import conv2d_nhwc_f64
+    expected = np.maximum(conv2d_nhwc_f64(x, wt, (stride, stride), (pad,) * 4, (dil, dil),
+                                          groups) + bias + residual, 0)
+    previous = ttile.set_isa(isa)
+    try:
+        for threads in (1, 2):
+            gx, gw = guarded_copy(x, side), guarded_copy(wt, side)
+            gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
+            gy = guarded_copy(np.zeros((n, ho, wo, k), np.float32), side)
+            gy.array.view(np.uint32)[...] = 0xA5A5A5A5
+            out = ttile.conv2d(gx.array, gw.array, gb.array, stride, pad, dil, groups,
+                               layout="NHWC", threads=threads, activation="relu",
+                               residual=gr.array, out=gy.array)
+            assert out is gy.array
+            assert gy.canary_intact(), "the kernel wrote outside its output"
+            for fence in (gx, gw, gb, gr):
+                assert fence.canary_intact(), "the kernel wrote into an input's fence"
+            np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        ttile.set_isa(previous)

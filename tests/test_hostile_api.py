@@ -84,7 +84,9 @@ def test_conv2d_layer_survives_anything(w, stride, padding, layout, threads, x, 
 @given(x_shape=shapes, w_shape=shapes, stride=options, padding=options, layout=layouts,
        threads=threads)
 def test_plan_survives_anything(x_shape, w_shape, stride, padding, layout, threads):
-    result = _outcome(lambda: ttile.plan(x_shape, w_shape, stride, padding, layout, threads))
+    result = _outcome(lambda: ttile.plan(x_shape, w_shape,
+                                         stride=stride, padding=padding, layout=layout,
+                                         threads=threads))
     assert result is None or result.kind in ("tuned", "jit", "generic")
 
 

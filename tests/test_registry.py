@@ -60,12 +60,15 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     pads = (spec.pad_top, spec.pad_left)
     stride = (spec.stride_h, spec.stride_w)
     with registry.pretend_cpu(entry.cpu):
-        plan = ttile.plan(spec.input_shape(), spec.weight_shape(), stride, pads, "NHWC",
+        plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
+                          stride=stride, padding=pads, layout="NHWC",
                           threads=entry.threads, prepacked=True)
         assert plan.kind == ttile.KernelKind.TUNED and plan.scheme == entry.scheme
         assert (plan.tuned_cpu, plan.tuned_threads) == (entry.cpu, entry.threads)
-        out = ttile.Conv2d(w, stride, pads, "NHWC", entry.threads)(x)
-        per_call = ttile.plan(spec.input_shape(), spec.weight_shape(), stride, pads, "NHWC",
+        out = ttile.Conv2d(w, stride=stride, padding=pads, layout="NHWC",
+                           threads=entry.threads)(x)
+        per_call = ttile.plan(spec.input_shape(), spec.weight_shape(),
+                              stride=stride, padding=pads, layout="NHWC",
                               threads=entry.threads)
         assert per_call.kind == ttile.KernelKind.TUNED or "estimated" in per_call.note
     np.testing.assert_array_equal(out, y)
@@ -106,14 +109,15 @@ def test_a_generic_verdict_serves_the_generic_kernel_without_tuning(jit_cache, m
     spec = entry.spec
     with registry.pretend_cpu(entry.cpu):
         plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
-                          (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
-                          "NHWC", threads=entry.threads)
+                          stride=(spec.stride_h, spec.stride_w),
+                              padding=(spec.pad_top, spec.pad_left), layout="NHWC", threads=entry.threads)
         assert plan.kind == ttile.KernelKind.GENERIC and "offline search" in plan.note
         assert plan.tuned_cpu == entry.cpu
         x = np.ones(spec.input_shape(), np.float32)
         w = np.ones(spec.weight_shape(), np.float32)
-        ttile.conv2d(x, w, (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
-                     "NHWC", threads=entry.threads)
+        ttile.conv2d(x, w,
+                     stride=(spec.stride_h, spec.stride_w),
+                         padding=(spec.pad_top, spec.pad_left), layout="NHWC", threads=entry.threads)
     forget_choices()
 
 

@@ -45,15 +45,16 @@ def _call(x, w, **kw):
 
 
 def _entries(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / "kernels-v2").glob("*.json"))
+    return sorted((cache_dir / "kernels-v3").glob("*.json"))
 
 
 def test_first_call_tunes_and_caches(jit_cache, prefer_jit):
     x, w = random_tensors(np.random.default_rng(0), X_SHAPE, W_SHAPE)
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "generic"
+    assert ttile.plan(X_SHAPE, W_SHAPE,
+                      stride=1, padding=1, layout="NHWC", threads=1).kind == "generic"
     y = _call(x, w)
     assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
-    plan = ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1)
+    plan = ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1)
     assert plan.kind == "jit"
     assert plan.scheme.startswith("[") and "V k" in plan.microkernels
     assert plan.expected_gflops > 0
@@ -74,8 +75,9 @@ def test_later_process_reuses_the_entry_without_searching(jit_cache, prefer_jit)
         jit.tune = forbidden
         ttile.set_tuning(mode="now", min_mflops=0, cache_dir={str(jit_cache)!r})
         x = np.ones({X_SHAPE}, np.float32); w = np.ones({W_SHAPE}, np.float32)
-        t = time.perf_counter(); y = ttile.conv2d(x, w, 1, 1, "NHWC", threads=1)
-        print(ttile.plan(x.shape, w.shape, 1, 1, "NHWC", threads=1).kind,
+        t = time.perf_counter(); y = ttile.conv2d(x, w,
+                                                  stride=1, padding=1, layout="NHWC", threads=1)
+        print(ttile.plan(x.shape, w.shape, stride=1, padding=1, layout="NHWC", threads=1).kind,
               time.perf_counter() - t, float(y[0, 11, 11, 0]))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -120,7 +122,7 @@ def test_damaged_or_foreign_entry_is_not_loaded(jit_cache, prefer_jit, damage):
     y = _call(x, w)                              # ... so the call tunes again
     assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
     assert cache.lookup(key) is not None         # and leaves a valid entry
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
 
 
 def _expect_one_warning(record, fragment):
@@ -140,7 +142,8 @@ def test_unwritable_cache_degrades_to_memory_with_one_warning(jit_cache, prefer_
             x, w = random_tensors(np.random.default_rng(3), x_shape, w_shape)
             y = _call(x, w)
             assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
-            assert ttile.plan(x_shape, w_shape, 1, 1, "NHWC", threads=1).kind == "jit"
+            assert ttile.plan(x_shape, w_shape,
+                              stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
     _expect_one_warning(record, "kept in memory")
 
 
@@ -161,7 +164,7 @@ def test_a_cpu_without_a_shipped_machine_model_tunes_with_an_unwritable_cache(
         warnings.simplefilter("always")
         y = _call(x, w)
     assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
     _expect_one_warning(record, "kept in memory")
     assert jit._measured_in_memory.cache_info().currsize == 1
 
@@ -181,9 +184,9 @@ def test_full_disk_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, mo
         _call(x, w)
     assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
     _expect_one_warning(record, "No space left")
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
     assert _entries(jit_cache) == []             # nothing half-written left behind
-    assert not list((jit_cache / "kernels-v2").glob("*.so"))
+    assert not list((jit_cache / "kernels-v3").glob("*.so"))
 
 
 def test_no_compiler_degrades_to_generic_with_one_warning(jit_cache, monkeypatch):
@@ -198,7 +201,7 @@ def test_no_compiler_degrades_to_generic_with_one_warning(jit_cache, monkeypatch
         x, w = random_tensors(np.random.default_rng(5), (1, 11, 11, 8), (1, 1, 8, 24))
         _call(x, w, padding=0)
     _expect_one_warning(record, "no C compiler")
-    plan = ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1)
+    plan = ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1)
     assert plan.kind == "generic" and "compiler" in plan.note
 
 
@@ -224,10 +227,10 @@ def test_two_processes_tuning_the_same_shape_leave_one_valid_entry(jit_cache, pr
         rng = np.random.default_rng(0)
         x = rng.uniform(-1, 1, {X_SHAPE}).astype(np.float32)
         w = rng.uniform(-1, 1, {W_SHAPE}).astype(np.float32)
-        y = ttile.conv2d(x, w, 1, 1, "NHWC", threads=1)
+        y = ttile.conv2d(x, w, stride=1, padding=1, layout="NHWC", threads=1)
         from ttile.core.reference import assert_conv_close
         assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
-        print(ttile.plan(x.shape, w.shape, 1, 1, "NHWC", threads=1).kind)
+        print(ttile.plan(x.shape, w.shape, stride=1, padding=1, layout="NHWC", threads=1).kind)
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -236,8 +239,8 @@ def test_two_processes_tuning_the_same_shape_leave_one_valid_entry(jit_cache, pr
     assert [o[0].strip() for o in outs] == ["jit", "jit"]
     entries = KernelCache(jit_cache).entries()
     assert len(entries) == 1 and entries[0]["valid"]
-    assert len(list((jit_cache / "kernels-v2").glob("*.so"))) == 1
-    assert not list((jit_cache / "kernels-v2").glob(".*.tmp"))
+    assert len(list((jit_cache / "kernels-v3").glob("*.so"))) == 1
+    assert not list((jit_cache / "kernels-v3").glob(".*.tmp"))
 
 
 def test_background_mode_serves_generic_then_the_tuned_kernel(jit_cache, prefer_jit):
@@ -246,7 +249,7 @@ def test_background_mode_serves_generic_then_the_tuned_kernel(jit_cache, prefer_
     y = _call(x, w)                   # returns at once, generic kernel
     assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
     assert dispatch.wait_for_background(120)
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "jit"
+    assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
     assert_conv_close(_call(x, w), x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
 
 
@@ -255,10 +258,11 @@ def test_never_mode_and_small_problems_do_not_tune(jit_cache, monkeypatch):
     ttile.set_tuning(mode="never")
     x, w = random_tensors(np.random.default_rng(8), X_SHAPE, W_SHAPE)
     _call(x, w)
-    assert "off" in ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).note
+    assert "off" in ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).note
     ttile.set_tuning(mode="now", min_mflops=1000.0)
     _call(x, w)
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "generic"
+    assert ttile.plan(X_SHAPE, W_SHAPE,
+                      stride=1, padding=1, layout="NHWC", threads=1).kind == "generic"
     assert _entries(jit_cache) == []
 
 
@@ -269,7 +273,8 @@ def test_cache_clear_and_cli(jit_cache, prefer_jit):
     assert main(["cache", "list", "--cache-dir", str(jit_cache)]) == 0
     assert ttile.cache_clear() >= 2
     assert _entries(jit_cache) == []
-    assert ttile.plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", threads=1).kind == "generic"
+    assert ttile.plan(X_SHAPE, W_SHAPE,
+                      stride=1, padding=1, layout="NHWC", threads=1).kind == "generic"
     _call(x, w)
     assert main(["cache", "clear", "--cache-dir", str(jit_cache)]) == 0
     assert _entries(jit_cache) == []
@@ -306,14 +311,15 @@ def test_jit_kernels_on_random_shapes_match_reference(case, seed, tmp_path_facto
                                 cache_dir=cache_dir, ship=SHIP_ANY)
     try:
         x, w = random_tensors(np.random.default_rng(seed), x_shape, w_shape)
-        y = ttile.conv2d(x, w, stride, pad, "NHWC", threads=threads)
+        y = ttile.conv2d(x, w, stride=stride, padding=pad, layout="NHWC", threads=threads)
         assert_conv_close(y, x, w, (stride, stride), (pad,) * 4, layout="NHWC")
         [meta] = _entries(cache_dir)
         entry = json.loads(meta.read_text())
         # Every candidate the search compiled was right: a generator bug that made them
         # all wrong would otherwise pass as "the generic kernel won".
         assert entry["wrong"] == 0, entry
-        kind = ttile.plan(x_shape, w_shape, stride, pad, "NHWC", threads=threads).kind
+        kind = ttile.plan(x_shape, w_shape,
+                          stride=stride, padding=pad, layout="NHWC", threads=threads).kind
         # With every correct kernel shipped, the generic kernel serves only when the
         # search measured nothing (no scheme of the space fits the shape).
         assert kind == ("jit" if entry["measured"] else "generic"), entry
@@ -329,8 +335,8 @@ def test_plan_reports_a_tuned_kernel_of_the_registry():
     spec = entry.spec
     with registry.pretend_cpu(entry.cpu):
         plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
-                          (spec.stride_h, spec.stride_w), (spec.pad_top, spec.pad_left),
-                          "NHWC", threads=entry.threads)
+                          stride= (spec.stride_h, spec.stride_w),
+                              padding= (spec.pad_top, spec.pad_left), layout="NHWC", threads=entry.threads)
     assert plan.kind == "tuned" and plan.scheme == entry.scheme
     assert plan.expected_gflops == entry.gflops and plan.microkernels.startswith("[U")
     assert entry.layer in plan.note and entry.cpu in plan.note
@@ -363,7 +369,7 @@ def test_conv2d_layer_matches_conv2d(layout):
     w[...] = 0  # the layer holds its own copy
     np.testing.assert_array_equal(layer(x), y)
     assert_conv_close(y, x, original, (2, 2), (1, 1, 1, 1), layout=layout)
-    np.testing.assert_array_equal(y, ttile.conv2d(x, original, 2, 1, layout))
+    np.testing.assert_array_equal(y, ttile.conv2d(x, original, stride=2, padding=1, layout=layout))
 
 
 def test_conv2d_layer_runs_tuned_kernels_on_prepacked_weights():
@@ -372,10 +378,11 @@ def test_conv2d_layer_runs_tuned_kernels_on_prepacked_weights():
     x, w = random_tensors(np.random.default_rng(11), spec.input_shape(), spec.weight_shape())
     pads = (spec.pad_top, spec.pad_left)
     stride = (spec.stride_h, spec.stride_w)
-    layer = ttile.Conv2d(w, stride, pads, "NHWC")
+    layer = ttile.Conv2d(w, stride=stride, padding=pads, layout="NHWC")
     try:
         with registry.pretend_cpu(entry.cpu):
-            assert ttile.plan(x.shape, w.shape, stride, pads, "NHWC", entry.threads).kind == "tuned"
+            assert ttile.plan(x.shape, w.shape, stride=stride, padding=pads, layout="NHWC",
+                      threads=entry.threads).kind == "tuned"
             y = layer(x, threads=entry.threads)
     finally:
         forget_choices()

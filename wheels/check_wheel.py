@@ -37,11 +37,12 @@ def reference(x, w, stride, pad):
     return y
 
 def check(x, w, stride, pad, **kw):
-    y = ttile.conv2d(x, w, stride, pad, "NHWC", **kw)
+    y = ttile.conv2d(x, w, stride=stride, padding=pad, layout="NHWC", **kw)
     ref = reference(x, w, stride, pad)
     err = np.abs(y - ref).max() / max(1.0, np.abs(ref).max())
     assert err < 1e-5, err
-    return ttile.plan(x.shape, w.shape, stride, pad, "NHWC", threads=kw.get("threads"))
+    return ttile.plan(x.shape, w.shape, stride=stride, padding=pad, layout="NHWC",
+                      threads=kw.get("threads"))
 
 rng = np.random.default_rng(0)
 with warnings.catch_warnings(record=True) as caught:
@@ -61,9 +62,9 @@ if ttile.has_avx512f() and tuned:
     with registry.pretend_cpu(e["cpu"]):   # a kernel serves only on the CPU it was tuned on
         plan = check(x, w, e["stride_h"], e["pad_top"], threads=e["threads"])
         assert plan.kind == "tuned" and plan.tuned_cpu == e["cpu"], plan
-        layer = ttile.Conv2d(w, e["stride_h"], e["pad_top"], "NHWC")
+        layer = ttile.Conv2d(w, stride=e["stride_h"], padding=e["pad_top"], layout="NHWC")
         assert np.array_equal(layer(x, threads=e["threads"]),
-                              ttile.conv2d(x, w, e["stride_h"], e["pad_top"], "NHWC",
+                              ttile.conv2d(x, w, stride=e["stride_h"], padding=e["pad_top"], layout="NHWC",
                                            threads=e["threads"]))
 previous = ttile.set_isa("portable")
 check(rng.uniform(-1, 1, (2, 9, 7, 3)).astype(np.float32),
