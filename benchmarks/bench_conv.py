@@ -214,8 +214,9 @@ def _served_by(layer, threads: int) -> str:
     """What serves this layer at this thread count, per the plans: Conv2d's kernel, and
     per-call conv2d's where it differs ("tuned/generic per call")."""
     spec = layer.spec()
-    kinds = [ttile.plan(spec.input_shape(), spec.weight_shape(), layer.stride, layer.rs // 2,
-                        "NHWC", threads=threads, prepacked=prepacked).kind.value
+    kinds = [ttile.plan(spec.input_shape(), spec.weight_shape(),
+                        stride=layer.stride,
+                            padding=layer.rs // 2, layout="NHWC", threads=threads, prepacked=prepacked).kind.value
              for prepacked in (True, False)]
     return kinds[0] if kinds[0] == kinds[1] else f"{kinds[0]}/{kinds[1]} per call"
 

@@ -63,9 +63,12 @@ def main(argv=None) -> int:
         x = rng.uniform(-1, 1, (1, spec.h, spec.w, spec.c)).astype(np.float32)
         w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
         t0 = time.perf_counter()
-        ttile.conv2d(x, w, layer.stride, layer.rs // 2, "NHWC", threads=args.threads)
+        ttile.conv2d(x, w,
+                     stride=layer.stride,
+                         padding=layer.rs // 2, layout="NHWC", threads=args.threads)
         first = time.perf_counter() - t0
-        plan = ttile.plan(x.shape, w.shape, layer.stride, layer.rs // 2, "NHWC",
+        plan = ttile.plan(x.shape, w.shape,
+                          stride=layer.stride, padding=layer.rs // 2, layout="NHWC",
                           threads=args.threads)
         row = (f"| {layer.name} | {spec.k} | {spec.c} | {spec.h} | {spec.r} | {layer.stride} | "
                f"{first:.1f} | {plan.kind} | `{plan.scheme or '-'}` |")

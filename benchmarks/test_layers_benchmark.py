@@ -54,14 +54,17 @@ def _contender(layer, x, w, way: str):
     to_nchw = lambda y: y.transpose(0, 3, 1, 2)  # noqa: E731
     same = lambda y: y  # noqa: E731
     if way == "ttile conv2d NHWC":
-        return lambda: ttile.conv2d(x_nhwc, w_rsck, stride, pad, "NHWC", THREADS), to_nchw
+        return lambda: ttile.conv2d(x_nhwc, w_rsck, stride=stride, padding=pad, layout="NHWC",
+                                    threads=THREADS), to_nchw
     if way == "ttile Conv2d NHWC":
-        layer_nhwc = ttile.Conv2d(w_rsck, stride, pad, "NHWC", THREADS)
+        layer_nhwc = ttile.Conv2d(w_rsck, stride=stride, padding=pad, layout="NHWC",
+                                  threads=THREADS)
         return lambda: layer_nhwc(x_nhwc), to_nchw
     if way == "ttile conv2d NCHW":
-        return lambda: ttile.conv2d(x, w, stride, pad, threads=THREADS), same
+        return lambda: ttile.conv2d(x, w, stride=stride, padding=pad, threads=THREADS), same
     if way == "ttile Conv2d NCHW":
-        layer_nchw = ttile.Conv2d(w, stride, pad, "NCHW", THREADS)
+        layer_nchw = ttile.Conv2d(w, stride=stride, padding=pad, layout="NCHW",
+                                  threads=THREADS)
         return lambda: layer_nchw(x), same
     xt, wt = torch.from_numpy(x), torch.from_numpy(w)
     if way == "torch NCHW":

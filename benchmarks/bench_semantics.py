@@ -1,0 +1,252 @@
+"""Side-by-side timing of the conv2d semantics beyond the bare convolution.
+
+Not a test: run it by hand (``python benchmarks/bench_semantics.py``) with torch,
+onnxruntime and onnx installed. Batch 1 unless said otherwise; the process is pinned to
+as many CPUs as threads. Four tables, each a median over rounds that interleave every
+contender (``paired``: the ratio of each round, then the median, so that a slow spell of
+the shared machine hits both sides of a ratio alike):
+
+1. **Depthwise** (MobileNetV2's seven 3x3 depthwise layers): ttile.conv2d(groups=C) per
+   call in NHWC and in NCHW against torch NCHW, torch channels_last and onnxruntime's CPU
+   provider (NCHW, the layout ONNX has); ratio = best peer / ttile NHWC.
+2. **Fused bias + ReLU** on the Fig. 8 layers: ttile.conv2d with bias and
+   activation="relu" over the bare call, per call in NHWC and pre-packed (Conv2d).
+3. **Dilation**: a 3x3 layer at dilation 2 and 4 (padding = dilation, so the output and
+   the work are those of the undilated layer) over dilation 1.
+4. **Batch 8**: per-image time at N = 8 over N = 1.
+
+Every ttile result is checked against torch before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import ttile
+from ttile.generator.networks import NETWORKS
+
+# (channels, input size, stride) of MobileNetV2's 3x3 depthwise layers
+MOBILENET_V2_DEPTHWISE = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (192, 28, 1),
+                          (384, 14, 1), (576, 14, 2), (960, 7, 1)]
+
+
+def pin(threads: int) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, set(cpus[:threads]))
+
+
+def rounds(runs: dict, reps: int) -> dict:
+    """Times of each run, interleaved round by round, after one warm-up call each."""
+    for fn in runs.values():
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def paired(times: dict, numerators: tuple, denominator: str) -> float:
+    """Median over rounds of min(numerators in the round) / denominator in the round."""
+    return statistics.median(min(t[:-1]) / t[-1]
+                             for t in zip(*(times[n] for n in numerators), times[denominator]))
+
+
+def ms(samples) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def check(name: str, got: np.ndarray, expected: np.ndarray) -> None:
+    error = np.abs(got - expected).max() / (np.abs(expected).max() + 1e-30)
+    if error > 1e-4:
+        raise AssertionError(f"{name}: differs from torch (max rel {error:.2e})")
+
+
+def ort_session(x_shape, w: np.ndarray, stride: int, pad: int, groups: int, threads: int):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    node = helper.make_node("Conv", ["x", "w"], ["y"], strides=[stride, stride],
+                            pads=[pad] * 4, group=groups)
+    graph = helper.make_graph([node], "conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    return session
+
+
+def depthwise_table(torch, threads: int, reps: int) -> list[str]:
+    F = torch.nn.functional
+    lines = ["| layer | ttile NHWC ms | ttile NCHW ms | torch NCHW ms | torch channels_last ms "
+             "| onnxruntime ms | GFLOP/s (ttile NHWC) | best peer / ttile NHWC | "
+             "best peer / ttile NCHW |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for c, hw, stride in MOBILENET_V2_DEPTHWISE:
+        rng = np.random.default_rng(c)
+        x = rng.uniform(-1, 1, (1, c, hw, hw)).astype(np.float32)
+        w = rng.uniform(-1, 1, (c, 1, 3, 3)).astype(np.float32)
+        x_nhwc = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+        w_rsck = np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+        xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+        xt_cl = xt.to(memory_format=torch.channels_last)
+        wt_cl = wt.to(memory_format=torch.channels_last)
+        session = ort_session(list(x.shape), w, stride, 1, c, threads)
+        runs = {
+            "ttile": lambda: ttile.conv2d(x_nhwc, w_rsck, None, stride, 1, 1, c,
+                                          layout="NHWC", threads=threads),
+            "ttile_nchw": lambda: ttile.conv2d(x, w, None, stride, 1, 1, c, threads=threads),
+            "nchw": lambda: F.conv2d(xt, wt, None, stride, 1, 1, c),
+            "channels_last": lambda: F.conv2d(xt_cl, wt_cl, None, stride, 1, 1, c),
+            "ort": lambda: session.run(None, {"x": x})[0],
+        }
+        with torch.no_grad():
+            expected = runs["nchw"]().numpy()
+            check("depthwise NHWC", runs["ttile"]().transpose(0, 3, 1, 2), expected)
+            check("depthwise NCHW", runs["ttile_nchw"](), expected)
+            check("onnxruntime", runs["ort"](), expected)
+            times = rounds(runs, reps)
+        peers = ("nchw", "channels_last", "ort")
+        ratio = paired(times, peers, "ttile")
+        ratios.append(ratio)
+        ho = (hw + 2 - 3) // stride + 1
+        gflops = 2 * c * 9 * ho * ho / statistics.median(times["ttile"]) / 1e9
+        lines.append(f"| C={c} {hw}x{hw} s{stride} | {ms(times['ttile']):.3f} | "
+                     f"{ms(times['ttile_nchw']):.3f} | {ms(times['nchw']):.3f} | "
+                     f"{ms(times['channels_last']):.3f} | {ms(times['ort']):.3f} | "
+                     f"{gflops:.1f} | {ratio:.2f} | {paired(times, peers, 'ttile_nchw'):.2f} |")
+    geomean = float(np.exp(np.mean(np.log(ratios))))
+    lines.append(f"\ngeomean best peer / ttile NHWC: **{geomean:.2f}**, lowest "
+                 f"{min(ratios):.2f}")
+    return lines
+
+
+def fused_table(torch, threads: int, reps: int, layers) -> list[str]:
+    F = torch.nn.functional
+    lines = ["| layer | bare ms | bias+relu ms | fused / bare (conv2d NHWC) | "
+             "fused / bare (Conv2d NHWC) | fused / bare (conv2d NCHW) | served by |",
+             "|---|---|---|---|---|---|---|"]
+    ratios = []
+    for layer in layers:
+        spec = layer.spec()
+        pad = layer.rs // 2
+        rng = np.random.default_rng(1)
+        x = rng.uniform(-1, 1, (1, spec.c, spec.h, spec.w)).astype(np.float32)
+        w = rng.uniform(-1, 1, (spec.k, spec.c, spec.r, spec.s)).astype(np.float32)
+        bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
+        x_nhwc = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+        w_rsck = np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+        bare_layer = ttile.Conv2d(w_rsck, stride=layer.stride, padding=pad, layout="NHWC",
+                                  threads=threads)
+        fused_layer = ttile.Conv2d(w_rsck, bias, layer.stride, pad, layout="NHWC",
+                                   threads=threads, activation="relu")
+        kw = dict(stride=layer.stride, padding=pad, threads=threads)
+        runs = {
+            "bare": lambda: ttile.conv2d(x_nhwc, w_rsck, layout="NHWC", **kw),
+            "fused": lambda: ttile.conv2d(x_nhwc, w_rsck, bias, layout="NHWC",
+                                          activation="relu", **kw),
+            "bare_packed": lambda: bare_layer(x_nhwc),
+            "fused_packed": lambda: fused_layer(x_nhwc),
+            "bare_nchw": lambda: ttile.conv2d(x, w, **kw),
+            "fused_nchw": lambda: ttile.conv2d(x, w, bias, activation="relu", **kw),
+        }
+        with torch.no_grad():
+            expected = F.relu(F.conv2d(torch.from_numpy(x), torch.from_numpy(w),
+                                       torch.from_numpy(bias), layer.stride, pad)).numpy()
+        check(f"{layer.name} fused", runs["fused"]().transpose(0, 3, 1, 2), expected)
+        check(f"{layer.name} fused Conv2d", runs["fused_packed"]().transpose(0, 3, 1, 2),
+              expected)
+        check(f"{layer.name} fused NCHW", runs["fused_nchw"](), expected)
+        times = rounds(runs, reps)
+        ratio = paired(times, ("fused",), "bare")
+        ratio_packed = paired(times, ("fused_packed",), "bare_packed")
+        ratios += [ratio, ratio_packed]
+        served = ttile.plan(x_nhwc.shape, w_rsck.shape, bias, layer.stride, pad,
+                            layout="NHWC", threads=threads, activation="relu").kind.value
+        lines.append(f"| {layer.name} | {ms(times['bare']):.3f} | {ms(times['fused']):.3f} | "
+                     f"{ratio:.3f} | {ratio_packed:.3f} | "
+                     f"{paired(times, ('fused_nchw',), 'bare_nchw'):.3f} | {served} |")
+    lines.append(f"\nmedian fused / bare over the NHWC rows (per call and Conv2d): "
+                 f"**{statistics.median(ratios):.3f}**, highest {max(ratios):.3f}")
+    return lines
+
+
+def dilation_table(threads: int, reps: int) -> list[str]:
+    lines = ["| layer | dilation 1 ms | dilation 2 ms | dilation 4 ms | d2 / d1 | d4 / d1 |",
+             "|---|---|---|---|---|---|"]
+    for c, k, hw in [(256, 256, 33), (128, 128, 65), (64, 64, 56)]:
+        rng = np.random.default_rng(2)
+        x = rng.uniform(-1, 1, (1, hw, hw, c)).astype(np.float32)
+        w = rng.uniform(-1, 1, (3, 3, c, k)).astype(np.float32)
+        runs = {d: (lambda d=d: ttile.conv2d(x, w, None, 1, d, d, layout="NHWC",
+                                             threads=threads)) for d in (1, 2, 4)}
+        times = rounds(runs, reps)
+        lines.append(f"| C=K={c} {hw}x{hw} 3x3 | {ms(times[1]):.3f} | {ms(times[2]):.3f} | "
+                     f"{ms(times[4]):.3f} | {paired(times, (2,), 1):.2f} | "
+                     f"{paired(times, (4,), 1):.2f} |")
+    return lines
+
+
+def batch_table(threads: int, reps: int, layers) -> list[str]:
+    lines = ["| layer | N=1 ms | N=8 ms per image | per image N=8 / N=1 |", "|---|---|---|---|"]
+    for layer in layers:
+        spec = layer.spec()
+        pad = layer.rs // 2
+        rng = np.random.default_rng(3)
+        x8 = rng.uniform(-1, 1, (8, spec.h, spec.w, spec.c)).astype(np.float32)
+        x1 = np.ascontiguousarray(x8[:1])
+        w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
+        kw = dict(stride=layer.stride, padding=pad, layout="NHWC", threads=threads)
+        runs = {"one": lambda: ttile.conv2d(x1, w, **kw),
+                "eight": lambda: ttile.conv2d(x8, w, **kw)}
+        times = rounds(runs, reps)
+        per_image = [t / 8 for t in times["eight"]]
+        ratio = statistics.median(a / b for a, b in zip(per_image, times["one"]))
+        lines.append(f"| {layer.name} | {ms(times['one']):.3f} | {ms(per_image):.3f} | "
+                     f"{ratio:.2f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--tables", nargs="+", default=["depthwise", "fused", "dilation", "batch"])
+    args = parser.parse_args(argv)
+    import torch
+    fig8 = [layer for name in ("yolo9000", "resnet18") for layer in NETWORKS[name]]
+    batch_layers = [layer for layer in fig8 if layer.name in ("ResNet18-6", "ResNet18-9",
+                                                              "Yolo9000-12")]
+    print(f"# {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].split(chr(10))[0].strip()}"
+          f", ttile {ttile.__version__}, torch {torch.__version__}", flush=True)
+    for threads in args.threads:
+        pin(threads)
+        torch.set_num_threads(threads)
+        print(f"\n## {threads} thread(s)", flush=True)
+        for table in args.tables:
+            print(f"\n### {table}\n", flush=True)
+            if table == "depthwise":
+                lines = depthwise_table(torch, threads, args.reps)
+            elif table == "fused":
+                lines = fused_table(torch, threads, max(10, args.reps // 3), fig8)
+            elif table == "dilation":
+                lines = dilation_table(threads, max(10, args.reps // 3))
+            else:
+                lines = batch_table(threads, max(10, args.reps // 3), batch_layers)
+            print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
