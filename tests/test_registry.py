@@ -147,3 +147,36 @@ def test_run_compiled_checks_arrays_against_the_kernels_problem():
     with pytest.raises(ValueError, match="do not match"):
         _kernels.run_compiled(1, x, w, y, 1, spec.input_shape(),
                               spec.packed_weight_shape(entry.panel), spec.output_shape())
+
+
+@requires_avx512
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_a_batch_of_a_searched_layer_runs_its_kernel_image_by_image(layout):
+    """No search ran for N = 3: the one-image kernel serves each image, with the epilogue
+    (its residual sliced per image)."""
+    entry = min(registry.KERNELS, key=lambda e: e.spec.flops)
+    spec = dataclasses.replace(entry.spec, n=3)
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
+    w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
+    bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
+    residual = rng.uniform(-1, 1, spec.output_shape()).astype(np.float32)
+    from ttile.core.reference import conv2d_nhwc_f64
+    pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
+    expected = np.maximum(conv2d_nhwc_f64(x, w, (spec.stride_h, spec.stride_w), pads)
+                          + bias + residual, 0)
+    if layout == "NCHW":
+        x, w = x.transpose(0, 3, 1, 2).copy(), w.transpose(3, 2, 0, 1).copy()
+        residual = residual.transpose(0, 3, 1, 2).copy()
+        expected = expected.transpose(0, 3, 1, 2)
+    kwargs = dict(stride=(spec.stride_h, spec.stride_w), padding=(spec.pad_top, spec.pad_left),
+                  layout=layout, threads=entry.threads, activation="relu")
+    with registry.pretend_cpu(entry.cpu):
+        forget_choices()
+        plan = ttile.plan(x.shape, w.shape, bias, prepacked=True, residual=residual, **kwargs)
+        assert plan.kind == ttile.KernelKind.TUNED and plan.problem.n == 3
+        layer = ttile.Conv2d(w, bias, kwargs["stride"], kwargs["padding"], layout=layout,
+                             threads=entry.threads, activation="relu")
+        y = layer(x, residual=residual)
+    forget_choices()
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)

@@ -298,6 +298,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
                               key=lambda r: r.seconds)
             by_text = {str(c.scheme): c for c in candidates}
             for threads in counts[1:]:   # a kernel tuned at N threads serves N threads
+                if threads > spec.useful_threads():
+                    continue             # calls of this layer never run on N threads
                 parallel, sources = [], 0
                 for record in screened:  # the fastest that have a loop to parallelize
                     if sources == args.parallel_from:

@@ -112,7 +112,10 @@ def registry_entries(databases: Iterable[TuningDatabase]) -> list[RegistryEntry]
         for spec, name in database.layers():
             mine = [r for r in database.records if r.spec == spec
                     and r.status is RecordStatus.OK]
-            for threads in sorted({r.threads for r in mine}):
+            # a thread count calls of this layer never run at (see useful_threads)
+            # has no verdict to ship
+            for threads in sorted({r.threads for r in mine if r.threads <= 1
+                                   or r.threads <= spec.useful_threads()}):
                 best = database.best(spec, threads)
                 warm = [r for r in mine if r.threads == threads and r.protocol is Protocol.WARM]
                 generic_warm = [r.gflops for r in warm if r.contender is Contender.GENERIC]

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _kernels
 from ..core.kinds import Activation, Isa, KernelKind
-from ..core.spec import ConvSpec
+from ..core.spec import MIN_FLOPS_PER_THREAD, ConvSpec  # noqa: F401 (re-exported)
 from . import dispatch, registry
 from .scratch import scratch
 
@@ -276,10 +276,6 @@ class _CallPlan:
         return threads if threads <= self.max_threads else self.max_threads
 
 
-#: Work below which another thread costs more than it brings: starting and joining an
-#: OpenMP team takes microseconds, 4 MFLOP take about 16 us on one AVX-512 core. A
-#: 1.2 MFLOP layer (K 24, C 12, 9x9, 5x5) ran 11x slower on 16 threads than on one.
-MIN_FLOPS_PER_THREAD = 4_000_000
 
 
 def tuned_kernels() -> list[dict]:
@@ -328,7 +324,7 @@ def _plan(x_shape, w_shape, stride, padding, layout, dilation=1, groups=1) -> _C
     out_shape = ((spec.n, k, spec.ho, spec.wo) if layout == "NCHW"
                  else (spec.n, spec.ho, spec.wo, k))
     plan = _CallPlan(spec, layout, out_shape,
-                     max(1, spec.flops * g // MIN_FLOPS_PER_THREAD), g)
+                     spec.useful_threads(g), g)
     if key is not None and len(_plans) < _MAX_PLANS:
         _plans[key] = plan
     return plan
@@ -460,6 +456,20 @@ def _generic_args(spec: ConvSpec) -> tuple:
     return (spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left)
 
 
+def _run_searched(choice: dispatch.KernelChoice, x: np.ndarray, weights: np.ndarray,
+                  y: np.ndarray, nthreads: int, fused: dict) -> None:
+    """A tuned or JIT kernel on arrays of exactly its problem's shapes."""
+    if choice.kind is KernelKind.TUNED:
+        _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused)
+    else:
+        # The kernel's sizes are those of the problem it was compiled for: the arrays
+        # are checked against that problem, not against themselves.
+        problem = choice.problem
+        _kernels.run_compiled(choice.address, x, weights, y, nthreads, problem.input_shape(),
+                              problem.packed_weight_shape(choice.panel),
+                              problem.output_shape(), **fused)
+
+
 def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights: np.ndarray,
          y: np.ndarray, nthreads: int, fused: dict) -> None:
     """Run ``choice`` on NHWC x into NHWC y with the epilogue ``fused`` (_Fused.kwargs);
@@ -467,15 +477,16 @@ def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights:
     (R, S, 1, C) for the depthwise kernel; KCRS for the AVX-512 grouped kernel)."""
     kind, spec = choice.kind, plan.spec
     dilation = {"dil_h": spec.dilation_h, "dil_w": spec.dilation_w}
-    if kind is KernelKind.TUNED:
-        _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused)
-    elif kind is KernelKind.JIT:
-        # The kernel's sizes are those of the problem it was compiled for: the arrays
-        # are checked against that problem, not against themselves.
-        problem = choice.problem
-        _kernels.run_compiled(choice.address, x, weights, y, nthreads, problem.input_shape(),
-                              problem.packed_weight_shape(choice.panel),
-                              problem.output_shape(), **fused)
+    if kind in (KernelKind.TUNED, KernelKind.JIT):
+        if choice.problem.n == spec.n:
+            _run_searched(choice, x, weights, y, nthreads, fused)
+            return
+        # a kernel searched for one image, on a batch: image by image (NHWC images are
+        # contiguous, so the slices are views)
+        residual = fused["residual"]
+        for i in range(spec.n):
+            one = dict(fused, residual=None if residual is None else residual[i:i + 1])
+            _run_searched(choice, x[i:i + 1], weights, y[i:i + 1], nthreads, one)
     elif kind is KernelKind.DEPTHWISE:
         _kernels.conv2d_depthwise(x, weights, y, *_generic_args(spec), nthreads, **dilation,
                                   **fused)

@@ -406,6 +406,10 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: Isa, use_tuned: bool,
     if isa is not Isa.AVX512F:
         return generic_choice(isa, spec)
     entry = registry.lookup(spec, threads) if use_tuned else None
+    if entry is None and use_tuned and spec.n > 1:
+        # A batch of a layer searched for one image: its verdict serves image by image
+        # (``choice.problem.n`` is 1; the generic kernel takes the whole batch at once).
+        entry = registry.lookup(replace(spec, n=1), threads)
     if entry is not None:
         return registry_choice(entry, isa)
     key = (spec, layout, threads)
