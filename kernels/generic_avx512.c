@@ -86,6 +86,27 @@ int64_t ttile_generic_panel(int64_t k, int64_t wo)
         }                                                                              \
     } while (0)
 
+/* A block's stores, each of VALUE: an expression of acc_ (the accumulator), and of
+ * BIASED / RESIDUAL (acc_ + its bias, its residual), for the epilogues applied in
+ * registers (TTILE_EPK_*, one branch per block, not per vector). */
+#define BIASED _mm512_add_ps(acc_, _mm512_maskz_loadu_ps(m_, ep->bias + k_))
+#define RESIDUAL _mm512_maskz_loadu_ps(m_, ep->residual + i_)
+#define EPK_STORES(NW, KV, VALUE)                                                      \
+    do {                                                                               \
+        _Pragma("GCC unroll 32")                                                       \
+        for (int j = 0; j < NW; j++) {                                                 \
+            _Pragma("GCC unroll 32")                                                   \
+            for (int v = 0; v < KV; v++) {                                             \
+                const __m512 acc_ = acc[j][v];                                         \
+                const int64_t i_ = (ow0 + j) * YS + k0 + 16 * v;                       \
+                const int64_t k_ = kb + 16 * v;                                        \
+                const __mmask16 m_ = mask[v];                                          \
+                (void)k_;                                                              \
+                _mm512_mask_storeu_ps(y_row + i_, m_, VALUE);                          \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
 /* One register block: NW output pixels along w by KV vectors of 16 output channels,
  * NW * KV accumulators + KV weight vectors + 1 broadcast <= 32 zmm (see WIDEST). Each
  * (NW, KV) gets its own function with literal array sizes: with sizes passed as
@@ -96,7 +117,7 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
                        float *y_row, int64_t oh, int64_t ow0, const int64_t P,         \
                        int64_t k0, const __mmask16 *mask, const float *zeros,          \
                        int64_t c0, int64_t c1, const int64_t YS,                       \
-                       const ttile_epilogue *ep, int64_t kb)                           \
+                       const ttile_epilogue *ep, int epk, int64_t kb)                  \
 {                                                                                      \
     const int64_t H = sh->h, W = sh->w, S = sh->s;                                     \
     const int64_t C = sh->c, R = sh->r, XS = C * sh->groups;                           \
@@ -144,21 +165,39 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
                 FMA_STEP(NW, KV, xp, wp, c);                                           \
         }                                                                              \
     }                                                                                  \
-    _Pragma("GCC unroll 32")                                                           \
-    for (int j = 0; j < NW; j++) {                                                     \
-        _Pragma("GCC unroll 32")                                                       \
-        for (int v = 0; v < KV; v++)                                                   \
-            _mm512_mask_storeu_ps(y_row + (ow0 + j) * YS + k0 + 16 * v, mask[v],       \
-                                  acc[j][v]);                                          \
-    }                                                                                  \
-    /* the epilogue (ep: non-NULL on the last channel chunk only), on the outputs just \
-     * stored, from L1 (see ttile_epilogue_apply512) */                                \
-    if (ep != NULL) {                                                                  \
+    /* the epilogue (epk: TTILE_EPK_NONE but on the last channel chunk): the common    \
+     * ones in registers, the others on the outputs just stored, from L1 */            \
+    switch (epk) {                                                                     \
+    case TTILE_EPK_BIAS:                                                               \
+        EPK_STORES(NW, KV, BIASED);                                                    \
+        break;                                                                         \
+    case TTILE_EPK_BIAS_RELU:                                                          \
+        EPK_STORES(NW, KV, _mm512_max_ps(BIASED, _mm512_setzero_ps()));                \
+        break;                                                                         \
+    case TTILE_EPK_BIAS_RESIDUAL:                                                      \
+        EPK_STORES(NW, KV, _mm512_add_ps(BIASED, RESIDUAL));                           \
+        break;                                                                         \
+    case TTILE_EPK_BIAS_RESIDUAL_RELU:                                                 \
+        EPK_STORES(NW, KV, _mm512_max_ps(_mm512_add_ps(BIASED, RESIDUAL),              \
+                                         _mm512_setzero_ps()));                        \
+        break;                                                                         \
+    case TTILE_EPK_BIAS_RELU6:                                                         \
+        EPK_STORES(NW, KV, _mm512_min_ps(_mm512_max_ps(BIASED, _mm512_setzero_ps()),   \
+                                         _mm512_set1_ps(6.0f)));                       \
+        break;                                                                         \
+    case TTILE_EPK_BIAS_LEAKY_RELU:                                                    \
+        EPK_STORES(NW, KV, ttile_leaky512(BIASED, ep->negative_slope));                \
+        break;                                                                         \
+    case TTILE_EPK_OTHER:                                                              \
+        EPK_STORES(NW, KV, acc_);                                                      \
         __asm__ volatile("" ::: "memory");                                             \
         for (int j = 0; j < NW; j++)                                                   \
             for (int v = 0; v < KV; v++)                                               \
                 ttile_epilogue_apply512(ep, y_row, (ow0 + j) * YS + k0 + 16 * v,       \
                                         kb + 16 * v, mask[v]);                         \
+        break;                                                                         \
+    default:                                                                           \
+        EPK_STORES(NW, KV, acc_);                                                      \
     }                                                                                  \
 }
 
@@ -177,7 +216,7 @@ static inline __mmask16 tail_mask(int64_t remaining)
 #define CASE(NW, KV)                                                                   \
     case NW:                                                                           \
         conv_block_##NW##_##KV(sh, x_n, panel, y_row, oh, ow0, pw, k_out, mask, zeros, \
-                               c0, c1, ys, c1 == sh->c ? block_ep : NULL, k0);         \
+                               c0, c1, ys, block_ep, c1 == sh->c ? block_epk : 0, k0); \
         break;
 
 #define CASE_KV(KV, W)                                                                 \
@@ -341,6 +380,7 @@ int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float 
                   }
                   block_ep = &row_ep;
               }
+              const int block_epk = ttile_epilogue_kind(block_ep);
               const int64_t wkey = cg * ngroups + g;   /* which panels wbuf holds */
               if (rsck && wbuf_group != wkey) {
                   for (int64_t kc = g * group; kc < kc_end; kc++) {

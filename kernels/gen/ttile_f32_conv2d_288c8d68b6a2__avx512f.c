@@ -15,6 +15,7 @@ static const float zeros_ttile_f32_conv2d_288c8d68b6a2__avx512f[512] __attribute
 void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n0 = 0;
     const int k18 = 0;
     const int c8 = 0;
@@ -116,21 +117,118 @@ void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, acc_0_0_0_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, acc_0_0_1_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, acc_0_0_1_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, acc_0_0_2_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, acc_0_0_2_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, acc_0_0_3_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, acc_0_0_3_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, acc_0_0_4_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, acc_0_0_4_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, acc_0_0_5_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, acc_0_0_5_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, acc_0_0_6_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, acc_0_0_6_1);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, _mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, _mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, acc_0_0_6_1);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
@@ -146,6 +244,22 @@ void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 0)) * 512 + k1 + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 1)) * 512 + k1 + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 2)) * 512 + k1 + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 3)) * 512 + k1 + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 4)) * 512 + k1 + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 5)) * 512 + k1 + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 7 + (h3 + 0)) * 7 + (w4 + 6)) * 512 + k1 + 16, acc_0_0_6_1);
                     }
                 }
             }

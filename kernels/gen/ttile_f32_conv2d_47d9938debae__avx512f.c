@@ -13,6 +13,7 @@
 void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n26 = 0;
     const int k27 = 0;
     const int c28 = 0;
@@ -102,24 +103,139 @@ void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_1_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_2_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_3_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_4_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_5_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_6_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_7_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_8_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_9_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_10_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_11_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_12_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_13_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_14_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_15_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_16_0_0);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_8_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_9_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_10_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_11_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_12_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_13_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_14_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_15_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_16_0_0);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
@@ -138,6 +254,25 @@ void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 6)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 7)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 8)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_8_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 9)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_9_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 10)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_10_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 11)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_11_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 12)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_12_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 13)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_13_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 14)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_14_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 15)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_15_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 16)) * 112 + (w4 + 0)) * 16 + k1 + 0, acc_0_16_0_0);
                     }
                 }
             }
@@ -222,26 +357,153 @@ void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_1_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_2_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_3_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_4_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_5_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_6_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_7_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_8_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_9_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_10_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_11_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_12_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_13_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_14_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_15_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_16_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_17_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_18_0_0);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_17_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(acc_0_18_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_17_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_18_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_17_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_18_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_17_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_18_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_17_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_18_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_14_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_15_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_16_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_17_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, ttile_leaky512(_mm512_add_ps(acc_0_18_0_0, _mm512_loadu_ps(ep->bias + k14 + 0)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_8_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_9_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_10_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_11_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_12_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_13_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_14_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_15_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_16_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_17_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_18_0_0);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
@@ -262,6 +524,27 @@ void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, k14 + 0, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 0)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 1)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 2)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 3)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 4)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 5)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 6)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 7)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 8)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_8_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 9)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_9_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 10)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_10_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 11)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_11_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 12)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_12_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 13)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_13_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 14)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_14_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 15)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_15_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 16)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_16_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 17)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_17_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n13 + 0) * 112 + (h16 + 18)) * 112 + (w17 + 0)) * 16 + k14 + 0, acc_0_18_0_0);
                     }
                 }
             }

@@ -13,6 +13,7 @@
 void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n38 = 0;
     const int k39 = 0;
     const int c40 = 0;
@@ -87,23 +88,132 @@ void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float
                                         }
                                     }
                                 }
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, acc_0_0_0_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, acc_0_0_0_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, acc_0_0_0_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, acc_0_0_0_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, acc_0_0_1_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, acc_0_0_1_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, acc_0_0_1_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, acc_0_0_1_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, acc_0_0_2_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, acc_0_0_2_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, acc_0_0_2_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, acc_0_0_2_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, acc_0_0_3_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, acc_0_0_3_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, acc_0_0_3_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, acc_0_0_3_3);
-                                if (ep != NULL) {
+                                switch (epk) {
+                                case TTILE_EPK_BIAS:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, _mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, _mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k1 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, _mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, _mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, _mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, _mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k1 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, _mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, _mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, _mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, _mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k1 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, _mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, _mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, _mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, _mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k1 + 48)));
+                                    break;
+                                case TTILE_EPK_BIAS_RELU:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()));
+                                    break;
+                                case TTILE_EPK_BIAS_RESIDUAL:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48)));
+                                    break;
+                                case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48)), _mm512_setzero_ps()));
+                                    break;
+                                case TTILE_EPK_BIAS_RELU6:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k1 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k1 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    break;
+                                case TTILE_EPK_BIAS_LEAKY_RELU:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k1 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k1 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k1 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k1 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k1 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k1 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k1 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k1 + 48)), ep->negative_slope));
+                                    break;
+                                case TTILE_EPK_OTHER:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, acc_0_0_1_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, acc_0_0_1_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, acc_0_0_1_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, acc_0_0_1_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, acc_0_0_2_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, acc_0_0_2_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, acc_0_0_2_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, acc_0_0_2_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, acc_0_0_3_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, acc_0_0_3_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, acc_0_0_3_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, acc_0_0_3_3);
                                     __asm__ volatile("" ::: "memory");
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
@@ -121,6 +231,24 @@ void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, k1 + 32, (__mmask16)0xFFFF);
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, k1 + 48, (__mmask16)0xFFFF);
+                                    break;
+                                default:
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 192 + k1 + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 0, acc_0_0_1_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 16, acc_0_0_1_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 32, acc_0_0_1_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 1)) * 192 + k1 + 48, acc_0_0_1_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 0, acc_0_0_2_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 16, acc_0_0_2_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 32, acc_0_0_2_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 2)) * 192 + k1 + 48, acc_0_0_2_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 0, acc_0_0_3_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 16, acc_0_0_3_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 32, acc_0_0_3_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 3)) * 192 + k1 + 48, acc_0_0_3_3);
                                 }
                             }
                         }
@@ -205,27 +333,160 @@ void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float
                                         }
                                     }
                                 }
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, acc_0_0_0_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, acc_0_0_0_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, acc_0_0_0_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, acc_0_0_0_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, acc_0_0_1_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, acc_0_0_1_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, acc_0_0_1_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, acc_0_0_1_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, acc_0_0_2_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, acc_0_0_2_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, acc_0_0_2_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, acc_0_0_2_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, acc_0_0_3_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, acc_0_0_3_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, acc_0_0_3_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, acc_0_0_3_3);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, acc_0_0_4_0);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, acc_0_0_4_1);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, acc_0_0_4_2);
-                                _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, acc_0_0_4_3);
-                                if (ep != NULL) {
+                                switch (epk) {
+                                case TTILE_EPK_BIAS:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, _mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, _mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, _mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, _mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, _mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, _mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, _mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, _mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, _mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, _mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, _mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, _mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, _mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, _mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, _mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, _mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, _mm512_add_ps(acc_0_0_4_2, _mm512_loadu_ps(ep->bias + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, _mm512_add_ps(acc_0_0_4_3, _mm512_loadu_ps(ep->bias + k20 + 48)));
+                                    break;
+                                case TTILE_EPK_BIAS_RELU:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()));
+                                    break;
+                                case TTILE_EPK_BIAS_RESIDUAL:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48)));
+                                    break;
+                                case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32)), _mm512_setzero_ps()));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_loadu_ps(ep->residual + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48)), _mm512_setzero_ps()));
+                                    break;
+                                case TTILE_EPK_BIAS_RELU6:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k20 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k20 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_2, _mm512_loadu_ps(ep->bias + k20 + 32)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_3, _mm512_loadu_ps(ep->bias + k20 + 48)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                    break;
+                                case TTILE_EPK_BIAS_LEAKY_RELU:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k20 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k20 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_0_2, _mm512_loadu_ps(ep->bias + k20 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_0_3, _mm512_loadu_ps(ep->bias + k20 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k20 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k20 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_1_2, _mm512_loadu_ps(ep->bias + k20 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_1_3, _mm512_loadu_ps(ep->bias + k20 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k20 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k20 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_2_2, _mm512_loadu_ps(ep->bias + k20 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_2_3, _mm512_loadu_ps(ep->bias + k20 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k20 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k20 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_3_2, _mm512_loadu_ps(ep->bias + k20 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_3_3, _mm512_loadu_ps(ep->bias + k20 + 48)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k20 + 0)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k20 + 16)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, ttile_leaky512(_mm512_add_ps(acc_0_0_4_2, _mm512_loadu_ps(ep->bias + k20 + 32)), ep->negative_slope));
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, ttile_leaky512(_mm512_add_ps(acc_0_0_4_3, _mm512_loadu_ps(ep->bias + k20 + 48)), ep->negative_slope));
+                                    break;
+                                case TTILE_EPK_OTHER:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, acc_0_0_1_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, acc_0_0_1_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, acc_0_0_1_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, acc_0_0_1_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, acc_0_0_2_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, acc_0_0_2_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, acc_0_0_2_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, acc_0_0_2_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, acc_0_0_3_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, acc_0_0_3_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, acc_0_0_3_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, acc_0_0_3_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, acc_0_0_4_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, acc_0_0_4_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, acc_0_0_4_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, acc_0_0_4_3);
                                     __asm__ volatile("" ::: "memory");
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, k20 + 0, (__mmask16)0xFFFF);
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, k20 + 16, (__mmask16)0xFFFF);
@@ -247,6 +508,28 @@ void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, k20 + 16, (__mmask16)0xFFFF);
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, k20 + 32, (__mmask16)0xFFFF);
                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, k20 + 48, (__mmask16)0xFFFF);
+                                    break;
+                                default:
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 0)) * 192 + k20 + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 0, acc_0_0_1_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 16, acc_0_0_1_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 32, acc_0_0_1_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 1)) * 192 + k20 + 48, acc_0_0_1_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 0, acc_0_0_2_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 16, acc_0_0_2_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 32, acc_0_0_2_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 2)) * 192 + k20 + 48, acc_0_0_2_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 0, acc_0_0_3_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 16, acc_0_0_3_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 32, acc_0_0_3_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 3)) * 192 + k20 + 48, acc_0_0_3_3);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 0, acc_0_0_4_0);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 16, acc_0_0_4_1);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 32, acc_0_0_4_2);
+                                    _mm512_storeu_ps(y + (((int64_t)(n19 + 0) * 28 + (h22 + 0)) * 28 + (w23 + 4)) * 192 + k20 + 48, acc_0_0_4_3);
                                 }
                             }
                         }

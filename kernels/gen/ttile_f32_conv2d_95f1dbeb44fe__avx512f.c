@@ -13,6 +13,7 @@
 void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n46 = 0;
     const int k47 = 0;
     const int c48 = 0;
@@ -67,16 +68,59 @@ void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *restrict x, const float
                                                         acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     }
                                                 }
-                                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_0_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_1_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_2_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_3_0_0);
-                                                if (ep != NULL) {
+                                                switch (epk) {
+                                                case TTILE_EPK_BIAS:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RELU:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RESIDUAL:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0)));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RELU6:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    break;
+                                                case TTILE_EPK_BIAS_LEAKY_RELU:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                                    break;
+                                                case TTILE_EPK_OTHER:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_0_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_1_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_2_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_3_0_0);
                                                     __asm__ volatile("" ::: "memory");
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                                    break;
+                                                default:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_0_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_1_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_2_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 64 + k1 + 0, acc_0_3_0_0);
                                                 }
                                             }
                                         }
@@ -134,18 +178,68 @@ void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *restrict x, const float
                                                         acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     }
                                                 }
-                                                _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_0_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_1_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_2_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_3_0_0);
-                                                _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_4_0_0);
-                                                if (ep != NULL) {
+                                                switch (epk) {
+                                                case TTILE_EPK_BIAS:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RELU:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RESIDUAL:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0)));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0)), _mm512_setzero_ps()));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0)), _mm512_setzero_ps()));
+                                                    break;
+                                                case TTILE_EPK_BIAS_RELU6:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                                    break;
+                                                case TTILE_EPK_BIAS_LEAKY_RELU:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), ep->negative_slope));
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k24 + 0)), ep->negative_slope));
+                                                    break;
+                                                case TTILE_EPK_OTHER:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_0_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_1_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_2_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_3_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_4_0_0);
                                                     __asm__ volatile("" ::: "memory");
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
                                                     ttile_epilogue_apply512(ep, y, (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, k24 + 0, (__mmask16)0xFFFF);
+                                                    break;
+                                                default:
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 0)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_0_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 1)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_1_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 2)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_2_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 3)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_3_0_0);
+                                                    _mm512_storeu_ps(y + (((int64_t)(n23 + 0) * 136 + (h26 + 4)) * 136 + (w27 + 0)) * 64 + k24 + 0, acc_0_4_0_0);
                                                 }
                                             }
                                         }

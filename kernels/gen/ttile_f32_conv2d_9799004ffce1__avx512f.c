@@ -13,6 +13,7 @@
 void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n30 = 0;
     const int k31 = 0;
     const int c32 = 0;
@@ -69,17 +70,90 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
                                     acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                 }
                             }
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_0_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_1_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_2_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_3_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_4_0_1);
-                            if (ep != NULL) {
+                            switch (epk) {
+                            case TTILE_EPK_BIAS:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RELU6:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                break;
+                            case TTILE_EPK_BIAS_LEAKY_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                break;
+                            case TTILE_EPK_OTHER:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_4_0_1);
                                 __asm__ volatile("" ::: "memory");
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
@@ -91,6 +165,18 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                break;
+                            default:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 0)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 1)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 2)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 3)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 16, acc_0_4_0_1);
                             }
                         }
                     }
@@ -152,19 +238,104 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
                                     acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                 }
                             }
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_0_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_0_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_1_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_1_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_2_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_2_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_3_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_3_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_4_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_4_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_5_0_1);
-                            if (ep != NULL) {
+                            switch (epk) {
+                            case TTILE_EPK_BIAS:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RELU6:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                break;
+                            case TTILE_EPK_BIAS_LEAKY_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                                break;
+                            case TTILE_EPK_OTHER:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_5_0_1);
                                 __asm__ volatile("" ::: "memory");
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
@@ -178,6 +349,20 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                                break;
+                            default:
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 0)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 1)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 2)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 3)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 4)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 68 + (h18 + 5)) * 68 + (w19 + 0)) * 128 + k16 + 16, acc_0_5_0_1);
                             }
                         }
                     }

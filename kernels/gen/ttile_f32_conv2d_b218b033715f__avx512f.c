@@ -15,6 +15,7 @@ static const float zeros_ttile_f32_conv2d_b218b033715f__avx512f[3] __attribute__
 void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n30 = 0;
     const int k40 = 0;
     const int c32 = 0;
@@ -117,19 +118,104 @@ void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, acc_0_0_0_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, acc_0_0_1_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, acc_0_0_1_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, acc_0_0_2_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, acc_0_0_2_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, acc_0_0_3_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, acc_0_0_3_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, acc_0_0_4_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, acc_0_0_4_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, acc_0_0_5_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, acc_0_0_5_1);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, _mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, _mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, _mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, _mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, _mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, _mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, acc_0_0_5_1);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
@@ -143,6 +229,20 @@ void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 64 + k1 + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 1)) * 64 + k1 + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 2)) * 64 + k1 + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 3)) * 64 + k1 + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 4)) * 64 + k1 + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 5)) * 64 + k1 + 16, acc_0_0_5_1);
                     }
                 }
             }
@@ -254,23 +354,132 @@ void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, acc_0_0_0_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, acc_0_0_1_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, acc_0_0_1_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, acc_0_0_2_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, acc_0_0_2_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, acc_0_0_3_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, acc_0_0_3_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, acc_0_0_4_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, acc_0_0_4_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, acc_0_0_5_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, acc_0_0_5_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, acc_0_0_6_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, acc_0_0_6_1);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, acc_0_0_7_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, acc_0_0_7_1);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, _mm512_add_ps(acc_0_0_7_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, _mm512_add_ps(acc_0_0_7_1, _mm512_loadu_ps(ep->bias + k16 + 16)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_7_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_7_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_7_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_7_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_7_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_7_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_7_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_7_1, _mm512_loadu_ps(ep->bias + k16 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_1_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_1_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_2_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_2_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_3_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_3_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_4_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_4_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_5_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_5_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_6_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_6_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_7_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_7_1, _mm512_loadu_ps(ep->bias + k16 + 16)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, acc_0_0_6_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, acc_0_0_7_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, acc_0_0_7_1);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
@@ -288,6 +497,24 @@ void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, k16 + 16, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 0)) * 64 + k16 + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 1)) * 64 + k16 + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 2)) * 64 + k16 + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 3)) * 64 + k16 + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 4)) * 64 + k16 + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 5)) * 64 + k16 + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 6)) * 64 + k16 + 16, acc_0_0_6_1);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 0, acc_0_0_7_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 112 + (h18 + 0)) * 112 + (w19 + 7)) * 64 + k16 + 16, acc_0_0_7_1);
                     }
                 }
             }

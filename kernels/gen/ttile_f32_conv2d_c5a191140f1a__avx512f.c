@@ -15,6 +15,7 @@ static const float zeros_ttile_f32_conv2d_c5a191140f1a__avx512f[64] __attribute_
 void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n42 = 0;
     const int k43 = 0;
     const int c44 = 0;
@@ -139,20 +140,111 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                     }
                                 }
                             }
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_5_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_9_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_10_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_11_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_12_0_0);
-                            if (ep != NULL) {
+                            switch (epk) {
+                            case TTILE_EPK_BIAS:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                break;
+                            case TTILE_EPK_BIAS_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0)));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RELU6:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                break;
+                            case TTILE_EPK_BIAS_LEAKY_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                break;
+                            case TTILE_EPK_OTHER:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_9_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_10_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_11_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_12_0_0);
                                 __asm__ volatile("" ::: "memory");
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
@@ -167,6 +259,21 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                                break;
+                            default:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 0)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 1)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 2)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 3)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 4)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 5)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 6)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 7)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 8)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 9)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_9_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 10)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_10_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 11)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_11_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 136 + (h3 + 12)) * 136 + (w4 + 0)) * 128 + k1 + 0, acc_0_12_0_0);
                             }
                         }
                     }
@@ -297,21 +404,118 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                     }
                                 }
                             }
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_0_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_1_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_2_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_3_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_4_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_5_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_6_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_7_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_8_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_9_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_10_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_11_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_12_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_13_0_0);
-                            if (ep != NULL) {
+                            switch (epk) {
+                            case TTILE_EPK_BIAS:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)));
+                                break;
+                            case TTILE_EPK_BIAS_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0)));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RELU6:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                break;
+                            case TTILE_EPK_BIAS_LEAKY_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_10_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_11_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_12_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, ttile_leaky512(_mm512_add_ps(acc_0_13_0_0, _mm512_loadu_ps(ep->bias + k22 + 0)), ep->negative_slope));
+                                break;
+                            case TTILE_EPK_OTHER:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_8_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_9_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_10_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_11_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_12_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_13_0_0);
                                 __asm__ volatile("" ::: "memory");
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
@@ -327,6 +531,22 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, k22 + 0, (__mmask16)0xFFFF);
+                                break;
+                            default:
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 0)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 1)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 2)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 3)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 4)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 5)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 6)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 7)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 8)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_8_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 9)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_9_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 10)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_10_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 11)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_11_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 12)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_12_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n21 + 0) * 136 + (h24 + 13)) * 136 + (w25 + 0)) * 128 + k22 + 0, acc_0_13_0_0);
                             }
                         }
                     }

@@ -15,6 +15,7 @@ static const float zeros_ttile_f32_conv2d_dcf84b9f3f61__avx512f[128] __attribute
 void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n30 = 0;
     const int k38 = 0;
     const int c32 = 0;
@@ -115,16 +116,83 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_5_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
@@ -135,6 +203,17 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 0)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 1)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 2)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 3)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 4)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 5)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 6)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 7)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 28 + (h3 + 8)) * 28 + (w4 + 0)) * 128 + k1 + 0, acc_0_8_0_0);
                     }
                 }
             }
@@ -232,17 +311,90 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                             }
                         }
                     }
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_0_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_1_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_2_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_3_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_4_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_6_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_7_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_8_0_0);
-                    _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_9_0_0);
-                    if (ep != NULL) {
+                    switch (epk) {
+                    case TTILE_EPK_BIAS:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0)));
+                        break;
+                    case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0)), _mm512_setzero_ps()));
+                        break;
+                    case TTILE_EPK_BIAS_RELU6:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                        break;
+                    case TTILE_EPK_BIAS_LEAKY_RELU:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_8_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, ttile_leaky512(_mm512_add_ps(acc_0_9_0_0, _mm512_loadu_ps(ep->bias + k16 + 0)), ep->negative_slope));
+                        break;
+                    case TTILE_EPK_OTHER:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_8_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_9_0_0);
                         __asm__ volatile("" ::: "memory");
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
@@ -254,6 +406,18 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
                         ttile_epilogue_apply512(ep, y, (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, k16 + 0, (__mmask16)0xFFFF);
+                        break;
+                    default:
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 0)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 1)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_1_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 2)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_2_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 3)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_3_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 4)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_4_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 5)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_5_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 6)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_6_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 7)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_7_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 8)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_8_0_0);
+                        _mm512_storeu_ps(y + (((int64_t)(n15 + 0) * 28 + (h18 + 9)) * 28 + (w19 + 0)) * 128 + k16 + 0, acc_0_9_0_0);
                     }
                 }
             }

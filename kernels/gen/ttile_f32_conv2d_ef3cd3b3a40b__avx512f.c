@@ -15,6 +15,7 @@ static const float zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f[3] __attribute__
 void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;
+    const int epk = ttile_epilogue_kind(ep);
     const int n34 = 0;
     const int k35 = 0;
     const int c36 = 0;
@@ -527,19 +528,104 @@ void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *restrict x, const float
                                     }
                                 }
                             }
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_0_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_0_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_1_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_1_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_2_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_2_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_3_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_3_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_4_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_4_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_5_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_5_0_1);
-                            if (ep != NULL) {
+                            switch (epk) {
+                            case TTILE_EPK_BIAS:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RELU6:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                break;
+                            case TTILE_EPK_BIAS_LEAKY_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k1 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, ttile_leaky512(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k1 + 16)), ep->negative_slope));
+                                break;
+                            case TTILE_EPK_OTHER:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_5_0_1);
                                 __asm__ volatile("" ::: "memory");
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
@@ -553,6 +639,20 @@ void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *restrict x, const float
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, k1 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, k1 + 16, (__mmask16)0xFFFF);
+                                break;
+                            default:
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 0)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 1)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 2)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 3)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 4)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n0 + 0) * 112 + (h3 + 5)) * 112 + (w4 + 0)) * 32 + k1 + 16, acc_0_5_0_1);
                             }
                         }
                     }
@@ -1195,23 +1295,132 @@ void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *restrict x, const float
                                     }
                                 }
                             }
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_0_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_0_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_1_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_1_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_2_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_2_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_3_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_3_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_4_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_4_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_5_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_5_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_6_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_6_0_1);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_7_0_0);
-                            _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_7_0_1);
-                            if (ep != NULL) {
+                            switch (epk) {
+                            case TTILE_EPK_BIAS:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_6_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(acc_0_7_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_6_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(acc_0_7_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_6_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_add_ps(_mm512_add_ps(acc_0_7_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16)));
+                                break;
+                            case TTILE_EPK_BIAS_RESIDUAL_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_6_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0)), _mm512_setzero_ps()));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_max_ps(_mm512_add_ps(_mm512_add_ps(acc_0_7_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_loadu_ps(ep->residual + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16)), _mm512_setzero_ps()));
+                                break;
+                            case TTILE_EPK_BIAS_RELU6:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_6_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(acc_0_7_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), _mm512_setzero_ps()), _mm512_set1_ps(6.0f)));
+                                break;
+                            case TTILE_EPK_BIAS_LEAKY_RELU:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_0_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_0_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_1_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_1_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_2_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_2_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_3_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_3_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_4_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_4_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_5_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_5_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_6_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_6_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, ttile_leaky512(_mm512_add_ps(acc_0_7_0_0, _mm512_loadu_ps(ep->bias + k18 + 0)), ep->negative_slope));
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, ttile_leaky512(_mm512_add_ps(acc_0_7_0_1, _mm512_loadu_ps(ep->bias + k18 + 16)), ep->negative_slope));
+                                break;
+                            case TTILE_EPK_OTHER:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_5_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_6_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_7_0_1);
                                 __asm__ volatile("" ::: "memory");
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
@@ -1229,6 +1438,24 @@ void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *restrict x, const float
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, k18 + 0, (__mmask16)0xFFFF);
                                 ttile_epilogue_apply512(ep, y, (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, k18 + 16, (__mmask16)0xFFFF);
+                                break;
+                            default:
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 0)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 1)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 2)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 3)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 4)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 5)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_5_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 6)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_6_0_1);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(y + (((int64_t)(n17 + 0) * 112 + (h20 + 7)) * 112 + (w21 + 0)) * 32 + k18 + 16, acc_0_7_0_1);
                             }
                         }
                     }

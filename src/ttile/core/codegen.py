@@ -238,14 +238,28 @@ class _Generator:
                              f"({names['k']} + {kv * VECTOR_LANES}));")
         stores: list[str] = []
         fused: list[str] = []
+        # the epilogues whose constants fit beside this block's accumulators at the store
+        # (32 zmm registers; the others go through memory like silu)
+        free = 32 - len(_out_combos(block)) * block.count("k")
+        in_registers: dict[str, list[str]] = {
+            kind: [] for kind, (constants, _) in _REGISTER_EPILOGUES.items() if constants < free}
         for out in _out_combos(block):
             for kv in kvs:
                 acc = _acc(out, kv)
                 offset = self.y_offset(names, out, kv)
                 addr = f"y + {offset}"
                 mask = f"m{kv}" if self.k_tail else "(__mmask16)0xFFFF"
-                fused.append(f"ttile_epilogue_apply512(ep, y, {offset}, {names['k']} + "
-                             f"{kv * VECTOR_LANES}, {mask});")
+                k = f"{names['k']} + {kv * VECTOR_LANES}"
+                fused.append(f"ttile_epilogue_apply512(ep, y, {offset}, {k}, {mask});")
+                load = (lambda a: f"_mm512_maskz_loadu_ps(m{kv}, {a})") if self.k_tail else \
+                    (lambda a: f"_mm512_loadu_ps({a})")
+                store = (lambda a, v: f"_mm512_mask_storeu_ps({a}, m{kv}, {v});") \
+                    if self.k_tail else (lambda a, v: f"_mm512_storeu_ps({a}, {v});")
+                biased = f"_mm512_add_ps({acc}, {load(f'ep->bias + {k}')})"
+                for kind in in_registers:
+                    value = _REGISTER_EPILOGUES[kind][1]
+                    in_registers[kind].append(store(addr, value(
+                        biased, load(f"ep->residual + {offset}"))))
                 if complete:
                     lines.append(f"__m512 {acc} = _mm512_setzero_ps();")
                 elif self.k_tail:
@@ -257,14 +271,20 @@ class _Generator:
                 else:
                     stores.append(f"_mm512_storeu_ps({addr}, {acc});")
         if complete:
-            last = "ep != NULL"
+            kind = "epk"
         else:
-            last = " && ".join(["ep != NULL"] + [
-                f"{names[d]} + {extents[d]} == {self.totals[d]}"
-                for d in sorted(REDUCTION_DIMS) if extents[d] != self.totals[d]])
-        # the epilogue from memory, after the stores (see ttile_epilogue_apply512)
-        store = [*stores, f"if ({last}) {{", '    __asm__ volatile("" ::: "memory");',
-                 *_indent(fused), "}"]
+            last = " && ".join(f"{names[d]} + {extents[d]} == {self.totals[d]}"
+                               for d in sorted(REDUCTION_DIMS) if extents[d] != self.totals[d])
+            kind = f"({last}) ? epk : TTILE_EPK_NONE"
+        # one branch per block store: the common epilogues in registers, the others
+        # from memory after the stores (see ttile_epilogue_apply512)
+        store = [f"switch ({kind}) {{"]
+        for name, code in in_registers.items():
+            store += [f"case {name}:", *_indent(code), "    break;"]
+        store += [*(f"case {kind}:" for kind in _REGISTER_EPILOGUES if kind not in in_registers),
+                  "case TTILE_EPK_OTHER:", *_indent(stores),
+                  '    __asm__ volatile("" ::: "memory");', *_indent(fused), "    break;",
+                  "default:", *_indent(stores), "}"]
         return _Code(["{", *_indent(lines + inner.lines + store), "}"], inner.names)
 
     def pointer_region(self, block: Block, fast: _Code, slow: _Code | None) -> _Code:
@@ -363,6 +383,26 @@ class _Generator:
         return lines
 
 
+#: The epilogues applied in registers at the store (TTILE_EPK_*): the vector constants
+#: each keeps live, and the stored value from ``biased`` (acc + bias) and ``residual``
+#: (its load), as C expressions.
+_REGISTER_EPILOGUES = {
+    "TTILE_EPK_BIAS": (0, lambda biased, residual: biased),
+    "TTILE_EPK_BIAS_RELU": (1, lambda biased, residual:
+                            f"_mm512_max_ps({biased}, _mm512_setzero_ps())"),
+    "TTILE_EPK_BIAS_RESIDUAL": (0, lambda biased, residual:
+                                f"_mm512_add_ps({biased}, {residual})"),
+    "TTILE_EPK_BIAS_RESIDUAL_RELU": (1, lambda biased, residual:
+                                     f"_mm512_max_ps(_mm512_add_ps({biased}, {residual}), "
+                                     f"_mm512_setzero_ps())"),
+    "TTILE_EPK_BIAS_RELU6": (2, lambda biased, residual:
+                             f"_mm512_min_ps(_mm512_max_ps({biased}, _mm512_setzero_ps()), "
+                             f"_mm512_set1_ps(6.0f))"),
+    "TTILE_EPK_BIAS_LEAKY_RELU": (2, lambda biased, residual:
+                                  f"ttile_leaky512({biased}, ep->negative_slope)"),
+}
+
+
 def _suffix_len(chain: list[Loop], keep) -> int:
     length = 0
     for loop in reversed(chain):
@@ -434,7 +474,8 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     out += [f"void {name}(const float *restrict x, const float *restrict w, "
             f"float *restrict y, int nthreads, const ttile_epilogue *restrict ep)",
             "{",
-            "    (void)nthreads;"]
+            "    (void)nthreads;",
+            "    const int epk = ttile_epilogue_kind(ep);"]
     if gen.clears_output:
         size = spec.n * spec.ho * spec.wo * spec.k
         out.append(f"    memset(y, 0, sizeof(float) * (size_t){size});")
