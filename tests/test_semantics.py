@@ -241,3 +241,11 @@ def test_a_positional_stride_reads_as_a_bias_and_is_refused():
     w = np.ones((4, 3, 3, 3), np.float32)
     with pytest.raises(ValueError, match="bias must have shape"):
         ttile.conv2d(x, w, 2)
+
+
+def test_a_depthwise_call_uses_threads_by_the_bytes_it_moves():
+    # 7 MFLOP would keep a dense layer on one thread; a depthwise layer moves 3.2 MB
+    big = ttile.plan((1, 32, 112, 112), (32, 1, 3, 3), None, 1, 1, 1, 32, threads=2)
+    assert big.threads == 2
+    tiny = ttile.plan((1, 16, 4, 4), (16, 1, 3, 3), None, 1, 1, 1, 16, threads=2)
+    assert tiny.threads == 1
