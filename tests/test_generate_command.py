@@ -23,10 +23,10 @@ pytestmark = requires_avx512
 
 LAYERS_TOML = """
 [[layers]]
-name = "tiny-3x3"
+name = "small-3x3"
 k = 32
-c = 8
-hw = 12
+c = 32
+hw = 21
 rs = 3
 
 [[layers]]
@@ -75,9 +75,11 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
     out = capsys.readouterr().out
 
     records = _records(generator)
-    for name in ("tiny-3x3", "tiny-1x1"):
+    # 8.1 MFLOP runs on two threads and is searched at both counts; 25 KFLOP only ever
+    # runs on one (ConvSpec.useful_threads), so it is not searched at two
+    for name, counts in (("small-3x3", {1, 2}), ("tiny-1x1", {1})):
         mine = [r for r in records if r["layer"] == name]
-        assert {r["threads"] for r in mine} == {1, 2}
+        assert {r["threads"] for r in mine} == counts
         assert any(r["protocol"] == "screen" and r["status"] == "ok" for r in mine)
         assert all(r["format"] == 2 for r in mine)
         assert any(r["protocol"] == "paper" and r["contender"] == "scheme" for r in mine)
@@ -91,16 +93,17 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
     # are generic-kernel verdicts, one entry per layer and thread count in all.
     registry = (kernels / "registry.c").read_text()
     sources = sorted(kernels.glob("ttile_f32_conv2d_*.c"))
-    assert registry.count('"tiny-') == 4
-    assert registry.count('"tiny-') - registry.count(", NULL,") == len(sources)
+    assert registry.count('"small-') + registry.count('"tiny-') == 3
+    assert registry.count('"small-') + registry.count('"tiny-') - registry.count(", NULL,") \
+        == len(sources)
     assert f'/* {fingerprint().id} */' in registry
     for path in sources:
         text = path.read_text()
         assert "command: ttile-generate --layers-file" in text
         scheme = re.search(r"scheme:\s+(\[.*\])", text).group(1)
         assert f'"{scheme}"' in registry
-    for name in ("tiny-3x3", "tiny-1x1"):
-        for threads in (1, 2):
+    for name, counts in (("small-3x3", (1, 2)), ("tiny-1x1", (1,))):
+        for threads in counts:
             mine = [r for r in records if r["layer"] == name and r["threads"] == threads]
             generic = [r for r in mine if r["contender"] == "generic"][-1]["seconds"]
             tuned = [r for r in mine if r["contender"] == "scheme"]

@@ -292,7 +292,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
                                       keep_fraction=args.keep_fraction)
             bench = LayerBench.make(spec)
             for threads in counts:
-                measure_generic(layer.name, spec, threads, database, bench)
+                if threads == 1 or threads <= spec.useful_threads():
+                    measure_generic(layer.name, spec, threads, database, bench)
             tune_layer(layer.name, spec, candidates, 1, database, bench, settings, verbose, command)
             screened = sorted(database.for_layer(spec, 1, Protocol.SCREEN),
                               key=lambda r: r.seconds)
