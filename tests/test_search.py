@@ -331,8 +331,8 @@ def test_emission_is_deterministic_and_removes_stale_kernels(tmp_path):
 def test_registry_entries_are_the_records_verdicts(tmp_path):
     from ttile.generator.emit import registry_entries
     from ttile.tuning.records import new_comparison_id
-    spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
-    win, lose = "[T6 w; T6 h; T4 c; V k]", "[T6 h; T6 w; T4 c; V k]"
+    spec = ConvSpec(1, 16, 64, 64, 64, 1, 1)   # 8.4 MFLOP: calls use two threads
+    win, lose = "[T64 w; T64 h; T64 c; V k]", "[T64 h; T64 w; T64 c; V k]"
     db = TuningDatabase(tmp_path, cpu_id="cpu-v")
     for threads, scheme, ratio in ((1, win, 0.8), (2, lose, 0.99)):
         pair = new_comparison_id()
