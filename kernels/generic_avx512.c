@@ -86,6 +86,19 @@ int64_t ttile_generic_panel(int64_t k, int64_t wo)
         }                                                                              \
     } while (0)
 
+/* The epilogue on a block's outputs just stored (nw pixels by kv vectors), from L1: one
+ * function, not a copy per block (kinds other than those EPK_STORES applies in
+ * registers). */
+static __attribute__((noinline)) void
+epilogue_from_memory(const ttile_epilogue *ep, float *y_row, int64_t ow0, int nw, int kv,
+                     int64_t ys, int64_t k0, int64_t kb, const __mmask16 *mask)
+{
+    for (int j = 0; j < nw; j++)
+        for (int v = 0; v < kv; v++)
+            ttile_epilogue_apply512(ep, y_row, (ow0 + j) * ys + k0 + 16 * v, kb + 16 * v,
+                                    mask[v]);
+}
+
 /* A block's stores, each of VALUE: an expression of acc_ (the accumulator), and of
  * BIASED / RESIDUAL (acc_ + its bias, its residual), for the epilogues applied in
  * registers (TTILE_EPK_*, one branch per block, not per vector). */
@@ -165,39 +178,19 @@ conv_block_##NW##_##KV(const ttile_conv_shape *sh, const float *x_n, const float
                 FMA_STEP(NW, KV, xp, wp, c);                                           \
         }                                                                              \
     }                                                                                  \
-    /* the epilogue (epk: TTILE_EPK_NONE but on the last channel chunk): the common    \
-     * ones in registers, the others on the outputs just stored, from L1 */            \
-    switch (epk) {                                                                     \
-    case TTILE_EPK_BIAS:                                                               \
-        EPK_STORES(NW, KV, BIASED);                                                    \
-        break;                                                                         \
-    case TTILE_EPK_BIAS_RELU:                                                          \
+    /* the epilogue (epk: TTILE_EPK_NONE but on the last channel chunk): conv + bias   \
+     * + relu, and with the ResNet shortcut, in registers; the others on the outputs   \
+     * just stored, from L1 (each kind in registers is another copy of the stores of   \
+     * all 50 block functions: six made this file 4x slower to build) */               \
+    if (epk == TTILE_EPK_BIAS_RELU) {                                                  \
         EPK_STORES(NW, KV, _mm512_max_ps(BIASED, _mm512_setzero_ps()));                \
-        break;                                                                         \
-    case TTILE_EPK_BIAS_RESIDUAL:                                                      \
-        EPK_STORES(NW, KV, _mm512_add_ps(BIASED, RESIDUAL));                           \
-        break;                                                                         \
-    case TTILE_EPK_BIAS_RESIDUAL_RELU:                                                 \
+    } else if (epk == TTILE_EPK_BIAS_RESIDUAL_RELU) {                                  \
         EPK_STORES(NW, KV, _mm512_max_ps(_mm512_add_ps(BIASED, RESIDUAL),              \
                                          _mm512_setzero_ps()));                        \
-        break;                                                                         \
-    case TTILE_EPK_BIAS_RELU6:                                                         \
-        EPK_STORES(NW, KV, _mm512_min_ps(_mm512_max_ps(BIASED, _mm512_setzero_ps()),   \
-                                         _mm512_set1_ps(6.0f)));                       \
-        break;                                                                         \
-    case TTILE_EPK_BIAS_LEAKY_RELU:                                                    \
-        EPK_STORES(NW, KV, ttile_leaky512(BIASED, ep->negative_slope));                \
-        break;                                                                         \
-    case TTILE_EPK_OTHER:                                                              \
+    } else {                                                                           \
         EPK_STORES(NW, KV, acc_);                                                      \
-        __asm__ volatile("" ::: "memory");                                             \
-        for (int j = 0; j < NW; j++)                                                   \
-            for (int v = 0; v < KV; v++)                                               \
-                ttile_epilogue_apply512(ep, y_row, (ow0 + j) * YS + k0 + 16 * v,       \
-                                        kb + 16 * v, mask[v]);                         \
-        break;                                                                         \
-    default:                                                                           \
-        EPK_STORES(NW, KV, acc_);                                                      \
+        if (epk != TTILE_EPK_NONE)                                                     \
+            epilogue_from_memory(ep, y_row, ow0, NW, KV, YS, k0, kb, mask);            \
     }                                                                                  \
 }
 
