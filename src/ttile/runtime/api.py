@@ -239,6 +239,13 @@ class Family(Enum):
     GROUPED = "grouped"        # any other grouping: the generic kernel, group by group
 
 
+def _family(spec: ConvSpec, groups: int) -> Family:
+    """The family of ``groups`` convolutions of one group's problem ``spec``."""
+    if groups == 1:
+        return Family.DENSE
+    return Family.DEPTHWISE if spec.c == 1 and spec.k == 1 else Family.GROUPED
+
+
 @dataclass(frozen=True)
 class _CallPlan:
     """What conv2d derives from a call's shapes and options, computed once per signature.
@@ -258,13 +265,7 @@ class _CallPlan:
     choices: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.groups == 1:
-            family = Family.DENSE
-        elif self.spec.c == 1 and self.spec.k == 1:
-            family = Family.DEPTHWISE
-        else:
-            family = Family.GROUPED
-        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "family", _family(self.spec, self.groups))
 
     @property
     def channels_out(self) -> int:
@@ -328,7 +329,7 @@ def _plan(x_shape, w_shape, stride, padding, layout, dilation=1, groups=1) -> _C
     out_shape = ((spec.n, k, spec.ho, spec.wo) if layout == "NCHW"
                  else (spec.n, spec.ho, spec.wo, k))
     threads = spec.useful_threads(g)
-    if g > 1 and spec.c == 1 and spec.k == 1:
+    if _family(spec, g) is Family.DEPTHWISE:
         # depthwise: R*S FMAs per output, bound by memory rather than FMAs; a thread per
         # 4 MFLOP kept MobileNetV2's 112x112 layers (7 MFLOP) on one thread, where two
         # ran them in half the time (a thread per 128 KB of input and output instead)
