@@ -212,9 +212,14 @@ def test_generic_kernel_writing_nchw_stays_in_bounds(case, side):
 
 
 #: (n, h, w, channels, k, r, s, stride, pad, dilation, groups): depthwise with channel
-#: tails and both fast-path strides, a 5x5, a dilated and a 7x7 (general blocks), and
-#: grouped layers with several channels per group.
+#: tails and both fast-path strides, a 5x5, a dilated and a 7x7 (general blocks), rows
+#: wider than one fast-path block (edge blocks apart from the inside ones, whose partial
+#: channel vector runs as two general blocks; no padding: no left edge), and grouped
+#: layers with several channels per group.
 GROUPED_SHAPES = [
+    (1, 5, 41, 40, 40, 3, 3, 1, 1, 1, 40),
+    (1, 6, 37, 33, 33, 5, 5, 2, 2, 1, 33),
+    (1, 4, 35, 32, 32, 3, 3, 1, 0, 1, 32),
     (1, 9, 13, 37, 37, 3, 3, 1, 1, 1, 37),
     (2, 8, 11, 20, 20, 3, 3, 2, 1, 1, 20),
     (1, 10, 19, 16, 16, 5, 5, 2, 2, 1, 16),
