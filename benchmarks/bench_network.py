@@ -1,0 +1,281 @@
+"""Whole networks through ``ttile.torch.convert`` against torch and onnxruntime.
+
+Not a test: run it by hand with torch, onnxruntime and onnx installed::
+
+    python benchmarks/bench_network.py --networks resnet18 resnet50 mobilenet_v2 yolo \\
+        --batch 1 8 --threads 1 2
+
+The networks are defined here with torch.nn from their published architectures
+(torchvision's compiled ops do not load with the CPU torch used here): ResNet-18 and -50
+(He et al. 2016, torchvision's v1.5 layout: stride in the 3x3), MobileNetV2 (Sandler et
+al. 2018, width 1.0) and a YOLO-style backbone (Darknet-19 of YOLOv2/YOLO9000: conv + batch
+norm + leaky ReLU 0.1, max pools). Random weights and batch norm statistics, eval mode,
+224x224 inputs.
+
+Contenders, each timed in rounds that interleave all of them (the median of each round's
+ratio is reported, so a slow spell of the shared machine hits both sides alike):
+
+* torch eager, NCHW and channels_last (the best of the two is the anchor);
+* ``torch.compile`` (inductor) of the channels_last model, where it compiles;
+* onnxruntime (CPU provider) on the model exported with ``torch.onnx.export``;
+* ttile: ``ttile.torch.convert(model, example_input=x)`` called on the channels_last
+  input (ttile's native layout) and on the NCHW input.
+
+Every output is compared with torch eager's (relative error <= 1e-4) before timing. The
+first ttile call (which tunes every layer's shape, by ``ttile.set_tuning``'s policy) is
+timed apart and reported; the tuned kernels are cached on disk.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def build(name: str):
+    import torch
+    from torch import nn
+
+    def conv_bn(cin, cout, k, stride=1, groups=1, act=None):
+        layers = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
+                  nn.BatchNorm2d(cout)]
+        if act is not None:
+            layers.append(act)
+        return nn.Sequential(*layers)
+
+    class BasicBlock(nn.Module):
+        expansion = 1
+
+        def __init__(self, cin, planes, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(planes)
+            self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(planes)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = (conv_bn(cin, planes, 1, stride)
+                               if stride != 1 or cin != planes else None)
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            out += identity
+            return self.relu(out)
+
+    class Bottleneck(nn.Module):
+        expansion = 4
+
+        def __init__(self, cin, planes, stride):
+            super().__init__()
+            out = planes * 4
+            self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(planes)
+            self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(planes)
+            self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+            self.bn3 = nn.BatchNorm2d(out)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = (conv_bn(cin, out, 1, stride)
+                               if stride != 1 or cin != out else None)
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.relu(self.bn2(self.conv2(out)))
+            out = self.bn3(self.conv3(out))
+            out += identity
+            return self.relu(out)
+
+    def resnet(block, counts):
+        layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+        cin = 64
+        for i, (planes, count) in enumerate(zip((64, 128, 256, 512), counts)):
+            for j in range(count):
+                layers.append(block(cin, planes, 2 if j == 0 and i > 0 else 1))
+                cin = planes * block.expansion
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 1000)]
+        return nn.Sequential(*layers)
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, cin, cout, stride, expand):
+            super().__init__()
+            hidden = cin * expand
+            layers = [] if expand == 1 else [conv_bn(cin, hidden, 1, act=nn.ReLU6(inplace=True))]
+            layers += [conv_bn(hidden, hidden, 3, stride, hidden, nn.ReLU6(inplace=True)),
+                       conv_bn(hidden, cout, 1)]
+            self.conv = nn.Sequential(*layers)
+            self.residual = stride == 1 and cin == cout
+
+        def forward(self, x):
+            return x + self.conv(x) if self.residual else self.conv(x)
+
+    def mobilenet_v2():
+        layers = [conv_bn(3, 32, 3, 2, act=nn.ReLU6(inplace=True))]
+        cin = 32
+        for t, c, n, s in [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                           (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]:
+            for i in range(n):
+                layers.append(InvertedResidual(cin, c, s if i == 0 else 1, t))
+                cin = c
+        layers += [conv_bn(cin, 1280, 1, act=nn.ReLU6(inplace=True)),
+                   nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(1280, 1000)]
+        return nn.Sequential(*layers)
+
+    def darknet19():
+        def cbl(cin, cout, k):
+            return conv_bn(cin, cout, k, act=nn.LeakyReLU(0.1, inplace=True))
+        cfg = [32, "M", 64, "M", 128, (64, 1), 128, "M", 256, (128, 1), 256, "M", 512,
+               (256, 1), 512, (256, 1), 512, "M", 1024, (512, 1), 1024, (512, 1), 1024]
+        layers, cin = [], 3
+        for item in cfg:
+            if item == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+                continue
+            cout, k = item if isinstance(item, tuple) else (item, 3)
+            layers.append(cbl(cin, cout, k))
+            cin = cout
+        layers += [nn.Conv2d(cin, 1000, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        return nn.Sequential(*layers)
+
+    model = {"resnet18": lambda: resnet(BasicBlock, (2, 2, 2, 2)),
+             "resnet50": lambda: resnet(Bottleneck, (3, 4, 6, 3)),
+             "mobilenet_v2": mobilenet_v2, "yolo": darknet19}[name]()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                n = module.num_features
+                module.running_mean.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
+                module.running_var.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
+                module.weight.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
+                module.bias.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
+    return model.eval()
+
+
+def pin(threads: int) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, set(cpus[:threads]))
+
+
+def rounds(runs: dict, reps: int) -> dict:
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def onnx_session(model, x, threads: int):
+    import io
+
+    import onnxruntime as ort
+    import torch
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (x,), buffer, opset_version=17, dynamo=False)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(buffer.getvalue(), options,
+                                   providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    x_np = x.numpy()
+    return lambda: session.run(None, {name: x_np})[0]
+
+
+def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dict:
+    import torch
+
+    import ttile.torch as tt
+    torch.set_num_threads(threads)
+    model = build(name)
+    x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    model_cl = build(name).to(memory_format=torch.channels_last)
+    model_cl.load_state_dict(model.state_dict())
+    t0 = time.perf_counter()
+    converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
+    first = time.perf_counter() - t0
+    runs = {"torch NCHW": lambda: model(x), "torch channels_last": lambda: model_cl(x_cl),
+            "ttile channels_last": lambda: converted(x_cl), "ttile NCHW": lambda: converted(x)}
+    notes = []
+    with torch.no_grad():
+        expected = model(x)
+        if compile_:
+            try:
+                compiled = torch.compile(model_cl)
+                compiled(x_cl)
+                runs["torch.compile"] = lambda: compiled(x_cl)
+            except Exception as error:   # inductor needs a C++ toolchain and more
+                notes.append(f"torch.compile failed: {type(error).__name__}")
+        try:
+            runs["onnxruntime"] = onnx_session(model, x, threads)
+        except Exception as error:
+            notes.append(f"onnx export failed: {type(error).__name__}: {error}")
+        for label, fn in runs.items():
+            got = torch.as_tensor(fn())
+            error = float((got - expected).abs().max() / expected.abs().max())
+            if error > 1e-4:
+                raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
+        for fn in runs.values():
+            fn()
+        times = rounds(runs, reps)
+    eager = [min(a, b) for a, b in zip(times["torch NCHW"], times["torch channels_last"])]
+    best_ttile = [min(a, b) for a, b in zip(times["ttile channels_last"], times["ttile NCHW"])]
+    return dict(name=name, batch=batch, threads=threads, first=first, notes=notes,
+                ms={label: statistics.median(t) * 1e3 for label, t in times.items()},
+                ratio=statistics.median(e / t for e, t in zip(eager, best_ttile)),
+                ratio_nchw=statistics.median(e / t for e, t in zip(eager, times["ttile NCHW"])))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--networks", nargs="+",
+                        default=["resnet18", "resnet50", "mobilenet_v2", "yolo"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--threads", type=int, nargs="+", default=[len(os.sched_getaffinity(0))])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--chart", help="write a bar chart (PNG) of the ratios here")
+    args = parser.parse_args(argv)
+    import torch
+    cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].split("\n")[0]
+    print(f"# {cpu.strip()}, torch {torch.__version__}", flush=True)
+    rows = []
+    for threads in args.threads:
+        pin(threads)
+        for batch in args.batch:
+            for name in args.networks:
+                result = bench(name, batch, threads, args.reps, args.compile)
+                rows.append(result)
+                cells = " | ".join(f"{label} {value:.1f}" for label, value in
+                                   result["ms"].items())
+                print(f"| {name} | {batch} | {threads} | {cells} | first call "
+                      f"{result['first']:.1f} s | eager / ttile {result['ratio']:.2f} | "
+                      f"eager / ttile NCHW {result['ratio_nchw']:.2f} | "
+                      f"{'; '.join(result['notes'])} |", flush=True)
+    if args.chart:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        labels = [f"{r['name']}\nN={r['batch']} T={r['threads']}" for r in rows]
+        fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+        ax.bar(range(len(rows)), [r["ratio"] for r in rows])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylabel("torch eager (best layout) / ttile")
+        ax.set_title(f"Whole networks, {cpu.strip()}")
+        fig.tight_layout()
+        fig.savefig(args.chart, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,495 @@
+"""``ttile.torch``: a PyTorch model's convolutions served by ttile, for inference.
+
+``convert(model)`` returns the model with every eligible ``nn.Conv2d`` replaced by a
+:class:`TTileConv2d`, which calls the ``ttile::conv2d`` custom operator. Where the model
+traces with ``torch.fx``, the graph is rewritten so that one ttile call does what several
+torch modules did:
+
+* a ``BatchNorm2d`` (eval statistics) right after the convolution is folded into its
+  weights and bias, once, at conversion;
+* a residual add after it (``out = bn(conv(x)) + identity``, ResNet's blocks) becomes the
+  kernel's residual operand;
+* a ReLU / ReLU6 (or ``hardtanh(0, 6)``) / LeakyReLU / SiLU / Sigmoid after that becomes
+  its activation;
+
+all applied in the kernel's output store. A model that does not trace gets a plain module
+swap (each convolution served alone). Layers ttile cannot serve stay torch's: other
+dtypes or devices, ``padding_mode`` other than "zeros", a string padding that is not
+symmetric.
+
+Tensors are handed over without copies: a channels_last input is ttile's native NHWC
+(``x.permute(0, 2, 3, 1)`` is contiguous, viewed by numpy), a contiguous NCHW input is
+served by the NCHW entry; the output has the input's memory format, so a channels_last
+model stays channels_last from layer to layer. Weights are packed once per layout, and
+packed again if the module's weight tensor is changed in place (its version counter).
+
+Importing ``ttile`` never imports this module or torch; ``import ttile.torch`` needs
+torch (the optional extra ``ttile[torch]``).
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .runtime.conv_layer import Conv2d
+from .runtime.api import plan as _ttile_plan
+
+__all__ = ["convert", "TTileConv2d", "served_layers"]
+
+# layer id -> the packed ttile layers of one TTileConv2d. The custom operator takes
+# tensors and plain values only, so it reaches the packed weights through this id.
+_LAYERS: dict[int, "_PackedLayer"] = {}
+_ids = itertools.count()
+
+
+def _output_size(size: int, pad: int, dilation: int, kernel: int, stride: int) -> int:
+    return (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+
+
+@torch.library.custom_op("ttile::conv2d", mutates_args=())
+def conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              residual: Optional[torch.Tensor], layer: int, stride: list[int],
+              padding: list[int], dilation: list[int], groups: int, activation: str,
+              negative_slope: float, threads: int) -> torch.Tensor:
+    """``act(conv2d(x, weight) + bias + residual)`` by ttile's kernels. ``layer`` names
+    the packed weights (made from ``weight`` and ``bias`` when the module was built);
+    ``activation`` is "" for none; ``threads`` 0 for torch's thread count."""
+    return _LAYERS[layer].run(x, residual, threads or torch.get_num_threads())
+
+
+@conv2d_op.register_fake
+def _conv2d_fake(x, weight, bias, residual, layer, stride, padding, dilation, groups,
+                 activation, negative_slope, threads):
+    n, _, h, w = x.shape
+    k, _, r, s = weight.shape
+    shape = (n, k, _output_size(h, padding[0], dilation[0], r, stride[0]),
+             _output_size(w, padding[1], dilation[1], s, stride[1]))
+    channels_last = (not x.is_contiguous()
+                     and x.is_contiguous(memory_format=torch.channels_last))
+    return torch.empty(shape, dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last if channels_last
+                       else torch.contiguous_format)
+
+
+class _PackedLayer:
+    """The ttile layers of one module, one per layout, packed on first use."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding,
+                 dilation, groups: int, activation: Optional[str], negative_slope: float):
+        self.weight = weight
+        self.bias = bias
+        self.options = dict(stride=tuple(stride), padding=tuple(padding),
+                            dilation=tuple(dilation), groups=groups, activation=activation,
+                            negative_slope=negative_slope)
+        self._layers: dict[str, Conv2d] = {}
+        self._version = None
+        self._lock = threading.Lock()
+
+    def layer(self, layout: str) -> Conv2d:
+        version = (self.weight._version, None if self.bias is None else self.bias._version)
+        layer = self._layers.get(layout)
+        if layer is not None and version == self._version:
+            return layer
+        with self._lock:
+            if version != self._version:   # weights changed in place: pack again
+                self._layers.clear()
+                self._version = version
+            layer = self._layers.get(layout)
+            if layer is None:
+                w = self.weight.detach().numpy()
+                if layout == "NHWC":
+                    w = w.transpose(2, 3, 1, 0)
+                bias = None if self.bias is None else self.bias.detach().numpy()
+                layer = Conv2d(np.ascontiguousarray(w), bias, layout=layout, **self.options)
+                self._layers[layout] = layer
+        return layer
+
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], threads: int):
+        if x.is_contiguous(memory_format=torch.channels_last):
+            layout, x_np = "NHWC", x.permute(0, 2, 3, 1).numpy()
+        else:
+            layout, x_np = "NCHW", x.contiguous().numpy()
+        r_np = None
+        if residual is not None:
+            if layout == "NHWC":
+                r_np = residual.contiguous(memory_format=torch.channels_last)
+                r_np = r_np.permute(0, 2, 3, 1).numpy()
+            else:
+                r_np = residual.contiguous().numpy()
+        y = torch.from_numpy(self.layer(layout)(x_np, threads, residual=r_np))
+        return y.permute(0, 3, 1, 2) if layout == "NHWC" else y
+
+
+def _serve_check(conv: nn.Conv2d) -> Optional[str]:
+    """Why ttile cannot serve this convolution, or None."""
+    if type(conv) is not nn.Conv2d:
+        return f"{type(conv).__name__} is not nn.Conv2d"
+    if conv.weight.dtype != torch.float32:
+        return f"weights are {conv.weight.dtype}, not float32"
+    if conv.weight.device.type != "cpu":
+        return f"weights are on {conv.weight.device}, not the CPU"
+    if conv.padding_mode != "zeros":
+        return f"padding_mode {conv.padding_mode!r}"
+    if _numeric_padding(conv) is None:
+        return f"padding {conv.padding!r} is not symmetric"
+    return None
+
+
+def _numeric_padding(conv: nn.Conv2d) -> Optional[tuple[int, int]]:
+    if not isinstance(conv.padding, str):
+        return tuple(conv.padding)
+    if conv.padding == "valid":
+        return (0, 0)
+    # "same" (stride 1): total padding dilation * (k - 1) per side pair, symmetric only
+    # when it is even.
+    pads = []
+    for k, d in zip(conv.kernel_size, conv.dilation):
+        total = d * (k - 1)
+        if total % 2:
+            return None
+        pads.append(total // 2)
+    return tuple(pads)
+
+
+class TTileConv2d(nn.Module):
+    """A convolution (with its folded batch norm, residual add and activation) served by
+    ttile. Made by :func:`convert`; ``forward(x, residual=None)``."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding,
+                 dilation, groups: int, activation: Optional[str] = None,
+                 negative_slope: float = 0.01, residual: bool = False,
+                 threads: Optional[int] = None, source: str = ""):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(),
+                                   requires_grad=False)
+        self.bias = (None if bias is None
+                     else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
+                                       requires_grad=False))
+        self.stride, self.padding = tuple(stride), tuple(padding)
+        self.dilation, self.groups = tuple(dilation), int(groups)
+        self.activation, self.negative_slope = activation, float(negative_slope)
+        self.residual = residual
+        self.threads = threads
+        self.source = source   # what it replaced, e.g. "layer1.0.conv2+bn2+add+relu"
+        self.layer_id = next(_ids)
+        _LAYERS[self.layer_id] = _PackedLayer(self.weight, self.bias, self.stride,
+                                              self.padding, self.dilation, self.groups,
+                                              activation, self.negative_slope)
+        self.eval()
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.training:
+            raise RuntimeError("ttile.torch serves inference only: this module is in training "
+                               "mode; call model.eval() (ttile computes no gradients)")
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("ttile.torch computes no gradients, and this input requires "
+                               "grad: run the model under torch.no_grad() or "
+                               "torch.inference_mode()")
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4:
+            raise TypeError(f"ttile serves 4-D float32 CPU inputs, got a {x.dim()}-D "
+                            f"{x.dtype} tensor on {x.device}")
+        if self.residual != (residual is not None):
+            raise TypeError("this layer was converted " + ("with" if self.residual else
+                            "without") + " a residual operand")
+        return conv2d_op(x, self.weight, self.bias, residual, self.layer_id,
+                         list(self.stride), list(self.padding), list(self.dilation),
+                         self.groups, self.activation or "", self.negative_slope,
+                         self.threads or 0)
+
+    def extra_repr(self) -> str:
+        k, cg, r, s = self.weight.shape
+        return (f"{cg * self.groups}, {k}, kernel_size=({r}, {s}), stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
+                f"bias={self.bias is not None}, activation={self.activation}, "
+                f"residual={self.residual}, source={self.source!r}")
+
+
+# --- what follows a convolution in the graph -------------------------------------------
+
+_ACTIVATION_MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu",
+                       nn.SiLU: "silu", nn.Sigmoid: "sigmoid"}
+_ACTIVATION_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.relu6: "relu6",
+                         F.leaky_relu: "leaky_relu", F.silu: "silu",
+                         torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid"}
+_ACTIVATION_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid"}
+_ADDS = (operator.add, operator.iadd, torch.add)
+
+
+@dataclass(frozen=True)
+class _Activation:
+    name: str
+    negative_slope: float = 0.01
+
+
+def _activation_of(node, modules) -> Optional[_Activation]:
+    if node.op == "call_module":
+        module = modules[node.target]
+        if isinstance(module, nn.Hardtanh) and not isinstance(module, nn.ReLU6):
+            return (_Activation("relu6") if (module.min_val, module.max_val) == (0.0, 6.0)
+                    else None)
+        name = _ACTIVATION_MODULES.get(type(module))
+        if name == "leaky_relu":
+            return _Activation(name, float(module.negative_slope))
+        return None if name is None else _Activation(name)
+    if node.op == "call_function":
+        if node.target is F.hardtanh:
+            low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
+            high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max_val", 1.0)
+            return _Activation("relu6") if (low, high) == (0.0, 6.0) else None
+        name = _ACTIVATION_FUNCTIONS.get(node.target)
+        if name == "leaky_relu":
+            slope = node.args[1] if len(node.args) > 1 else node.kwargs.get(
+                "negative_slope", 0.01)
+            return _Activation(name, float(slope)) if isinstance(slope, (int, float)) else None
+        return None if name is None else _Activation(name)
+    if node.op == "call_method" and len(node.args) == 1 and not node.kwargs:
+        name = _ACTIVATION_METHODS.get(node.target)
+        return None if name is None else _Activation(name)
+    return None
+
+
+def _sole_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _residual_of(add, tail):
+    """The other operand of ``tail + other`` (a graph node), or None."""
+    if add.op != "call_function" or add.target not in _ADDS or add.kwargs:
+        return None
+    if len(add.args) != 2:
+        return None
+    a, b = add.args
+    other = b if a is tail else a if b is tail else None
+    if other is None or other is tail or not isinstance(other, torch.fx.Node):
+        return None
+    return other
+
+
+def _fold_batch_norm(weight, bias, bn: nn.BatchNorm2d):
+    """Weights and bias of conv followed by bn (eval statistics), in float64 then float32."""
+    scale = bn.weight.detach().double() if bn.weight is not None else torch.ones(
+        bn.num_features, dtype=torch.float64)
+    shift = bn.bias.detach().double() if bn.bias is not None else torch.zeros(
+        bn.num_features, dtype=torch.float64)
+    factor = scale / torch.sqrt(bn.running_var.detach().double() + bn.eps)
+    w = weight.detach().double() * factor.reshape(-1, 1, 1, 1)
+    b = bias.detach().double() if bias is not None else torch.zeros(
+        weight.shape[0], dtype=torch.float64)
+    b = (b - bn.running_mean.detach().double()) * factor + shift
+    return w.float(), b.float()
+
+
+def _foldable(bn, channels: int) -> bool:
+    return (type(bn) is nn.BatchNorm2d and bn.num_features == channels
+            and bn.track_running_stats and bn.running_mean is not None
+            and bn.running_var is not None)
+
+
+def _module_for(conv: nn.Conv2d, weight, bias, activation: Optional[_Activation],
+                residual: bool, threads, source: str) -> TTileConv2d:
+    return TTileConv2d(weight, bias, conv.stride, _numeric_padding(conv), conv.dilation,
+                       conv.groups, None if activation is None else activation.name,
+                       0.01 if activation is None else activation.negative_slope,
+                       residual, threads, source)
+
+
+def _rewrite_graph(gm: torch.fx.GraphModule, threads) -> int:
+    """Replaces each eligible conv (+ bn, + add, + activation) chain by one TTileConv2d;
+    returns how many."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Conv2d):
+            continue
+        conv = modules[node.target]
+        if _serve_check(conv) is not None or len(node.args) != 1 or node.kwargs:
+            continue
+        chain, source = [node], [node.target]
+        weight, bias = conv.weight, conv.bias
+        tail = node
+        user = _sole_user(tail)
+        if (user is not None and user.op == "call_module"
+                and _foldable(modules.get(user.target), conv.out_channels)):
+            weight, bias = _fold_batch_norm(weight, bias, modules[user.target])
+            chain.append(user)
+            source.append(user.target)
+            tail = user
+        residual = None
+        user = _sole_user(tail)
+        if user is not None:
+            residual = _residual_of(user, tail)
+            if residual is not None:
+                chain.append(user)
+                source.append("add")
+                tail = user
+        activation = None
+        user = _sole_user(tail)
+        if user is not None:
+            activation = _activation_of(user, modules)
+            if activation is not None:
+                chain.append(user)
+                source.append(activation.name)
+                tail = user
+        name = "ttile_" + node.target.replace(".", "_")
+        while hasattr(gm, name):
+            name += "_"
+        module = _module_for(conv, weight, bias, activation, residual is not None, threads,
+                             "+".join(source))
+        gm.add_submodule(name, module)
+        modules[name] = module
+        with graph.inserting_after(tail):
+            args = (node.args[0],) if residual is None else (node.args[0], residual)
+            new = graph.call_module(name, args)
+        tail.replace_all_uses_with(new)
+        for old in reversed(chain):
+            graph.erase_node(old)
+        count += 1
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return count
+
+
+def _swap_modules(model: nn.Module, threads, prefix: str = "") -> int:
+    """The fallback for models that do not trace: each eligible nn.Conv2d alone."""
+    count = 0
+    for name, child in model.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, nn.Conv2d) and _serve_check(child) is None:
+            setattr(model, name, _module_for(child, child.weight, child.bias, None, False,
+                                             threads, path))
+            count += 1
+        else:
+            count += _swap_modules(child, threads, path + ".")
+    return count
+
+
+def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
+    """The (name, module) pairs of a converted model's ttile layers."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, TTileConv2d)]
+
+
+def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] = None,
+            example_input: Optional[torch.Tensor] = None, trace: bool = True,
+            progress: bool = True) -> nn.Module:
+    """The model with its eligible convolutions served by ttile (see the module's doc).
+
+    Args:
+        model: a module in eval mode (``model.eval()``); a model in training mode is
+            refused, since ttile computes no gradients.
+        inplace: change ``model`` itself (module swap only: a traced model is a new
+            ``GraphModule`` either way) rather than a deep copy.
+        threads: threads of each ttile call (None: ``torch.get_num_threads()`` at call).
+        example_input: an input to run once after conversion: every convolution's shape is
+            then tuned up front (a progress bar on stderr) and a table of what serves each
+            layer printed, so that later calls run no tuning.
+        trace: try ``torch.fx`` (fusing batch norms, residual adds and activations); False
+            swaps modules only.
+        progress: show the progress bar and the table (with ``example_input``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert takes an nn.Module, got {type(model).__name__}")
+    if model.training:
+        raise RuntimeError("ttile.torch.convert serves inference only and the model is in "
+                           "training mode: call model.eval() first (batch norms are folded "
+                           "with their running statistics; ttile computes no gradients)")
+    if not inplace:
+        import copy
+        model = copy.deepcopy(model)
+    converted = None
+    if trace:
+        try:
+            gm = torch.fx.symbolic_trace(model)
+        except Exception:   # data-dependent control flow and the like: swap modules
+            gm = None
+        if gm is not None:
+            _rewrite_graph(gm, threads)
+            converted = gm.eval()
+    if converted is None:
+        _swap_modules(model, threads)
+        converted = model
+    if example_input is not None:
+        tune(converted, example_input, progress=progress)
+    return converted
+
+
+def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True):
+    """Runs the converted model once on ``example_input`` (tuning every ttile layer's
+    shape on its first call, by the tuning policy of ``ttile.set_tuning``), then prints
+    which kernel serves each layer; returns the rows of that table."""
+    layers = served_layers(model)
+    seen: list = []
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(layers), desc="ttile: tuning layers", unit="layer",
+                       file=sys.stderr)
+        except ImportError:
+            bar = None
+
+    def before(module, args):
+        x = args[0]
+        layout = ("NHWC" if x.is_contiguous(memory_format=torch.channels_last) else "NCHW")
+        seen.append((module, tuple(x.shape), layout, args[1] is not None if len(args) > 1
+                     else False))
+
+    def after(module, args, output):
+        if bar is not None:
+            bar.update(1)
+
+    handles = []
+    for _, module in layers:
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    try:
+        with torch.no_grad():
+            model(example_input)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if bar is not None:
+            bar.close()
+    rows = []
+    names = {id(m): name for name, m in layers}
+    for module, shape, layout, residual in seen:
+        w_shape = tuple(module.weight.shape)
+        n, c, h, w = shape
+        x_shape = shape if layout == "NCHW" else (n, h, w, c)
+        if layout == "NHWC":
+            w_shape = (w_shape[2], w_shape[3], w_shape[1], w_shape[0])
+        k, _, r, s = module.weight.shape
+        ho = _output_size(h, module.padding[0], module.dilation[0], r, module.stride[0])
+        wo = _output_size(w, module.padding[1], module.dilation[1], s, module.stride[1])
+        out_shape = (n, k, ho, wo) if layout == "NCHW" else (n, ho, wo, k)
+        kp = _ttile_plan(x_shape, w_shape, None if module.bias is None else module.bias.shape,
+                         module.stride, module.padding, module.dilation, module.groups,
+                         layout=layout, threads=module.threads or torch.get_num_threads(),
+                         activation=module.activation, negative_slope=module.negative_slope,
+                         residual=out_shape if residual else None, prepacked=True)
+        rows.append((names.get(id(module), "?"), module.source, shape, layout, kp))
+    if progress:
+        print(format_table(rows), file=sys.stderr)
+    return rows
+
+
+def format_table(rows) -> str:
+    lines = ["| layer | replaces | input | layout | kernel | threads | tuned for | epilogue |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, source, shape, layout, kp in rows:
+        tuned = ("" if kp.tuned_cpu is None else
+                 f"{kp.tuned_cpu} x{kp.tuned_threads}")
+        lines.append(f"| {name} | {source} | {'x'.join(map(str, shape))} | {layout} | "
+                     f"{kp.kind.value} | {kp.threads} | {tuned} | {kp.epilogue} |")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""ttile.torch.convert: a PyTorch model's convolutions served by ttile, checked against the
+model itself in float32 (and float64 where the fold is the question)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import ttile  # noqa: E402
+import ttile.torch as tt  # noqa: E402
+
+
+def randomize_batch_norms(model):
+    gen = torch.Generator().manual_seed(5)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            n = module.num_features
+            module.running_mean.copy_(torch.rand(n, generator=gen) * 2 - 1)
+            module.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
+            module.weight.data.copy_(torch.rand(n, generator=gen) + 0.5)
+            module.bias.data.copy_(torch.rand(n, generator=gen) * 2 - 1)
+    return model
+
+
+class Basic(nn.Module):
+    """ResNet's basic block: conv-bn-relu, conv-bn, + identity (or a strided 1x1), relu."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                   nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+def small_net():
+    return randomize_batch_norms(nn.Sequential(
+        nn.Conv2d(3, 16, 3, 1, 1), nn.BatchNorm2d(16), nn.ReLU(),
+        Basic(16, 16), Basic(16, 24, 2),
+        nn.Conv2d(24, 24, 3, 1, 2, dilation=2, groups=24), nn.ReLU6(),   # depthwise, dilated
+        nn.Conv2d(24, 12, 1), nn.LeakyReLU(0.1),
+        nn.Conv2d(12, 10, 3, padding="same"), nn.SiLU(),
+        nn.Conv2d(10, 7, 1), nn.Sigmoid())).eval()
+
+
+def rel_error(got, expected):
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_converted_model_matches_torch_and_fuses_what_follows_each_conv(channels_last):
+    model = small_net()
+    converted = tt.convert(model)
+    layers = tt.served_layers(converted)
+    # 10 convolutions; every one served, the batch norms, adds and activations folded in
+    assert len(layers) == 10
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.ReLU, nn.SiLU, nn.Sigmoid, nn.ReLU6,
+                                  nn.LeakyReLU, nn.Conv2d)) for m in converted.modules())
+    sources = {m.source for _, m in layers}
+    assert "0+1+relu" in sources
+    assert any(s.endswith("+add+relu") for s in sources)
+    assert {m.activation for _, m in layers} >= {"relu", "relu6", "leaky_relu", "silu",
+                                                 "sigmoid"}
+    x = torch.randn(2, 3, 17, 19)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected = model.double()(x.double())
+        got = converted(x)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert rel_error(got.double(), expected) < 1e-5
+    # the memory format flows through: a channels_last input stays channels_last
+    assert got.is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def test_the_original_model_is_left_alone_unless_inplace():
+    model = small_net()
+    tt.convert(model)
+    assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) == 10
+
+
+def test_a_model_that_does_not_trace_gets_its_convs_swapped():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv2d(4, 8, 3, padding=1)
+            self.b = nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            y = self.a(x)
+            if y.sum() > 0:   # data-dependent: fx cannot trace this
+                y = torch.relu(y)
+            return self.b(y)
+
+    model = Branchy().eval()
+    converted = tt.convert(model)
+    assert isinstance(converted.a, tt.TTileConv2d) and isinstance(converted.b, tt.TTileConv2d)
+    x = torch.randn(1, 4, 9, 9)
+    with torch.no_grad():
+        assert rel_error(converted(x), model(x)) < 1e-5
+
+
+def test_layers_ttile_cannot_serve_stay_torchs():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+                          nn.Conv2d(4, 4, 3).double(), nn.Conv2d(4, 5, 2, padding="same")).eval()
+    converted = tt.convert(model)
+    assert tt.served_layers(converted) == []
+
+
+def test_training_mode_and_inputs_that_require_grad_are_refused():
+    model = small_net()
+    with pytest.raises(RuntimeError, match="model.eval"):
+        tt.convert(model.train())
+    converted = tt.convert(model.eval())
+    x = torch.randn(1, 3, 8, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no gradients"):
+        converted(x)
+    converted.train()
+    with pytest.raises(RuntimeError, match="training mode"):
+        with torch.no_grad():
+            converted(x)
+
+
+def test_weights_changed_in_place_are_packed_again():
+    model = nn.Sequential(nn.Conv2d(4, 6, 3)).eval()
+    converted = tt.convert(model, trace=False)
+    x = torch.randn(1, 4, 7, 7)
+    with torch.no_grad():
+        converted(x)
+        layer = converted[0]
+        layer.weight.mul_(2)   # e.g. load_state_dict copying new weights in
+        expected = torch.nn.functional.conv2d(x, layer.weight, layer.bias)
+        assert rel_error(converted(x), expected) < 1e-5
+
+
+def test_custom_op_has_a_fake_kernel_so_export_sees_through_it():
+    converted = tt.convert(small_net())
+    x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.ttile.conv2d.default,
+                          (x, converted.ttile_0.weight, converted.ttile_0.bias, None,
+                           converted.ttile_0.layer_id, [1, 1], [1, 1], [1, 1], 1, "relu",
+                           0.01, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+    exported = torch.export.export(converted, (x,))
+    assert any("ttile.conv2d" in str(node.target) for node in exported.graph.nodes)
+    with torch.no_grad():
+        assert rel_error(exported.module()(x), converted(x)) < 1e-6
+
+
+def test_example_input_tunes_every_layer_up_front_and_prints_what_serves_it(capsys):
+    model = small_net()
+    x = torch.randn(1, 3, 10, 10)
+    previous = ttile.set_tuning("never")   # the table, not the tuner, is the question here
+    try:
+        converted = tt.convert(model, example_input=x)
+    finally:
+        ttile.restore_tuning(previous)
+    err = capsys.readouterr().err
+    assert err.count("| ttile_") == 10
+    assert "bias+residual+relu" in err and "depthwise" in err
+    with torch.no_grad():
+        assert rel_error(converted(x), model(x)) < 1e-5
+
+
+def test_import_ttile_does_not_import_torch():
+    code = "import sys, ttile; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
