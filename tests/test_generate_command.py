@@ -149,3 +149,36 @@ def test_emission_keeps_every_cpus_verdicts(tmp_path, capsys):
     registry = (kernels / "registry.c").read_text()
     assert f'/* {repo_records[0].stem} */' in registry
     assert f'{{"{repo_records[0].stem}", 1, ' in registry
+
+
+def test_onnx_model_is_searched_like_a_network(tmp_path, capsys):
+    """``--onnx``: a non-square, asymmetrically padded, dilated layer of a user's file is
+    searched, recorded under its node's name and emitted."""
+    onnx = pytest.importorskip("onnx")
+    import numpy as np
+    from onnx import TensorProto, helper
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="/stem/conv", pads=[2, 1, 1, 2],
+                          dilations=[2, 1], strides=[1, 1])],
+        "user", [helper.make_tensor_value_info("x", f, ("batch", 16, 12, 19))],
+        [helper.make_tensor_value_info("y", f, None)],
+        [helper.make_tensor("w", f, (32, 16, 3, 3), np.zeros(32 * 16 * 9, np.float32))])
+    model = tmp_path / "user.onnx"
+    onnx.save(helper.make_model(graph), model)
+    generator = _generator_dir(tmp_path / "generator")
+    kernels = tmp_path / "gen"
+    assert main(["--onnx", str(model), "--data-dir", str(generator), "--kernels-dir",
+                 str(kernels), "--threads", "2", "--budget", "2", "--top", "6"]) == 0
+    out = capsys.readouterr().out
+    records = _records(generator)
+    assert {r["layer"] for r in records} == {"user/stem/conv"}
+    assert all(r["status"] == "ok" for r in records), [r["detail"] for r in records]
+    problem = records[0]["spec"]
+    assert (problem["h"], problem["w"], problem["pad_top"], problem["pad_bottom"],
+            problem["pad_left"], problem["pad_right"], problem["dilation_h"]) == \
+        (12, 19, 2, 1, 1, 2, 2)
+    assert re.search(r"^\| user/stem/conv \| `\[.*\]` \|", out, re.M), out
+    assert '"user/stem/conv"' in (kernels / "registry.c").read_text()
+    for path in kernels.glob("ttile_f32_conv2d_*.c"):
+        assert "command: ttile-generate --onnx user.onnx" in path.read_text()

@@ -7,7 +7,8 @@ Subcommands:
                  the IOOpt model, beside IOOpt's lower bound.
   records        migrate a tuning-records file to the current format.
   cache          list or clear the kernels ttile.conv2d tuned at run time.
-With --network NAME (or --layers-file F): steps 3-5 for every layer (scheme space,
+  layers         list the layers of a network, layers file or ONNX model.
+With --network NAME (or --layers-file F, or --onnx model.onnx): steps 3-5 for every layer (scheme space,
 pruning, autotuning into data/records/), then the kernels and their registry are
 written to kernels/gen/ for the build to compile.
 
@@ -225,17 +226,21 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_layers(args: argparse.Namespace):
+def _load_layers(network=None, layers_file=None, onnx=None):
+    """The layers named by --network, --layers-file or --onnx (exactly one is given)."""
     from .generator.networks import NETWORKS, Layer
-    if args.network:
+    if network:
         layers = []
-        for network in args.network:
-            if network.lower() not in NETWORKS:
-                raise ValueError(f"unknown network {network!r}; built in: "
-                                 f"{', '.join(NETWORKS)} (or pass --layers-file)")
-            layers += NETWORKS[network.lower()]
+        for name in network:
+            if name.lower() not in NETWORKS:
+                raise ValueError(f"unknown network {name!r}; built in: "
+                                 f"{', '.join(NETWORKS)} (or pass --layers-file / --onnx)")
+            layers += NETWORKS[name.lower()]
         return layers
-    path = Path(args.layers_file)
+    if onnx:
+        from .generator.onnx_import import read_onnx_layers
+        return list(read_onnx_layers(onnx).layers)
+    path = Path(layers_file)
     if path.suffix == ".toml":
         import tomllib
         data = tomllib.loads(path.read_text())
@@ -255,6 +260,35 @@ def _load_layers(args: argparse.Namespace):
     return layers
 
 
+def _cmd_layers(args: argparse.Namespace) -> int:
+    """List the layers a network, layers file or ONNX file gives the generator."""
+    skipped, shared, note = (), None, ""
+    if args.onnx:
+        from .generator.onnx_import import read_onnx_layers
+        found = read_onnx_layers(args.onnx)
+        layers, skipped, shared = found.layers, found.skipped, found.nodes
+        if found.batch_from_symbol:
+            note = " (a symbolic batch size is read as 1)"
+    else:
+        layers = _load_layers(args.network, args.layers_file)
+    print(f"{len(layers)} distinct convolution layers{note}")
+    print("| layer | N | K | C | H x W | R x S | stride | pads t,b,l,r | dilation | groups "
+          "| MFLOP | search | nodes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, layer in enumerate(layers):
+        s = layer.spec()
+        search = "depthwise kernel" if layer.depthwise else \
+            "grouped: generic kernel" if layer.groups > 1 else "searched"
+        nodes = len(shared[i]) if shared else 1
+        print(f"| {layer.name} | {s.n} | {layer.k} | {layer.c} | {s.h} x {s.w} | "
+              f"{s.r} x {s.s} | {s.stride_h},{s.stride_w} | {s.pad_top},{s.pad_bottom},"
+              f"{s.pad_left},{s.pad_right} | {s.dilation_h},{s.dilation_w} | {layer.groups} "
+              f"| {layer.flops / 1e6:.1f} | {search} | {nodes} |")
+    for s in skipped:
+        print(f"skipped: {s.node} ({s.op_type}): {s.reason}")
+    return 0
+
+
 def _cmd_network(args: argparse.Namespace) -> int:
     from .generator.autotune import TuneSettings, compare_warm, measure_generic, tune_layer
     from .generator.emit import databases_in, emit, registry_entries
@@ -264,7 +298,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
     from .tuning.bench import LayerBench
     from .tuning.records import Protocol, TuningDatabase
 
-    layers = _load_layers(args)
+    layers = _load_layers(args.network, args.layers_file, args.onnx)
     counts = sorted({1, *args.threads})
     database = TuningDatabase(args.data_dir / "records")
     if args.from_records and not args.warm_check:
@@ -274,6 +308,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
         caches = load_or_measure(args.data_dir).caches()
     settings = TuneSettings(budget_seconds=args.budget)
     source = (f"--network {' '.join(args.network)}" if args.network
+              else f"--onnx {Path(args.onnx).name}" if args.onnx
               else f"--layers-file {args.layers_file}")
     command = f"ttile-generate {source}"
     started = time.monotonic()
@@ -377,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "networks (yolo9000, resnet18) and emit the kernels")
     parser.add_argument("--layers-file", help="search the layers listed in a TOML or JSON "
                         "file: [{name, k, c, hw, rs, stride}, ...]")
+    parser.add_argument("--onnx", type=Path, help="search the 2-D convolutions of an ONNX "
+                        "model (shapes by ONNX shape inference; needs ttile[onnx])")
     parser.add_argument("--kernels-dir", type=Path, default=Path("kernels/gen"),
                         help="where generated kernels and the registry go")
     parser.add_argument("--budget", type=float, default=90.0,
@@ -422,6 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tuning", default="never", choices=("never", "now"),
                      help="tune layers without a shipped kernel first (now: up to 20 s each)")
     run.set_defaults(run=_cmd_run)
+    listing = sub.add_parser("layers", help="list the layers of a network, layers file or "
+                                            "ONNX model, as the generator would search them")
+    chosen = listing.add_mutually_exclusive_group(required=True)
+    chosen.add_argument("--network", dest="list_network", nargs="+",
+                        help="built-in networks (yolo9000, resnet18, mobilenet_v2)")
+    chosen.add_argument("--layers-file", dest="list_layers_file", help="a TOML or JSON file")
+    chosen.add_argument("--onnx", dest="list_onnx", type=Path, help="an ONNX model")
+    listing.set_defaults(run=_cmd_layers)
     records = sub.add_parser("records", help="tuning records: rewrite a file in the "
                                              "current format")
     records.add_argument("action", choices=("migrate",))
@@ -439,9 +484,14 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        if not (args.network or args.layers_file):
-            parser.error("give a command (microkernels, model) or --network / --layers-file")
+        sources = sum(bool(v) for v in (args.network, args.layers_file, args.onnx))
+        if sources != 1:
+            parser.error("give a command (microkernels, model, layers, run, ...) or exactly "
+                         "one of --network / --layers-file / --onnx")
         args.run = _cmd_network
+    if args.command == "layers":   # the subcommand's own options name what it lists
+        args.network, args.layers_file, args.onnx = (args.list_network, args.list_layers_file,
+                                                     args.list_onnx)
     if args.command is None and not all(1 <= t <= 64 for t in args.threads):
         print("--threads takes thread counts from 1 to 64", file=sys.stderr)
         return 2

@@ -16,6 +16,15 @@ from ..core.spec import ConvSpec
 
 @dataclass(frozen=True)
 class Layer:
+    """One convolution layer of a network, as the generator searches it.
+
+    The built-in layers are square with 'same'-style padding, so (k, c, hw, rs, stride)
+    say everything. A layer read from a user's model (``onnx_import``) can be anything
+    ConvSpec describes - non-square maps and kernels, explicit asymmetric pads,
+    dilation, a fixed batch - and carries that problem in ``geometry``; its hw and rs
+    then repeat the height and kernel height for listings only.
+    """
+
     name: str
     k: int
     c: int
@@ -23,15 +32,33 @@ class Layer:
     rs: int
     stride: int = 1
     groups: int = 1   # == c == k: a depthwise layer
+    #: One group's whole problem, when the fields above do not describe it.
+    geometry: ConvSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"layer {self.name}: {self.groups} groups do not divide "
+                             f"C={self.c} and K={self.k}")
+        if self.geometry is not None and (self.geometry.k * self.groups != self.k
+                                          or self.geometry.c * self.groups != self.c):
+            raise ValueError(f"layer {self.name}: its geometry is not one group's problem")
+
+    @classmethod
+    def from_spec(cls, name: str, spec: ConvSpec, groups: int = 1) -> "Layer":
+        """The layer of ``groups`` side-by-side copies of ``spec`` (one group's problem)."""
+        return cls(name, spec.k * groups, spec.c * groups, spec.h, spec.r, spec.stride_h,
+                   groups, geometry=spec)
 
     @property
     def depthwise(self) -> bool:
         return self.groups > 1 and self.groups == self.c == self.k
 
-    def spec(self, batch: int = 1) -> ConvSpec:
+    def spec(self) -> ConvSpec:
         """One group's problem (the whole layer when groups is 1)."""
+        if self.geometry is not None:
+            return self.geometry
         pad = self.rs // 2
-        return ConvSpec(n=batch, k=self.k // self.groups, c=self.c // self.groups, h=self.hw,
+        return ConvSpec(n=1, k=self.k // self.groups, c=self.c // self.groups, h=self.hw,
                         w=self.hw, r=self.rs, s=self.rs, stride_h=self.stride,
                         stride_w=self.stride, pad_top=pad, pad_bottom=pad, pad_left=pad,
                         pad_right=pad)

@@ -165,6 +165,13 @@ def _padding(padding, r: int, s: int, stride: tuple[int, int],
             top, left = total_h // 2, total_w // 2
             return top, total_h - top, left, total_w - left
         raise ValueError(f"padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
+    if isinstance(padding, (tuple, list)) and len(padding) == 2 \
+            and all(isinstance(side, (tuple, list)) for side in padding):
+        # ((top, bottom), (left, right)): the asymmetric padding an ONNX model may carry
+        # (auto_pad SAME_* with a stride, explicit pads); torch needs F.pad for it.
+        top, bottom = _as_pair(padding[0], "padding", 0)
+        left, right = _as_pair(padding[1], "padding", 0)
+        return top, bottom, left, right
     ph, pw = _as_pair(padding, "padding", 0)
     return ph, ph, pw, pw
 
@@ -306,6 +313,9 @@ def _exact_key(value):
         return value
     if kind is tuple and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
         return value
+    if kind is tuple and len(value) == 2 and all(_exact_key(side) is side and type(side) is
+                                                 tuple for side in value):
+        return value   # ((top, bottom), (left, right))
     return None
 
 
@@ -607,7 +617,8 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
         bias: None or (K,) values added to each output channel.
         stride: int or (sh, sw), >= 1.
         padding: int, (ph, pw), "same" (stride 1 only; the odd extra row/column goes to
-            the bottom/right, as in torch) or "valid".
+            the bottom/right, as in torch), "valid", or ((top, bottom), (left, right))
+            for different padding on each side (as an ONNX Conv's pads may be).
         dilation: int or (dh, dw), >= 1: the spacing of the kernel's taps.
         groups: input and output channels are split into this many groups, each
             convolved with its own weights (groups == C: depthwise).

@@ -183,7 +183,8 @@ def generic_packed_copies(spec: ConvSpec, copies: Copies) -> Copies:
 def _run_generic(spec: ConvSpec, threads: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
     def run(x: np.ndarray, packed: np.ndarray, y: np.ndarray) -> None:
         _kernels.conv2d_generic_packed(x, packed, y, spec.stride_h, spec.stride_w,
-                                       spec.pad_top, spec.pad_left, threads)
+                                       spec.pad_top, spec.pad_left, threads,
+                                       dil_h=spec.dilation_h, dil_w=spec.dilation_w)
     return run
 
 
