@@ -1,6 +1,8 @@
 /* Run-time ISA detection. AVX-512 needs both the CPU bit (cpuid leaf 7, EBX bit 16)
  * and the OS enabling the opmask and ZMM state in XCR0 (bits 1, 2, 5, 6, 7); a CPU can
- * report the former without the latter (e.g. under some hypervisors), so both are read. */
+ * report the former without the latter (e.g. under some hypervisors), so both are read.
+ * AVX2 + FMA: cpuid leaf 7 EBX bit 5 and leaf 1 ECX bit 12, with the XMM and YMM state
+ * (XCR0 bits 1, 2). */
 #include "ttile_runtime.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -30,6 +32,23 @@ static int detect_avx512f(void)
     return (ebx >> 16) & 1u;
 }
 
+static int detect_avx2(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        return 0;
+    const unsigned osxsave = 1u << 27, fma = 1u << 12, avx = 1u << 28;
+    if ((ecx & osxsave) == 0 || (ecx & fma) == 0 || (ecx & avx) == 0)
+        return 0;
+    const uint64_t ymm_state = (1u << 1) | (1u << 2);
+    if ((read_xcr0() & ymm_state) != ymm_state)
+        return 0;
+    if (__get_cpuid_max(0, 0) < 7)
+        return 0;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    return (ebx >> 5) & 1u;
+}
+
 /* cpuid traps to the hypervisor in a VM (several microseconds), so it runs once and the
  * answer is kept; a race between two first callers only computes it twice. */
 int ttile_cpu_has_avx512f(void)
@@ -39,6 +58,15 @@ int ttile_cpu_has_avx512f(void)
         cached = detect_avx512f();
     return cached;
 }
+
+int ttile_cpu_has_avx2(void)
+{
+    static volatile int cached = -1;
+    if (cached < 0)
+        cached = detect_avx2();
+    return cached;
+}
 #else
 int ttile_cpu_has_avx512f(void) { return 0; }
+int ttile_cpu_has_avx2(void) { return 0; }
 #endif

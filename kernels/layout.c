@@ -15,22 +15,30 @@
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* One tile: dst[row(first + c) * dstride + r] = src[r * sstride + c], r < rows,
- * c < cols, with row(x) = (x % group) * groups + x / group (see layout_avx512.c). */
-static void transpose_tile(const float *src, int64_t sstride, float *dst, int64_t dstride,
-                           int64_t rows, int64_t cols, int64_t first, int64_t group,
-                           int64_t groups, int avx512)
+ * c < cols, with row(x) = (x % group) * groups + x / group (see layout_avx512.c), in
+ * plain C (the AVX2 generic kernel's NCHW stores use it too). */
+void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst,
+                                   int64_t dstride, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t group, int64_t groups)
 {
-    if (avx512) {
-        ttile_transpose_tile_avx512(src, sstride, dst, dstride, rows, cols, first, group,
-                                    groups);
-        return;
-    }
     for (int64_t c = 0; c < cols; c++) {
         const int64_t x = first + c;
         float *d = dst + ((x % group) * groups + x / group) * dstride;
         for (int64_t r = 0; r < rows; r++)
             d[r] = src[r * sstride + c];
     }
+}
+
+static void transpose_tile(const float *src, int64_t sstride, float *dst, int64_t dstride,
+                           int64_t rows, int64_t cols, int64_t first, int64_t group,
+                           int64_t groups, int avx512)
+{
+    if (avx512)
+        ttile_transpose_tile_avx512(src, sstride, dst, dstride, rows, cols, first, group,
+                                    groups);
+    else
+        ttile_transpose_tile_portable(src, sstride, dst, dstride, rows, cols, first, group,
+                                      groups);
 }
 
 /* dst[b][c][r] = src[b][r][c] for `batch` matrices of rows x cols. */

@@ -109,6 +109,97 @@ static inline float ttile_epilogue1(const ttile_epilogue *ep, float acc, int64_t
     return ttile_activate1(ep->activation, ep->negative_slope, acc);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The AVX2 + FMA counterparts of the functions below, for the AVX2 kernel family (8
+ * lanes; masks are integer vectors, all ones in the lanes to touch, as vmaskmovps
+ * takes them). */
+
+/* Lanes 0 .. remaining-1 on (none when remaining <= 0, all when >= 8). */
+static inline __m256i ttile_tail_mask256(int64_t remaining)
+{
+    const int n = remaining < 0 ? 0 : remaining > 8 ? 8 : (int)remaining;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* e^x on 8 lanes: the polynomial of ttile_exp512, 2^n put into the exponent bits. */
+static inline __m256 ttile_exp256(__m256 x)
+{
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* n is in [-126, 127] here: 2^n is a normal float, built from its exponent bits */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 ttile_leaky256(__m256 v, float slope)
+{
+    return _mm256_blendv_ps(v, _mm256_mul_ps(v, _mm256_set1_ps(slope)),
+                            _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+
+static inline __m256 ttile_activate256(int activation, float slope, __m256 v)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 one = _mm256_set1_ps(1.0f);
+    switch (activation) {
+    case TTILE_ACT_RELU:
+        return _mm256_max_ps(v, zero);
+    case TTILE_ACT_RELU6:
+        return _mm256_min_ps(_mm256_max_ps(v, zero), _mm256_set1_ps(6.0f));
+    case TTILE_ACT_LEAKY_RELU:
+        return ttile_leaky256(v, slope);
+    case TTILE_ACT_SILU:
+        return _mm256_div_ps(v, _mm256_add_ps(one, ttile_exp256(_mm256_sub_ps(zero, v))));
+    case TTILE_ACT_SIGMOID:
+        return _mm256_div_ps(one, _mm256_add_ps(one, ttile_exp256(_mm256_sub_ps(zero, v))));
+    default:
+        return v;
+    }
+}
+
+/* ttile_epilogue_apply512 on 8 lanes. */
+static inline void ttile_epilogue_apply256(const ttile_epilogue *ep, float *y, int64_t i,
+                                           int64_t k, __m256i mask)
+{
+    __m256 v = _mm256_maskload_ps(y + i, mask);
+    if (ep->bias)
+        v = _mm256_add_ps(v, _mm256_maskload_ps(ep->bias + k, mask));
+    if (ep->residual)
+        v = _mm256_add_ps(v, _mm256_maskload_ps(ep->residual + i, mask));
+    v = ttile_activate256(ep->activation, ep->negative_slope, v);
+    _mm256_maskstore_ps(y + i, mask, v);
+}
+
+/* ttile_epilogue_row512 on 8 lanes. */
+static inline void ttile_epilogue_row256(const ttile_epilogue *ep, float *y, int64_t i,
+                                         int64_t n, int64_t k, int with_bias)
+{
+    const __m256 b = _mm256_set1_ps(with_bias && ep->bias ? ep->bias[k] : 0.0f);
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i m = ttile_tail_mask256(n - j);
+        __m256 v = _mm256_add_ps(_mm256_maskload_ps(y + i + j, m), b);
+        if (ep->residual)
+            v = _mm256_add_ps(v, _mm256_maskload_ps(ep->residual + i + j, m));
+        v = ttile_activate256(ep->activation, ep->negative_slope, v);
+        _mm256_maskstore_ps(y + i + j, m, v);
+    }
+}
+#endif /* __AVX2__ && __FMA__ */
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 

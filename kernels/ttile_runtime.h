@@ -28,6 +28,8 @@ typedef struct {
 
 /* 1 when the CPU and the OS (XCR0 state) both support AVX-512F, else 0. */
 int ttile_cpu_has_avx512f(void);
+/* 1 when the CPU has AVX2 and FMA and the OS saves the YMM state, else 0. */
+int ttile_cpu_has_avx2(void);
 
 /* Generic kernels: runtime shapes, any stride and padding, correct for every shape.
  * The AVX-512 one packs the weights into a scratch buffer and returns -1, writing
@@ -37,12 +39,19 @@ int ttile_cpu_has_avx512f(void);
 void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads,
                                  const ttile_epilogue *ep);
+/* The vector generic kernels (generic_conv.inc), one per ISA: _avx512 (AVX-512F) and
+ * _avx2 (AVX2 + FMA), with the same arguments and results. */
 int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                               const float *w, float *y, int nthreads,
                               const ttile_epilogue *ep);
-/* The panel width the AVX-512 generic kernel reads for k output channels and output
- * rows of wo pixels: 16 times its register block's vector count (16, 32, 48 or 64). */
-int64_t ttile_generic_panel(int64_t k, int64_t wo);
+int ttile_conv_generic_avx2(const ttile_conv_shape *shape, const float *x,
+                            const float *w, float *y, int nthreads,
+                            const ttile_epilogue *ep);
+/* The panel width a generic kernel reads for k output channels and output rows of wo
+ * pixels: its vector width times its register block's vector count (AVX-512: 16, 32,
+ * 48 or 64; AVX2: 8, 16 or 24). */
+int64_t ttile_generic_panel_avx512(int64_t k, int64_t wo);
+int64_t ttile_generic_panel_avx2(int64_t k, int64_t wo);
 /* The same on weights already packed by ttile_pack_weights with that panel width (what
  * a pre-packed ttile.Conv2d holds; with groups, one packed tensor per group, one after
  * the other); -1 when its small scratch allocation fails. Flags:
@@ -54,9 +63,12 @@ int64_t ttile_generic_panel(int64_t k, int64_t wo);
 #define TTILE_NCHW_OUT 1
 #define TTILE_RSCK_WEIGHTS 2
 #define TTILE_KCRS_WEIGHTS 4
-int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
+int ttile_conv_generic_packed_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
                                      int flags, const ttile_epilogue *ep);
+int ttile_conv_generic_packed_avx2(const ttile_conv_shape *shape, const float *x,
+                                   const float *packed, float *y, int nthreads,
+                                   int flags, const ttile_epilogue *ep);
 
 /* Depthwise convolution (groups == input channels, k = 1 output channel per group),
  * NHWC, weights (R, S, groups): channels in the vector lanes, outputs blocked along w
@@ -81,10 +93,13 @@ void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int6
                         int nthreads, int isa);
 void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
                         int nthreads, int isa);
-/* One tile of those conversions with AVX-512 (layout_avx512.c). */
+/* One tile of those conversions with AVX-512 (layout_avx512.c), and in plain C. */
 void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                                  int64_t dstride, int64_t rows, int64_t cols,
                                  int64_t first, int64_t group, int64_t groups);
+void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst,
+                                   int64_t dstride, int64_t rows, int64_t cols,
+                                   int64_t first, int64_t group, int64_t groups);
 /* Columns [col0, col1) (x = ci * rs + t) of panel p of KCRS weights (out points at the
  * panel): what ttile_pack_weights_kcrs does per task, and the generic kernel's threads
  * for the panels they use. */

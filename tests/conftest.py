@@ -10,8 +10,10 @@ _SESSION_POLICY = ttile.set_tuning(mode="never")
 requires_avx512 = pytest.mark.skipif(not ttile.has_avx512f(),
                                      reason="this CPU (or OS) does not support AVX-512F")
 
-#: Kernel families a test can run on this machine.
-AVAILABLE_ISAS = ["portable"] + (["avx512f"] if ttile.has_avx512f() else [])
+#: Kernel families a test can run on this machine (an AVX-512 machine runs the AVX2
+#: family too: ttile.set_isa("avx2")).
+AVAILABLE_ISAS = (["portable"] + (["avx2"] if ttile.has_avx2() else [])
+                  + (["avx512f"] if ttile.has_avx512f() else []))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ttile
-from conftest import requires_avx512
+from conftest import AVAILABLE_ISAS, requires_avx512
 from guarded import guarded_copy
 from ttile import _kernels
 from ttile.runtime import jit, registry
@@ -68,20 +68,24 @@ def _run_guarded(spec: ConvSpec, side: str, weights: np.ndarray, launch) -> None
 
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("case", TAIL_SHAPES, ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}")
-@pytest.mark.parametrize("family", ["portable", "avx512f", "avx512f-packed"])
+@pytest.mark.parametrize("family", ["portable", "avx2", "avx2-packed", "avx512f",
+                                    "avx512f-packed"])
 def test_generic_kernels_stay_in_bounds(family, case, side):
-    if family != "portable" and not ttile.has_avx512f():
-        pytest.skip("no AVX-512F")
+    name = family.split("-")[0]
+    if name not in AVAILABLE_ISAS:
+        pytest.skip(f"this CPU cannot run the {name} family")
     spec = _spec(case)
     x, w = _tensors(spec)
-    isa = _kernels.ISA_PORTABLE if family == "portable" else _kernels.ISA_AVX512F
+    isa = {"portable": _kernels.ISA_PORTABLE, "avx2": _kernels.ISA_AVX2,
+           "avx512f": _kernels.ISA_AVX512F}[name]
     for threads in (1, 2):
-        if family == "avx512f-packed":
-            _run_guarded(spec, side, _kernels.pack_weights(w, _kernels.generic_panel(spec.k, spec.wo)),
+        if family.endswith("-packed"):
+            panel = _kernels.generic_panel(spec.k, spec.wo, isa)
+            _run_guarded(spec, side, _kernels.pack_weights(w, panel),
                          lambda gx, gw, gy:
                          _kernels.conv2d_generic_packed(gx, gw, gy, spec.stride_h,
                                                         spec.stride_w, spec.pad_top,
-                                                        spec.pad_left, threads))
+                                                        spec.pad_left, threads, isa=isa))
         else:
             _run_guarded(spec, side, w, lambda gx, gw, gy:
                          _kernels.conv2d_generic_nhwc(gx, gw, gy, spec.stride_h, spec.stride_w,
@@ -233,12 +237,12 @@ GROUPED_SHAPES = [
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("case", GROUPED_SHAPES,
                          ids=lambda c: f"c{c[3]}k{c[4]}r{c[5]}s{c[7]}d{c[9]}g{c[10]}")
-@pytest.mark.parametrize("isa", ["portable", "avx512f"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512f"])
 def test_grouped_kernels_and_epilogues_stay_in_bounds(isa, case, side):
     """The depthwise kernel and the generic kernels' grouped form, with every epilogue
     operand (bias, residual) against guard pages too."""
-    if isa == "avx512f" and not ttile.has_avx512f():
-        pytest.skip("no AVX-512F")
+    if isa not in AVAILABLE_ISAS:
+        pytest.skip(f"this CPU cannot run the {isa} family")
     n, h, w, c, k, r, s, stride, pad, dil, groups = case
     rng = np.random.default_rng(1)
     x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)

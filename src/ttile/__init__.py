@@ -16,7 +16,7 @@ The package is layered, each layer importing only those before it:
 from ._version import __version__
 from .core.kinds import Isa, KernelKind
 from .core.spec import ConvSpec
-from .runtime.api import (KernelPlan, conv2d, get_isa, has_avx512f, plan, set_isa,
+from .runtime.api import (KernelPlan, conv2d, get_isa, has_avx2, has_avx512f, plan, set_isa,
                           tuned_kernels, use_tuned_kernels)
 from .runtime.conv_layer import Conv2d
 from .runtime.dispatch import TuningPolicy, restore_tuning, set_tuning, tuning_policy
@@ -35,7 +35,8 @@ def cache_clear() -> int:
     return removed
 
 
-__all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "get_isa",
+__all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "has_avx2",
+           "get_isa",
            "set_isa", "tuned_kernels", "use_tuned_kernels", "set_tuning", "restore_tuning",
            "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind", "Isa", "cache_clear",
            "__version__"]

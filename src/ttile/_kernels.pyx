@@ -27,16 +27,24 @@ cdef extern from "ttile_runtime.h" nogil:
         int64_t dil_h, dil_w
         int64_t groups
     int ttile_cpu_has_avx512f()
+    int ttile_cpu_has_avx2()
     void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
     int ttile_conv_generic_avx512(const ttile_conv_shape *shape, const float *x,
                                   const float *w, float *y, int nthreads,
                                   const ttile_epilogue *ep)
-    int64_t ttile_generic_panel(int64_t k, int64_t wo)
-    int ttile_conv_generic_avx512_packed(const ttile_conv_shape *shape, const float *x,
+    int ttile_conv_generic_avx2(const ttile_conv_shape *shape, const float *x,
+                                const float *w, float *y, int nthreads,
+                                const ttile_epilogue *ep)
+    int64_t ttile_generic_panel_avx512(int64_t k, int64_t wo)
+    int64_t ttile_generic_panel_avx2(int64_t k, int64_t wo)
+    int ttile_conv_generic_packed_avx512(const ttile_conv_shape *shape, const float *x,
                                          const float *packed, float *y, int nthreads,
                                          int flags, const ttile_epilogue *ep)
+    int ttile_conv_generic_packed_avx2(const ttile_conv_shape *shape, const float *x,
+                                       const float *packed, float *y, int nthreads,
+                                       int flags, const ttile_epilogue *ep)
     void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
@@ -70,8 +78,32 @@ cdef extern from "ttile_registry.h" nogil:
     const ttile_tuned_kernel ttile_tuned_kernels[]
     const int ttile_tuned_kernel_count
 
-ISA_PORTABLE = 0
-ISA_AVX512F = 1
+cdef enum:
+    _ISA_PORTABLE = 0
+    _ISA_AVX512F = 1
+    _ISA_AVX2 = 2
+
+ISA_PORTABLE = _ISA_PORTABLE
+ISA_AVX512F = _ISA_AVX512F
+ISA_AVX2 = _ISA_AVX2
+
+
+cdef int _require_isa(int isa) except -1:
+    """Refuse a vector kernel the CPU cannot run (it would fault, not fail)."""
+    if isa == ISA_AVX512F:
+        if ttile_cpu_has_avx512f() != 1:
+            raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    elif isa == ISA_AVX2:
+        if ttile_cpu_has_avx2() != 1:
+            raise RuntimeError("AVX2 kernel requested on a CPU without AVX2 and FMA")
+    else:
+        raise ValueError(f"unknown vector isa {isa}")
+    return 0
+
+
+cdef int64_t _generic_panel(int64_t k, int64_t wo, int isa) nogil:
+    return ttile_generic_panel_avx2(k, wo) if isa == _ISA_AVX2 \
+        else ttile_generic_panel_avx512(k, wo)
 
 
 cdef const ttile_epilogue *_epilogue(ttile_epilogue *ep, object bias, object residual,
@@ -107,6 +139,11 @@ cdef const ttile_epilogue *_epilogue(ttile_epilogue *ep, object bias, object res
 def cpu_has_avx512f():
     """True when both the CPU and the OS support AVX-512F."""
     return ttile_cpu_has_avx512f() == 1
+
+
+def cpu_has_avx2():
+    """True when the CPU has AVX2 and FMA and the OS saves the YMM registers."""
+    return ttile_cpu_has_avx2() == 1
 
 
 cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
@@ -171,8 +208,8 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     """Run the generic kernel on x (N,H,W,C), w (R,S,C/groups,K) into y (N,Ho,Wo,K),
     with the epilogue y = act(conv + bias + residual) fused.
 
-    ``isa`` is ISA_PORTABLE or ISA_AVX512F (groups 1 only); asking for AVX-512F on a CPU
-    without it raises instead of faulting.
+    ``isa`` is ISA_PORTABLE, ISA_AVX512F or ISA_AVX2 (those two: groups 1 only);
+    asking for an ISA the CPU lacks raises instead of faulting.
     """
     _check_f32_c4(w, "w")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
@@ -186,13 +223,15 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     cdef int status = 0
-    if isa == ISA_AVX512F:
-        if ttile_cpu_has_avx512f() != 1:
-            raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    if isa == ISA_AVX512F or isa == ISA_AVX2:
+        _require_isa(isa)
         if groups != 1:
-            raise ValueError("the AVX-512F generic kernel takes grouped weights packed")
+            raise ValueError("the vector generic kernels take grouped weights packed")
         with nogil:
-            status = ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads, ep)
+            if isa == _ISA_AVX2:
+                status = ttile_conv_generic_avx2(&shape, xp, wp, yp, nthreads, ep)
+            else:
+                status = ttile_conv_generic_avx512(&shape, xp, wp, yp, nthreads, ep)
         if status != 0:
             raise MemoryError("not enough memory to pack the weights for the generic kernel")
     elif isa == ISA_PORTABLE:
@@ -240,12 +279,14 @@ cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel, int64_t groups=1
     return 0
 
 
-def generic_panel(int64_t k, int64_t wo):
-    """Panel width the AVX-512F generic kernel reads for ``k`` output channels and
-    output rows ``wo`` pixels wide."""
+def generic_panel(int64_t k, int64_t wo, int isa=ISA_AVX512F):
+    """Panel width the generic kernel of ``isa`` (ISA_AVX512F or ISA_AVX2) reads for
+    ``k`` output channels and output rows ``wo`` pixels wide."""
     if k < 1 or wo < 1:
         raise ValueError("k and wo must be >= 1")
-    return ttile_generic_panel(k, wo)
+    if isa != ISA_AVX512F and isa != ISA_AVX2:
+        raise ValueError(f"no vector generic kernel for isa {isa}")
+    return _generic_panel(k, wo, isa)
 
 
 def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
@@ -253,16 +294,16 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           int64_t pad_top, int64_t pad_left, int nthreads,
                           bint nchw_out=False, bint kcrs=False, *,
                           int64_t dil_h=1, int64_t dil_w=1, int64_t groups=1,
-                          bias=None, residual=None, int activation=0, float slope=0.01):
-    """The AVX-512F generic kernel on weights packed by
-    ``pack_weights(w, generic_panel(K, Wo))`` (with groups: each group's packed weights,
+                          bias=None, residual=None, int activation=0, float slope=0.01,
+                          int isa=ISA_AVX512F):
+    """The vector generic kernel of ``isa`` (ISA_AVX512F, or ISA_AVX2) on weights packed by
+    ``pack_weights(w, generic_panel(K, Wo, isa))`` (with groups: each group's packed weights,
     concatenated along the first axis), or on RSCK weights (R,S,C,K) - KCRS
     (K,C/groups,R,S), torch's layout, with ``kcrs`` - which the kernel's threads then
     pack panel group by panel group into buffers of their own; with ``nchw_out``, y is
     (N,K,Ho,Wo) and written in that layout from the tiles. The epilogue
     y = act(conv + bias + residual) is fused (residual in y's layout)."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _require_isa(isa)
     _check_f32_c4(y, "y")
     if groups < 1:
         raise ValueError("groups must be >= 1")
@@ -287,7 +328,7 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
         else:
             r, s, wc = ws[0], ws[1], ws[2]
     else:
-        panel = ttile_generic_panel(k // groups, yd[3] if nchw_out else yd[2])
+        panel = _generic_panel(k // groups, yd[3] if nchw_out else yd[2], isa)
         _check_packed(w, k // groups, panel, groups)
         r, s, wc = ws[1], ws[2], ws[3]
     cdef ttile_conv_shape shape
@@ -303,7 +344,11 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     cdef int status
     with nogil:
-        status = ttile_conv_generic_avx512_packed(&shape, xp, wp, yp, nthreads, out_flag, ep)
+        if isa == _ISA_AVX2:
+            status = ttile_conv_generic_packed_avx2(&shape, xp, wp, yp, nthreads, out_flag, ep)
+        else:
+            status = ttile_conv_generic_packed_avx512(&shape, xp, wp, yp, nthreads, out_flag,
+                                                      ep)
     if status != 0:
         raise MemoryError("not enough memory for the generic kernel's scratch row")
 

@@ -26,11 +26,18 @@ class KernelKind(str, Enum):
 
 
 class Isa(str, Enum):
-    """Kernel families, as ``ttile.set_isa`` names them."""
+    """Kernel families, as ``ttile.set_isa`` names them: AUTO picks the first this CPU
+    runs of AVX512F (AVX-512F + FMA), AVX2 (AVX2 + FMA) and PORTABLE (baseline C)."""
 
     AUTO = "auto"
     AVX512F = "avx512f"
+    AVX2 = "avx2"
     PORTABLE = "portable"
+
+    @property
+    def vector(self) -> bool:
+        """A family of vector kernels (packed weight panels, the generic kernel's tiles)."""
+        return self in (Isa.AVX512F, Isa.AVX2)
 
     def __str__(self) -> str:
         return self.value

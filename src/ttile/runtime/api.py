@@ -30,11 +30,13 @@ from .scratch import scratch
 
 IntPair = Union[int, tuple[int, int]]
 
-#: Which generic kernel serves calls: Isa.AUTO (AVX-512F when the CPU has it), AVX512F
-#: or PORTABLE. Change it with :func:`set_isa`.
+#: Which kernel family serves calls: Isa.AUTO (the best this CPU runs), AVX512F, AVX2 or
+#: PORTABLE. Change it with :func:`set_isa`, or before import with $TTILE_ISA.
 _HAS_AVX512F = _kernels.cpu_has_avx512f()
+_HAS_AVX2 = _kernels.cpu_has_avx2()
 _isa = Isa.AUTO
 _use_tuned = True
+#: the extension's number for each vector family
 
 
 def use_tuned_kernels(enabled: bool) -> bool:
@@ -50,30 +52,49 @@ def has_avx512f() -> bool:
     return _HAS_AVX512F
 
 
-def set_isa(isa: Union[str, Isa]) -> Isa:
-    """Choose the kernel family: "auto", "avx512f" or "portable" (or an :class:`Isa`);
-    returns the previous one.
+def has_avx2() -> bool:
+    """True when this CPU and OS can run the AVX2 + FMA kernels."""
+    return _HAS_AVX2
 
-    For tests and debugging. Asking for "avx512f" on a CPU without it raises instead of
-    crashing later.
+
+def set_isa(isa: Union[str, Isa]) -> Isa:
+    """Choose the kernel family: "auto", "avx512f", "avx2" or "portable" (or an
+    :class:`Isa`); returns the previous one.
+
+    "avx2" runs the AVX2 family on an AVX-512 machine too (for tests, and to measure what
+    a CPU without AVX-512 gets). Asking for a family the CPU cannot run raises instead of
+    crashing later. $TTILE_ISA sets the same at import.
     """
     global _isa
     try:
         chosen = Isa(isa)
     except ValueError:
-        raise ValueError(f"isa must be 'auto', 'avx512f' or 'portable', got {isa!r}") from None
+        raise ValueError(f"isa must be one of {', '.join(repr(i.value) for i in Isa)}, "
+                         f"got {isa!r}") from None
     if chosen is Isa.AVX512F and not _HAS_AVX512F:
         raise ValueError("this CPU (or OS) does not support AVX-512F")
+    if chosen is Isa.AVX2 and not _HAS_AVX2:
+        raise ValueError("this CPU (or OS) does not support AVX2 with FMA")
     previous, _isa = _isa, chosen
     return previous
 
 
 def get_isa() -> Isa:
-    """The kernel family calls use now: Isa.AVX512F or Isa.PORTABLE (equal to the
-    strings "avx512f" and "portable")."""
+    """The kernel family calls use now: Isa.AVX512F, Isa.AVX2 or Isa.PORTABLE (equal to
+    the strings "avx512f", "avx2" and "portable")."""
     if _isa is Isa.AUTO:
-        return Isa.AVX512F if _HAS_AVX512F else Isa.PORTABLE
+        return Isa.AVX512F if _HAS_AVX512F else Isa.AVX2 if _HAS_AVX2 else Isa.PORTABLE
     return _isa
+
+
+def _isa_from_environment() -> None:
+    """$TTILE_ISA (auto, avx512f, avx2, portable): the family for this process."""
+    value = os.environ.get("TTILE_ISA", "").strip().lower()
+    if value:
+        try:
+            set_isa(value)
+        except ValueError as exc:
+            raise ImportError(f"TTILE_ISA={value!r}: {exc}") from None
 
 
 def _default_threads() -> int:
@@ -515,7 +536,8 @@ def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights:
         # 4-D weights: RSCK for a dense NHWC call, KCRS for NCHW and grouped calls
         kcrs = weights.ndim == 4 and (plan.family is not Family.DENSE or plan.layout == "NCHW")
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, False,
-                                       kcrs, groups=plan.groups, **dilation, **fused)
+                                       kcrs, groups=plan.groups, **dilation, **fused,
+                                       isa=dispatch.isa_code(choice.isa))
     else:
         _kernels.conv2d_generic_nhwc(x, weights, y, *_generic_args(spec), nthreads,
                                      _kernels.ISA_PORTABLE, groups=plan.groups, **dilation,
@@ -547,7 +569,7 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
                                        weights.ndim == 4, groups=plan.groups,
                                        dil_h=spec.dilation_h, dil_w=spec.dilation_w,
-                                       **fused.kwargs())
+                                       **fused.kwargs(), isa=dispatch.isa_code(choice.isa))
         return y
     nhwc = _nhwc_shape(plan)
     residual = None
@@ -561,8 +583,9 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
 
 
 def _layout_isa() -> Optional[int]:
-    """The layout conversions' ISA: portable when calls are held to the portable family."""
-    return _kernels.ISA_PORTABLE if get_isa() is Isa.PORTABLE else None
+    """The layout conversions' ISA: AVX-512 tiles only in the AVX-512F family (a call
+    held to AVX2 runs no AVX-512 instruction anywhere), else portable C."""
+    return None if get_isa() is Isa.AVX512F else _kernels.ISA_PORTABLE
 
 
 def family_weights(w: np.ndarray, layout: str, plan: _CallPlan,
@@ -749,3 +772,6 @@ def _shape_tuple(shape, name: str) -> tuple[int, ...]:
             raise ValueError(f"{name} has a negative size: {shape!r}")
         dims.append(value)
     return tuple(dims)
+
+
+_isa_from_environment()

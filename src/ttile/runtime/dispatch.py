@@ -52,6 +52,7 @@ class KernelChoice:
     tuned_threads: Optional[int] = None  # and the thread count
     warm_gflops: float = 0.0            # a tuned kernel's warm rate, and the generic
     generic_gflops: float = 0.0         # kernel's beside it (0: not compared)
+    isa: Isa = Isa.AVX512F              # the family a generic choice runs
 
 
 @dataclass(frozen=True)
@@ -156,14 +157,22 @@ def warn_once(cause: str, message: str) -> None:
         warnings.warn(f"ttile: {message}", RuntimeWarning, stacklevel=4)
 
 
+def isa_code(isa: Isa) -> int:
+    """The extension's number for a vector family."""
+    return _kernels.ISA_AVX2 if isa is Isa.AVX2 else _kernels.ISA_AVX512F
+
+
 def generic_choice(isa: Isa, spec: ConvSpec, note: str = "", final: bool = True
                    ) -> KernelChoice:
-    if isa is Isa.AVX512F:
+    """The generic kernel of family ``isa``: the vector one reads panels of its own
+    width (AVX-512F: 16 x its block's vectors, AVX2: 8 x), the portable one RSCK."""
+    if isa.vector:
         return KernelChoice(kind=KernelKind.GENERIC, problem=spec,
-                            panel=_kernels.generic_panel(spec.k, spec.wo), note=note,
-                            final=final)
+                            panel=_kernels.generic_panel(spec.k, spec.wo, isa_code(isa)),
+                            note=note, final=final, isa=isa)
     return KernelChoice(kind=KernelKind.GENERIC, problem=spec, panel=0,
-                        note=note or "portable C (no AVX-512F)", final=final)
+                        note=note or "portable C (no AVX-512F, no AVX2)", final=final,
+                        isa=Isa.PORTABLE)
 
 
 def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
@@ -403,8 +412,9 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: Isa, use_tuned: bool,
            tune: bool = True) -> KernelChoice:
     """The kernel for a problem; with ``tune`` False nothing is searched (for ``plan``)."""
     global _background
-    if isa is not Isa.AVX512F:
-        return generic_choice(isa, spec)
+    if isa is not Isa.AVX512F:   # the searched and tuned kernels are AVX-512F code
+        return generic_choice(isa, spec, "no searched AVX2 kernels yet: the generic one"
+                              if isa is Isa.AVX2 else "")
     entry = registry.lookup(spec, threads) if use_tuned else None
     if entry is None and use_tuned and spec.n > 1:
         # A batch of a layer searched for one image: its verdict serves image by image

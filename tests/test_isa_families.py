@@ -1,0 +1,115 @@
+"""Kernel families by ISA: AVX-512F, AVX2 + FMA and portable C, chosen by cpuid at run
+time, forced with ``ttile.set_isa`` or $TTILE_ISA. (Each family's numerics are checked
+by the isa-parametrized tests: semantics, random shapes, guard pages, concurrency.)"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ttile
+from conftest import AVAILABLE_ISAS
+from ttile import _kernels
+from ttile.core.reference import conv2d_nhwc_f64
+
+needs_avx2 = pytest.mark.skipif("avx2" not in AVAILABLE_ISAS,
+                                reason="this CPU (or OS) does not run AVX2 + FMA")
+
+
+def test_auto_picks_the_widest_family_the_cpu_runs():
+    previous = ttile.set_isa("auto")
+    try:
+        expected = "avx512f" if ttile.has_avx512f() else "avx2" if ttile.has_avx2() \
+            else "portable"
+        assert ttile.get_isa() == expected
+    finally:
+        ttile.set_isa(previous)
+    if ttile.has_avx512f():
+        assert ttile.has_avx2()   # every AVX-512F CPU ttile knows has AVX2 and FMA too
+
+
+@needs_avx2
+def test_forced_avx2_serves_its_generic_kernel_with_its_own_panels():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (1, 13, 11, 40)).astype(np.float32)    # NHWC
+    w = rng.uniform(-1, 1, (3, 3, 40, 36)).astype(np.float32)     # RSCK, K not a multiple of 8
+    previous = ttile.set_isa("avx2")
+    try:
+        plan = ttile.plan(x.shape, w.shape, padding=1, layout="NHWC", threads=1)
+        assert plan.isa == "avx2" and plan.kind == "generic"
+        conv = ttile.Conv2d(w, padding=1, layout="NHWC", threads=2)
+        y = conv(x)
+    finally:
+        ttile.set_isa(previous)
+    np.testing.assert_allclose(y, conv2d_nhwc_f64(x, w, (1, 1), (1, 1, 1, 1)),
+                               rtol=1e-4, atol=1e-4)
+    # panels of 8 floats per vector: 36 channels in 2-vector blocks are panels of 16
+    assert _kernels.generic_panel(36, 11, _kernels.ISA_AVX2) % 8 == 0
+    assert _kernels.generic_panel(36, 11, _kernels.ISA_AVX2) <= 24
+
+
+def _isa_in_subprocess(value):
+    env = dict(os.environ, TTILE_ISA=value)
+    return subprocess.run([sys.executable, "-c", "import ttile; print(ttile.get_isa())"],
+                          env=env, capture_output=True, text=True)
+
+
+def test_environment_variable_forces_a_family():
+    result = _isa_in_subprocess("portable")
+    assert result.returncode == 0 and result.stdout.strip() == "portable", result.stderr
+    if "avx2" in AVAILABLE_ISAS:
+        result = _isa_in_subprocess("avx2")
+        assert result.stdout.strip() == "avx2", result.stderr
+    result = _isa_in_subprocess("sse9")
+    assert result.returncode != 0 and "TTILE_ISA='sse9'" in result.stderr
+
+
+def test_vector_kernels_refuse_a_family_the_cpu_lacks(monkeypatch):
+    from ttile.runtime import api
+    monkeypatch.setattr(api, "_HAS_AVX2", False)
+    with pytest.raises(ValueError, match="does not support AVX2"):
+        ttile.set_isa("avx2")
+    with pytest.raises(ValueError, match="no vector generic kernel"):
+        _kernels.generic_panel(16, 7, _kernels.ISA_PORTABLE)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _no_avx512(listing: str, where: str) -> None:
+    assert "%ymm" in listing, f"{where}: no AVX instruction at all?"
+    found = re.search(r".*(%zmm|\{%k[1-7]\}|%k[1-7]\b).*", listing)
+    assert found is None, f"{where}: {found.group(0)}"
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("cc") is None,
+                    reason="needs objdump and cc")
+@pytest.mark.skipif(not (ROOT / "kernels" / "generic_avx2.c").exists(),
+                    reason="not a source checkout")
+def test_the_avx2_family_contains_no_avx512_instruction(tmp_path):
+    """The AVX2 sources, compiled with the flags CMakeLists.txt gives them, hold no zmm
+    or opmask register (a CPU without AVX-512 would fault on one); neither do the
+    exported AVX2 functions of the built extension."""
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    sources = re.search(r"set\(avx2_sources ([^)]*)\)", cmake).group(1).split()
+    flags = re.search(r"\$\{avx2_sources\} PROPERTIES COMPILE_OPTIONS \"([^\"]*)\"",
+                      cmake).group(1).split(";")
+    assert flags == ["-mavx2", "-mfma"]
+    for source in sources:
+        obj = tmp_path / (Path(source).stem + ".o")
+        subprocess.run(["cc", "-O3", "-fopenmp", "-fno-math-errno", *flags,
+                        "-I", str(ROOT / "kernels"), "-c", str(ROOT / source), "-o", str(obj)],
+                       check=True)
+        _no_avx512(subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)],
+                                  capture_output=True, text=True, check=True).stdout, source)
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", _kernels.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    blocks = re.split(r"\n(?=[0-9a-f]+ <)", listing)
+    exported = [b for b in blocks if re.match(r"[0-9a-f]+ <ttile_\w*_avx2@@", b)]
+    assert len(exported) >= 3
+    for block in exported:
+        assert not re.search(r"%zmm|\{%k[1-7]\}", block), block.split(">:")[0]
