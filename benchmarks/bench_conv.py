@@ -229,7 +229,19 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", nargs="+", default=None,
                         help="layer names (e.g. Yolo9000-12) or network names; default all")
     parser.add_argument("--output", help="also write the markdown tables to this file")
+    parser.add_argument("--isa", choices=("auto", "avx512f", "avx2", "portable"),
+                        default="auto", help="ttile's kernel family (ttile.set_isa); with "
+                        "avx2, torch's oneDNN and ATen are capped at AVX2 too")
     args = parser.parse_args(argv)
+    if args.isa == "avx2":
+        # read by oneDNN and ATen when torch loads: set before the import below
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+        if "torch" in sys.modules:
+            print("--isa avx2 must set torch's ISA cap before torch is imported",
+                  file=sys.stderr)
+            return 2
+    ttile.set_isa(args.isa)
 
     try:
         import torch
@@ -251,7 +263,9 @@ def main(argv=None) -> int:
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              f"torch {torch.__version__}, ttile {ttile.__version__} "
              f"({len(registry.ENTRIES)} registry verdicts for {len(registry.cpus())} CPU(s), this "
-             f"one {registry.serving_cpu()}; {ttile.get_isa()} generic kernel); "
+             f"one {registry.serving_cpu()}; {ttile.get_isa()} kernel family"
+             + (", torch capped at AVX2: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2"
+                if args.isa == "avx2" else "") + "); "
              f"batch 1, fp32; {args.reps} interleaved rounds, warm cache (the "
              f"same tensors every call); times are medians, torch/ttile the median of the "
              f"rounds' ratios (torch's fastest way in each round over ttile).", ""]

@@ -66,10 +66,12 @@ if ttile.has_avx512f() and tuned:
         assert np.array_equal(layer(x, threads=e["threads"]),
                               ttile.conv2d(x, w, stride=e["stride_h"], padding=e["pad_top"], layout="NHWC",
                                            threads=e["threads"]))
-previous = ttile.set_isa("portable")
-check(rng.uniform(-1, 1, (2, 9, 7, 3)).astype(np.float32),
-      rng.uniform(-1, 1, (3, 3, 3, 17)).astype(np.float32), 2, 1, threads=2)
-ttile.set_isa(previous)
+for family in ["portable"] + (["avx2"] if ttile.has_avx2() else []):   # every family the CPU runs
+    previous = ttile.set_isa(family)
+    plan = check(rng.uniform(-1, 1, (2, 9, 7, 3)).astype(np.float32),
+                 rng.uniform(-1, 1, (3, 3, 3, 17)).astype(np.float32), 2, 1, threads=2)
+    assert plan.isa == family, plan
+    ttile.set_isa(previous)
 print(f"wheel ok: isa {ttile.get_isa()}, {len(ttile.tuned_kernels())} tuned kernels")
 '''
 
