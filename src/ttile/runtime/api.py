@@ -516,7 +516,7 @@ def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights:
          y: np.ndarray, nthreads: int, fused: dict) -> None:
     """Run ``choice`` on NHWC x into NHWC y with the epilogue ``fused`` (_Fused.kwargs);
     ``weights`` are in the kernel's format (panels of ``choice.panel``, RSCK for panel 0;
-    (R, S, 1, C) for the depthwise kernel; KCRS for the AVX-512 grouped kernel)."""
+    (R, S, 1, C) for the depthwise kernel; KCRS for the vector generic kernel, grouped)."""
     kind, spec = choice.kind, plan.spec
     dilation = {"dil_h": spec.dilation_h, "dil_w": spec.dilation_w}
     if kind in (KernelKind.TUNED, KernelKind.JIT):
@@ -551,8 +551,8 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     kernel's format, the epilogue fused; returns the output (``out`` when given).
 
     An NCHW input is converted to NHWC by one blocked, parallel pass into a per-thread
-    scratch buffer; the AVX-512 generic kernel writes the NCHW output directly (and takes
-    the NCHW residual as it is), other kernels' NHWC output is converted back by a second
+    scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes the NCHW output
+    directly (and takes the NCHW residual as it is), other kernels' NHWC output is converted back by a second
     pass (and an NCHW residual converted for them first)."""
     spec = plan.spec
     if plan.layout == "NHWC":
@@ -563,7 +563,7 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
                                                    + (spec.c * plan.groups,)), isa)
     if choice.kind is KernelKind.GENERIC and choice.panel:
-        # the AVX-512 generic kernel writes NCHW from its tiles: no second pass; it
+        # the vector generic kernel writes NCHW from its tiles: no second pass; it
         # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
         y = out if out is not None else np.empty(plan.out_shape, dtype=_FLOAT32)
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
@@ -591,7 +591,7 @@ def _layout_isa() -> Optional[int]:
 def family_weights(w: np.ndarray, layout: str, plan: _CallPlan,
                    choice: dispatch.KernelChoice) -> Optional[np.ndarray]:
     """The weights of a depthwise or grouped call in its kernel's format (None for a
-    dense call): (R, S, 1, C) for the depthwise kernel, KCRS for the AVX-512 generic
+    dense call): (R, S, 1, C) for the depthwise kernel, KCRS for the vector generic
     kernel (its threads pack each group's panels), RSCK for the portable one."""
     if plan.family is Family.DENSE:
         return None
@@ -607,7 +607,7 @@ def _pack_per_call(w: np.ndarray, layout: str, plan: _CallPlan,
     """The weights of one call in the kernel's format (panels of width ``panel``, or RSCK
     for 0), packed in one parallel pass into this thread's scratch buffer: KCRS straight
     into panels for NCHW, RSCK into panels for NHWC (RSCK already is the format of
-    panel 0, and of a panel as wide as K). The AVX-512 generic kernel takes the weights as
+    panel 0, and of a panel as wide as K). The vector generic kernel takes the weights as
     they are (RSCK, or KCRS): its threads pack the panels they use into buffers of their own,
     so the weights are read once instead of read, written and read back (ResNet18-12 per
     call at 2 threads, caches cold: 1.35 ms packed beforehand against 0.73 pre-packed)."""
