@@ -2,12 +2,15 @@
  * (kernels/gen/registry.c, written by `ttile-generate --network ...` from every CPU's
  * tuning records in data/records). An entry serves a call only on the CPU it was
  * measured on (its fingerprint id), at the thread count it was measured at, and when
- * every problem field matches exactly. An entry without a kernel (fn NULL) records that
+ * every problem field matches exactly, for the vector family it was searched in. An entry without a kernel (fn NULL) records that
  * the generic kernel won there: such a layer is not tuned again at run time. */
 #ifndef TTILE_REGISTRY_H
 #define TTILE_REGISTRY_H
 
 #include "ttile_epilogue.h"
+
+/* The kernel families, numbered as the extension's entry points take them. */
+enum { TTILE_ISA_PORTABLE = 0, TTILE_ISA_AVX512F = 1, TTILE_ISA_AVX2 = 2 };
 
 /* A generated kernel: NHWC x, packed weights, NHWC y, threads, the epilogue fused into
  * its output store (NULL: none). */
@@ -20,6 +23,10 @@ typedef struct {
     int n, k, c, h, w, r, s;
     int stride_h, stride_w;
     int pad_top, pad_bottom, pad_left, pad_right;
+    int dilation_h, dilation_w;
+    int isa;                 /* the vector family of fn and of panel: TTILE_ISA_AVX512F or
+                                TTILE_ISA_AVX2; a generic-kernel verdict
+                                is about that family's generic kernel */
     int panel;               /* weights are packed in panels of this many k (pack_weights) */
     ttile_kernel_fn fn;      /* NULL: the generic kernel serves (it won the search) */
     const char *layer;

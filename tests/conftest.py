@@ -9,6 +9,8 @@ _SESSION_POLICY = ttile.set_tuning(mode="never")
 
 requires_avx512 = pytest.mark.skipif(not ttile.has_avx512f(),
                                      reason="this CPU (or OS) does not support AVX-512F")
+requires_avx2 = pytest.mark.skipif(not ttile.has_avx2(),
+                                   reason="this CPU (or OS) does not support AVX2 + FMA")
 
 #: Kernel families a test can run on this machine (an AVX-512 machine runs the AVX2
 #: family too: ttile.set_isa("avx2")).

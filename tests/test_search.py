@@ -1,5 +1,6 @@
 """Steps 3-5: scheme space, pruning, parallel variants, tuner, records, emission, and
 every tuned kernel compiled into the extension checked against float64."""
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -292,9 +293,9 @@ def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
     import ttile.tuning.bench as bench_module
     real_generate = bench_module.generate
 
-    def bad_generate(scheme, spec_, command):
-        source = real_generate(scheme, spec_, command)
-        return type(source)(source.name, source.spec, source.scheme, source.code + "\n#error x\n")
+    def bad_generate(scheme, spec_, command, isa):
+        source = real_generate(scheme, spec_, command, isa)
+        return dataclasses.replace(source, code=source.code + "\n#error x\n")
 
     monkeypatch.setattr(bench_module, "generate", bad_generate)
     third = _candidate("[T3 w; T6 h; T3 r; T3 s; T8 c; U2 w; V k]", 8, 3.0)
@@ -322,7 +323,7 @@ def test_emission_is_deterministic_and_removes_stale_kernels(tmp_path):
     assert len(list(tmp_path.glob("ttile_f32_conv2d_*.c"))) == 1
     registry = (tmp_path / "registry.c").read_text()
     assert registry.count('"tiny"') == 3 and "ttile_tuned_kernel_count = 3" in registry
-    assert '{"cpu-b", 2, 1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 0, NULL,' in registry
+    assert '{"cpu-b", 2, 1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,' in registry
     kernel_file = next(p for p in first if p.name != "registry.c")
     assert "scheme:  [T6 h; T3 r; T3 s; T8 c; U6 w; V k]" in kernel_file.read_text()
     assert "command: ttile-generate test" in kernel_file.read_text()

@@ -3,7 +3,7 @@
  * scheme:  [T112 h; T2 k; Lseq w [(3,4),(20,5)]; T16 c; U beta w; U3 k; V k]
  * problem: n1k96c16h112w112r1s1_s1x1_p0.0.0.0 (K=96 C=16 H=112 W=112 R=1 S=1, output 112x112)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [PT7 h; PT5 k; T4 c; T4 c; T2 c; T18 c; U7 w; U2 k; V k]
  * problem: n1k160c576h7w7r1s1_s1x1_p0.0.0.0 (K=160 C=576 H=7 W=7 R=1 S=1, output 7x7)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [Lseq w [(2,5),(3,6)]; T2 w; T112 h; T2 w; T7 r; T3 c; U7 s; U beta w; U4 k; V k]
  * problem: n1k64c3h224w224r7s7_s2x2_p3.3.3.3 (K=64 C=3 H=224 W=224 R=7 S=7, output 112x112)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

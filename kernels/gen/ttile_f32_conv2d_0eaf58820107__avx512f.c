@@ -3,7 +3,7 @@
  * scheme:  [PT56 h; PT2 w; PT7 w; PT3 k; T24 c; U4 w; U3 k; V k]
  * problem: n1k144c24h56w56r1s1_s1x1_p0.0.0.0 (K=144 C=24 H=56 W=56 R=1 S=1, output 56x56)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [Lseq h [(1,5),(2,6)]; T2 h; T2 h; T2 k; T2 c; T68 w; T128 c; U beta h; U4 k; V k]
  * problem: n1k128c256h68w68r1s1_s1x1_p0.0.0.0 (K=128 C=256 H=68 W=68 R=1 S=1, output 68x68)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

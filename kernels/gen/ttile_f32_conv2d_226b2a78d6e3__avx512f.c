@@ -3,7 +3,7 @@
  * scheme:  [Lseq h [(2,5),(3,6)]; T2 h; T14 w; T2 w; T2 w; T4 c; T16 c; U beta h; U4 k; V k]
  * problem: n1k64c64h56w56r1s1_s1x1_p0.0.0.0 (K=64 C=64 H=56 W=56 R=1 S=1, output 56x56)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

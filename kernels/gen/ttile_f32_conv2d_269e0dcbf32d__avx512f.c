@@ -3,7 +3,7 @@
  * scheme:  [T544 h; Lseq w [(13,7),(5,9)]; T4 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]
  * problem: n1k32c3h544w544r3s3_s1x1_p1.1.1.1 (K=32 C=3 H=544 W=544 R=3 S=3, output 544x544)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

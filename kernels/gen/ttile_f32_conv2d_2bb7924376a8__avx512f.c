@@ -3,7 +3,7 @@
  * scheme:  [PT2 k; PT2 k; PT4 k; PT7 w; T64 c; T8 c; U3 r; U3 s; U7 h; U2 k; V k]
  * problem: n1k512c512h7w7r3s3_s1x1_p1.1.1.1 (K=512 C=512 H=7 W=7 R=3 S=3, output 7x7)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

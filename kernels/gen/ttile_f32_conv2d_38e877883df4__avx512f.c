@@ -3,7 +3,7 @@
  * scheme:  [PT32 k; PT17 h; Lseq w [(1,7),(1,10)]; T3 r; T3 s; T512 c; U beta w; U2 k; V k]
  * problem: n1k1024c512h17w17r3s3_s1x1_p1.1.1.1 (K=1024 C=512 H=17 W=17 R=3 S=3, output 17x17)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

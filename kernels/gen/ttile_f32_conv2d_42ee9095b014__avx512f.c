@@ -3,7 +3,7 @@
  * scheme:  [PT136 h; Lseq w [(31,4),(2,6)]; T128 c; U beta w; U4 k; V k]
  * problem: n1k64c128h136w136r1s1_s1x1_p0.0.0.0 (K=64 C=128 H=136 W=136 R=1 S=1, output 136x136)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

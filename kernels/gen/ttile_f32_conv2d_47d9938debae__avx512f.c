@@ -3,7 +3,7 @@
  * scheme:  [PT2 w; PT14 w; PT4 w; Lseq h [(1,17),(5,19)]; T8 c; T4 c; U beta h; U1 k; V k]
  * problem: n1k16c32h112w112r1s1_s1x1_p0.0.0.0 (K=16 C=32 H=112 W=112 R=1 S=1, output 112x112)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

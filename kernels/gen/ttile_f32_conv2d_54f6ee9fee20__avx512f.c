@@ -3,7 +3,7 @@
  * scheme:  [PT7 h; PT3 k; Lseq w [(1,4),(2,5)]; T2 w; T4 h; T32 c; U beta w; U4 k; V k]
  * problem: n1k192c32h28w28r1s1_s1x1_p0.0.0.0 (K=192 C=32 H=28 W=28 R=1 S=1, output 28x28)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [Lseq h [(8,7),(27,8)]; T4 k; T272 w; T3 r; T3 s; T32 c; U beta h; U1 k; V k]
  * problem: n1k64c32h272w272r3s3_s1x1_p1.1.1.1 (K=64 C=32 H=272 W=272 R=3 S=3, output 272x272)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

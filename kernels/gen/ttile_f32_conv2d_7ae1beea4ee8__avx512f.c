@@ -3,7 +3,7 @@
  * scheme:  [PT16 k; PT7 h; T8 c; T32 c; U7 w; U2 k; V k]
  * problem: n1k512c256h14w14r1s1_s2x2_p0.0.0.0 (K=512 C=256 H=14 W=14 R=1 S=1, output 7x7)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [PT16 k; PT7 h; T3 r; T3 s; T512 c; U7 w; U2 k; V k]
  * problem: n1k512c512h14w14r3s3_s2x2_p1.1.1.1 (K=512 C=512 H=14 W=14 R=3 S=3, output 7x7)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [T2 k; T14 h; T4 k; Lseq w [(1,6),(1,8)]; T3 r; T3 s; T128 c; U beta w; U2 k; V k]
  * problem: n1k256c128h28w28r3s3_s2x2_p1.1.1.1 (K=256 C=128 H=28 W=28 R=3 S=3, output 14x14)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

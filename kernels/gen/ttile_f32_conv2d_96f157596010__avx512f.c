@@ -3,7 +3,7 @@
  * scheme:  [T4 k; T2 h; T2 k; T14 w; T64 c; U7 h; U3 k; V k]
  * problem: n1k384c64h14w14r1s1_s1x1_p0.0.0.0 (K=384 C=64 H=14 W=14 R=1 S=1, output 14x14)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [Lseq h [(2,5),(3,6)]; T2 w; T14 w; T2 k; T64 c; U beta h; U4 k; V k]
  * problem: n1k128c64h56w56r1s1_s2x2_p0.0.0.0 (K=128 C=64 H=56 W=56 R=1 S=1, output 28x28)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [T4 k; T5 k; T7 w; T160 c; U7 h; U3 k; V k]
  * problem: n1k960c160h7w7r1s1_s1x1_p0.0.0.0 (K=960 C=160 H=7 W=7 R=1 S=1, output 7x7)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

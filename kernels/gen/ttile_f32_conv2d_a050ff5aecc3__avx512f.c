@@ -3,7 +3,7 @@
  * scheme:  [PT31 k; PT17 h; PT19 k; Lseq w [(1,8),(1,9)]; T1024 c; U beta w; U3 k; V k]
  * problem: n1k28269c1024h17w17r1s1_s1x1_p0.0.0.0 (K=28269 C=1024 H=17 W=17 R=1 S=1, output 17x17)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

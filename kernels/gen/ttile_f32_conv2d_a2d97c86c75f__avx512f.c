@@ -3,7 +3,7 @@
  * scheme:  [PT2 h; PT2 w; PT4 k; T4 c; Lseq h [(1,5),(2,6)]; T17 w; T128 c; U beta h; U4 k; V k]
  * problem: n1k256c512h34w34r1s1_s1x1_p0.0.0.0 (K=256 C=512 H=34 W=34 R=1 S=1, output 34x34)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

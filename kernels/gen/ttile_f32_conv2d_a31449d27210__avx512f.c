@@ -3,7 +3,7 @@
  * scheme:  [PT68 h; PT4 k; Lseq w [(2,6),(7,8)]; T256 c; U beta w; U2 k; V k]
  * problem: n1k128c256h68w68r1s1_s1x1_p0.0.0.0 (K=128 C=256 H=68 W=68 R=1 S=1, output 68x68)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [Lseq h [(2,13),(3,14)]; T2 h; T136 w; T8 k; T3 r; T3 s; T64 c; U beta h; U1 k; V k]
  * problem: n1k128c64h136w136r3s3_s1x1_p1.1.1.1 (K=128 C=64 H=136 W=136 R=3 S=3, output 136x136)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

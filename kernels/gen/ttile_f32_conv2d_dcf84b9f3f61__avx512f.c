@@ -3,7 +3,7 @@
  * scheme:  [PT28 w; PT8 k; Lseq h [(2,9),(1,10)]; T3 r; T3 s; T128 c; U beta h; U1 k; V k]
  * problem: n1k128c128h28w28r3s3_s1x1_p1.1.1.1 (K=128 C=128 H=28 W=28 R=3 S=3, output 28x28)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,7 +3,7 @@
  * scheme:  [Lseq h [(1,6),(1,8)]; T8 h; T14 w; T8 w; T3 c; U3 r; U3 s; U beta h; U2 k; V k]
  * problem: n1k32c3h224w224r3s3_s2x2_p1.1.1.1 (K=32 C=3 H=224 W=224 R=3 S=3, output 112x112)
  * command: ttile-generate --network yolo9000 resnet18 mobilenet_v2
- * generator version 3
+ * generator version 3; vector family avx512f (compile with -mavx512f -mfma)
  */
 #include <immintrin.h>
 #include <stdint.h>

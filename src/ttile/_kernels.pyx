@@ -50,6 +50,8 @@ cdef extern from "ttile_runtime.h" nogil:
                                      const ttile_epilogue *ep)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
+    double ttile_fma_peak_avx2(int64_t iterations)
+    double ttile_read_seconds_avx2(const float *buffer, int64_t floats, int64_t reps)
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                             int nthreads)
     void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
@@ -68,6 +70,8 @@ cdef extern from "ttile_registry.h" nogil:
         int n, k, c, h, w, r, s
         int stride_h, stride_w
         int pad_top, pad_bottom, pad_left, pad_right
+        int dilation_h, dilation_w
+        int isa
         int panel
         ttile_kernel_fn fn
         const char *layer
@@ -353,25 +357,33 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
         raise MemoryError("not enough memory for the generic kernel's scratch row")
 
 
-def fma_peak_seconds(int64_t iterations):
-    """Seconds for ``iterations`` rounds of 24 independent 16-lane FMAs on this thread.
+def fma_peak_seconds(int64_t iterations, int isa=_ISA_AVX512F):
+    """Seconds for ``iterations`` rounds of independent FMA chains on this thread.
 
-    Each round is 24 * 16 * 2 = 768 floating-point operations.
+    A round is ``fma_peak_flops(isa)`` floating-point operations: 24 chains of 16-lane
+    FMAs (768) in AVX-512F, 12 chains of 8-lane FMAs (192) in AVX2.
     """
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("the FMA peak benchmark needs AVX-512F")
+    _require_isa(isa)
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
     cdef double t
     with nogil:
-        t = ttile_fma_peak_avx512(iterations)
+        if isa == _ISA_AVX2:
+            t = ttile_fma_peak_avx2(iterations)
+        else:
+            t = ttile_fma_peak_avx512(iterations)
     return t
 
 
-def read_seconds(cnp.ndarray buffer, int64_t reps):
-    """Seconds to read all of a float32 ``buffer`` ``reps`` times (AVX-512F loads)."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("the bandwidth benchmark needs AVX-512F")
+def fma_peak_flops(int isa=_ISA_AVX512F):
+    """Floating-point operations in one round of :func:`fma_peak_seconds`."""
+    return 192 if isa == _ISA_AVX2 else 768
+
+
+def read_seconds(cnp.ndarray buffer, int64_t reps, int isa=_ISA_AVX512F):
+    """Seconds to read all of a float32 ``buffer`` ``reps`` times (vector loads of
+    ``isa``: AVX-512F or AVX2)."""
+    _require_isa(isa)
     if cnp.PyArray_TYPE(buffer) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(buffer):
         raise ValueError("buffer must be a C-contiguous float32 array")
     if reps < 1:
@@ -380,7 +392,10 @@ def read_seconds(cnp.ndarray buffer, int64_t reps):
     cdef int64_t n = cnp.PyArray_SIZE(buffer)
     cdef double t
     with nogil:
-        t = ttile_read_seconds_avx512(data, n, reps)
+        if isa == _ISA_AVX2:
+            t = ttile_read_seconds_avx2(data, n, reps)
+        else:
+            t = ttile_read_seconds_avx512(data, n, reps)
     return t
 
 
@@ -395,7 +410,9 @@ def registry_entries():
                     "n": e.n, "k": e.k, "c": e.c, "h": e.h, "w": e.w, "r": e.r,
                     "s": e.s, "stride_h": e.stride_h, "stride_w": e.stride_w,
                     "pad_top": e.pad_top, "pad_bottom": e.pad_bottom, "pad_left": e.pad_left,
-                    "pad_right": e.pad_right, "panel": e.panel, "has_kernel": e.fn != NULL,
+                    "pad_right": e.pad_right, "dilation_h": e.dilation_h,
+                    "dilation_w": e.dilation_w, "isa": e.isa,
+                    "panel": e.panel, "has_kernel": e.fn != NULL,
                     "layer": e.layer.decode(), "scheme": e.scheme.decode(),
                     "gflops": e.gflops, "warm_gflops": e.warm_gflops,
                     "generic_gflops": e.generic_gflops})
@@ -534,12 +551,15 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
     if e.fn == NULL:
         raise ValueError(f"registry entry {index} is a generic-kernel verdict, not a kernel")
+    _require_isa(e.isa)
     _check_packed(w, e.k, e.panel)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
-    cdef int ho = (e.h + e.pad_top + e.pad_bottom - e.r) // e.stride_h + 1
-    cdef int wo = (e.w + e.pad_left + e.pad_right - e.s) // e.stride_w + 1
+    cdef int ho = (e.h + e.pad_top + e.pad_bottom - (e.r - 1) * e.dilation_h - 1) \
+        // e.stride_h + 1
+    cdef int wo = (e.w + e.pad_left + e.pad_right - (e.s - 1) * e.dilation_w - 1) \
+        // e.stride_w + 1
     if (xs[0], xs[1], xs[2], xs[3]) != (e.n, e.h, e.w, e.c) or \
             (ws[0], ws[1], ws[2], ws[3], ws[4]) != ((e.k + e.panel - 1) // e.panel, e.r, e.s,
                                                     e.c, e.panel) or \

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from .core.kinds import KernelKind
+from .core.kinds import Isa, KernelKind
+from .core.vectors import family_stem, vector_isa
 from .generator.data import DEFAULT_DATA_DIR
 
 
@@ -57,6 +58,23 @@ class _Progress:
             print(file=sys.stderr)
 
 
+def _search_isa(args: argparse.Namespace) -> Isa:
+    """The vector family ``--isa`` names (auto: AVX-512F where the CPU has it, else
+    AVX2); SystemExit when this CPU cannot run it."""
+    from . import _kernels
+    has = {Isa.AVX512F: _kernels.cpu_has_avx512f(), Isa.AVX2: _kernels.cpu_has_avx2()}
+    if args.isa == "auto":
+        for isa in (Isa.AVX512F, Isa.AVX2):
+            if has[isa]:
+                return isa
+        raise SystemExit("ttile-generate: this CPU has neither AVX-512F nor AVX2 + FMA: "
+                         "there is no vector family to search")
+    isa = Isa(args.isa)
+    if not has[isa]:
+        raise SystemExit(f"ttile-generate: --isa {isa.value}: this CPU does not run it")
+    return isa
+
+
 def _cmd_microkernels(args: argparse.Namespace) -> int:
     from .generator.microkernels import explore
     if args.plot:
@@ -70,21 +88,22 @@ def _cmd_microkernels(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         table = explore(args.data_dir, kernel_sizes=args.kernel_sizes, threshold=args.threshold,
-                        jobs=args.jobs, progress=progress)
+                        jobs=args.jobs, progress=progress, isa=_search_isa(args))
     finally:
         progress.close()
     elapsed = time.monotonic() - started
     ok = [m for m in table.measurements if m.status == "ok"]
     failed = len(table.measurements) - len(ok)
-    print(f"{len(table.measurements)} microkernels measured in {elapsed:.0f} s "
-          f"({failed} failed), peak {table.peak_gflops:.1f} GFLOP/s per core")
+    print(f"{len(table.measurements)} {table.isa.value} microkernels measured in {elapsed:.0f} s "
+          f"({failed} failed), {table.isa.value} peak {table.peak_gflops:.1f} GFLOP/s per core")
     print("best per unrolling scheme:")
     for family, m in sorted(table.best_per_family().items()):
         print(f"  [T{table.reduction} c; {m.shape.block_specifiers()}]  "
               f"{m.gflops:.1f} GFLOP/s  {m.percent_of_peak:.0f} %")
     selected = sum(c.beta_max - c.beta_min + 1 for c in table.classes)
     print(f"{selected} selected (>= {100 * table.threshold:.0f} % of their scheme's best) "
-          f"in {len(table.classes)} classes; table: {out_dir / (table.cpu.id + '.json')}")
+          f"in {len(table.classes)} classes; table: "
+          f"{out_dir / (family_stem(table.cpu.id, table.isa) + '.json')}")
     if args.plot:
         from .generator.plot import plot_microkernels
         print(f"plot: {plot_microkernels(table, args.plot)}")
@@ -99,14 +118,15 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
     spec = layer(args.layer).spec()
     machine = load_or_measure(args.data_dir)
-    model = CostModel(spec, machine.caches())
+    isa = _search_isa(args)
+    model = CostModel(spec, machine.caches(), vector_isa(isa).lanes)
     caches = model.caches
     if args.microkernel:
         r, s, axis, alpha, beta = args.microkernel
         shape = MicrokernelShape(int(r), int(s), axis, int(alpha), int(beta))
     else:
         try:
-            table = load_table(args.data_dir)
+            table = load_table(args.data_dir, isa=isa)
         except FileNotFoundError as exc:
             print(f"note: {exc}; using a default microkernel", file=sys.stderr)
             table = None
@@ -300,11 +320,12 @@ def _cmd_network(args: argparse.Namespace) -> int:
 
     layers = _load_layers(args.network, args.layers_file, args.onnx)
     counts = sorted({1, *args.threads})
-    database = TuningDatabase(args.data_dir / "records")
+    isa = _search_isa(args)
+    database = TuningDatabase(args.data_dir / "records", isa=isa)
     if args.from_records and not args.warm_check:
         table, caches = None, ()   # nothing is measured: no table needed
     else:
-        table = load_table(args.data_dir)
+        table = load_table(args.data_dir, isa=isa)
         caches = load_or_measure(args.data_dir).caches()
     settings = TuneSettings(budget_seconds=args.budget)
     source = (f"--network {' '.join(args.network)}" if args.network
@@ -324,7 +345,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
             continue
         if not args.from_records:
             candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top,
-                                      keep_fraction=args.keep_fraction)
+                                      keep_fraction=args.keep_fraction, isa=isa)
             bench = LayerBench.make(spec)
             for threads in counts:
                 if threads == 1 or threads <= spec.useful_threads():
@@ -341,7 +362,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
                     if sources == args.parallel_from:
                         break
                     if record.scheme in by_text:
-                        variants = parallel_variants(by_text[record.scheme], spec, threads)
+                        variants = parallel_variants(by_text[record.scheme], spec, threads,
+                                                     isa)
                         parallel += variants
                         sources += bool(variants)
                 parallel_settings = TuneSettings(budget_seconds=args.budget / 2)
@@ -369,7 +391,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
     # tuning one CPU's set keeps the others'.
     entries = registry_entries(databases_in(args.data_dir / "records"))
     emit(entries, args.kernels_dir, command)
-    shipped = [e for e in entries if e.cpu == database.cpu_id and e.scheme is not None]
+    shipped = [e for e in entries if e.cpu == database.cpu_id and e.isa is isa
+               and e.scheme is not None]
     peak = table.peak_gflops if table is not None else float("nan")
     print(f"| layer | scheme (1 thread) | microkernels | GFLOP/s | % of peak | generic GFLOP/s | "
           + " | ".join(f"{t} threads GFLOP/s | generic" for t in counts[1:]) + " |")
@@ -396,8 +419,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
           f"generic kernel's)")
     cpus = sorted({e.cpu for e in entries})
     print(f"search time: {elapsed:.0f} s; registry of {len(entries)} verdicts for "
-          f"{len(cpus)} CPU(s) written to {args.kernels_dir}; this CPU ({database.cpu_id}): "
-          f"{len(shipped)} searched kernels")
+          f"{len(cpus)} CPU(s) written to {args.kernels_dir}; this CPU ({database.cpu_id}), "
+          f"{isa.value}: {len(shipped)} searched kernels")
     return 0
 
 
@@ -408,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_DATA_DIR,
                         help="where measured tables and records are written, and read "
                              "first (default: ./data; then the tables installed with ttile)")
+    parser.add_argument("--isa", choices=("auto", "avx512f", "avx2"), default="auto",
+                        help="the vector family to measure microkernels and search kernels "
+                             "in (auto: the widest this CPU runs); each family has its own "
+                             "microkernel table, records and registry entries")
     parser.add_argument("--network", nargs="+", help="search every layer of built-in "
                         "networks (yolo9000, resnet18) and emit the kernels")
     parser.add_argument("--layers-file", help="search the layers listed in a TOML or JSON "

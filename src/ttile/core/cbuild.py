@@ -19,7 +19,7 @@ from typing import Union
 
 import numpy as np
 
-from .codegen import KERNEL_CFLAGS, KernelSource
+from .codegen import KernelSource, kernel_cflags
 from .fileio import atomic_write, publish
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
@@ -223,11 +223,17 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
     With ``timers``, each kernel also gets a ``<name>_time`` function (see
     :meth:`BuiltLibrary.time`). The object is named by the hash of its sources and
     flags, so rebuilding the same kernels reuses it. ``timeout`` (seconds) limits the
-    compiler: past it, :class:`CompileTimeout`.
+    compiler: past it, :class:`CompileTimeout`. The kernels of one build are of one
+    vector family, compiled with that family's flags (:func:`kernel_cflags`).
     """
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C compiler found (set CC or put cc/gcc/clang on PATH)", "")
+    families = {kernel.isa for kernel in kernels}
+    if len(families) > 1:
+        raise ValueError(f"one build compiles one vector family, got "
+                         f"{', '.join(sorted(f.value for f in families))}")
+    isa = families.pop() if families else None
     # $TTILE_JIT_CFLAGS adds flags to every kernel compiled at run time (e.g. the
     # sanitizers, when the extension itself was built with TTILE_SANITIZE).
     extra_flags = (*extra_flags, *os.environ.get("TTILE_JIT_CFLAGS", "").split())
@@ -238,7 +244,7 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
             parts.append(timing_harness(kernel))
     source = "\n".join(parts)
     includes, header = _include_flags()
-    flags = (*KERNEL_CFLAGS, *extra_flags, *includes)
+    flags = (*(kernel_cflags(isa) if isa else kernel_cflags()), *extra_flags, *includes)
     digest = hashlib.sha1((compiler + "|" + " ".join(flags) + "|" + header + "|"
                            + source).encode()).hexdigest()
     workdir = Path(workdir or Path(tempfile.gettempdir()) / f"ttile-build-{os.getuid()}")
@@ -284,7 +290,8 @@ def assembly(kernel: KernelSource, extra_flags: tuple[str, ...] = ()) -> str:
     if compiler is None:
         raise BuildError("no C compiler found", "")
     includes, _ = _include_flags()
-    proc = subprocess.run([compiler, *KERNEL_CFLAGS, *extra_flags, *includes, "-S", "-o", "-",
+    proc = subprocess.run([compiler, *kernel_cflags(kernel.isa), *extra_flags, *includes,
+                           "-S", "-o", "-",
                            "-x", "c", "-"],
                           input=kernel.code, capture_output=True, text=True)
     if proc.returncode != 0:

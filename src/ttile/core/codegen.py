@@ -1,4 +1,9 @@
-"""Code generation (TTile paper, section 6): Scheme + ConvSpec -> C with AVX-512 intrinsics.
+"""Code generation (TTile paper, section 6): Scheme + ConvSpec -> C with vector intrinsics.
+
+One generator writes every vector family (:mod:`ttile.core.vectors`): AVX-512F (16-lane
+``__m512``, 32 registers) and AVX2 + FMA (8-lane ``__m256``, 16 registers). The loop nest
+is the same; what changes is the width of ``V k`` (and of the weight panels), the
+register budget the block was checked against, and how a K tail is masked.
 
 The generator walks the lowered scheme tree (:func:`ttile.scheme.lower`) and builds the
 code innermost-out in one pass: each loop wraps the code of its sub-scheme, which refers
@@ -18,8 +23,11 @@ microkernel at full speed without copying tensors:
   builds one pointer per unrolled input pixel, pointing either into x or at a static row
   of zeros, so the reduction loop stays branch-free. The check is omitted when the
   problem has no padding in that direction.
-* **K tails by masks.** When K is not a multiple of 16, the k vectors of the block get
-  AVX-512 masks for loading and storing outputs (``maskz_loadu`` / ``mask_storeu``); the
+* **K tails by masks.** When K is not a multiple of the vector width, the k vectors of
+  the block get masks for loading and storing outputs: AVX-512 mask registers
+  (``maskz_loadu`` / ``mask_storeu``), or in AVX2 integer-vector masks for ``vmaskmovps``
+  (``maskload`` / ``maskstore``, which fault on no lane left out), computed at the load
+  and at the store so that no mask holds a ymm register through the reduction. The
   weight panels are zero-filled past K, so weight loads need none.
 * **Canonical operation order in the block.** Within the unrolled block, the weight
   vectors of one (c, r, s) step are loaded once and each broadcast input feeds all k
@@ -43,7 +51,8 @@ The generated function is
 ``void NAME(const float *x, const float *w, float *y, int nthreads, const ttile_epilogue *ep)``
 over x[N][H][W][C]
 and y[N][Ho][Wo][K], with every size a constant, and weights packed in panels
-w[K/P][R][S][C][P] where P is the block's width along k (16 per unrolled vector; see
+w[K/P][R][S][C][P] where P is the block's width along k (16 per unrolled vector in
+AVX-512F, 8 in AVX2; see
 ``ttile._kernels.pack_weights``): in RSCK the weights of consecutive (r, s, c) steps are K
 floats apart, and the generated kernels ran at a third of their speed on that stride.
 """
@@ -53,8 +62,10 @@ import hashlib
 import itertools
 from dataclasses import dataclass
 
+from .kinds import Isa
 from .scheme import Block, Loop, Node, Scheme, Seq, lower
-from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+from .spec import DIMS, REDUCTION_DIMS, ConvSpec
+from .vectors import VectorIsa, vector_isa
 
 #: Version of the generated loop nests: tuning records measured with another version are
 #: not used. Kept at 3 when the fused epilogue was added: a bare call runs the same loops
@@ -62,9 +73,15 @@ from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
 #: timings still describe the kernels (the Fig. 8 benchmark re-measured them).
 GENERATOR_VERSION = 3
 
-#: Flags generated kernels are compiled with. Only AVX-512F (+FMA, implied by every
-#: AVX-512F CPU) is assumed, so a kernel runs on any AVX-512 x86-64 machine.
-KERNEL_CFLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-fno-math-errno", "-fPIC")
+def kernel_cflags(isa: Isa = Isa.AVX512F) -> tuple[str, ...]:
+    """Flags a generated kernel of family ``isa`` is compiled with: that family's ISA
+    flags only (AVX-512F + FMA, or AVX2 + FMA), so a kernel runs on any x86-64 CPU
+    that has its family, and an AVX2 kernel holds no AVX-512 instruction."""
+    return ("-O3", *vector_isa(isa).cflags, "-fopenmp", "-fno-math-errno", "-fPIC")
+
+
+#: Flags of the AVX-512F family's kernels (see :func:`kernel_cflags`).
+KERNEL_CFLAGS = kernel_cflags(Isa.AVX512F)
 
 _SPATIAL = ("n", "h", "w", "r", "s")  # dimensions that move the input pixel
 
@@ -78,15 +95,21 @@ class KernelSource:
     scheme: Scheme
     code: str
     panel: int = 0   # k width of the weight panels the kernel reads (see pack_weights)
+    isa: Isa = Isa.AVX512F   # its vector family: the flags it is compiled with
 
     def weight_shape(self) -> tuple[int, ...]:
         return self.spec.packed_weight_shape(self.panel)
 
 
-def kernel_name(scheme: Scheme, spec: ConvSpec) -> str:
-    """``ttile_f32_conv2d_<hash>__avx512f``: one grammar for every generated kernel."""
-    digest = hashlib.sha1(f"{GENERATOR_VERSION}|{spec.key()}|{scheme}".encode()).hexdigest()
-    return f"ttile_f32_conv2d_{digest[:12]}__avx512f"
+def kernel_name(scheme: Scheme, spec: ConvSpec, isa: Isa = Isa.AVX512F) -> str:
+    """``ttile_f32_conv2d_<hash>__<isa>``: one grammar for every generated kernel (the
+    AVX-512F hash leaves the family out, as it did before there were two)."""
+    vectors = vector_isa(isa)
+    text = f"{GENERATOR_VERSION}|{spec.key()}|{scheme}"
+    if vectors.isa is not Isa.AVX512F:
+        text += f"|{vectors.isa.value}"
+    digest = hashlib.sha1(text.encode()).hexdigest()
+    return f"ttile_f32_conv2d_{digest[:12]}{vectors.suffix}"
 
 
 @dataclass
@@ -102,19 +125,52 @@ def _indent(lines: list[str]) -> list[str]:
 
 
 class _Generator:
-    def __init__(self, spec: ConvSpec, name: str):
+    def __init__(self, spec: ConvSpec, name: str, vectors: VectorIsa):
         self.spec = spec
         self.name = name
+        self.v = vectors
+        self.lanes = vectors.lanes
         self.counter = itertools.count()
-        self.k_tail = spec.k % VECTOR_LANES != 0
+        self.k_tail = spec.k % vectors.lanes != 0
         self.row_guard = spec.needs_row_guard()
         self.col_guard = spec.needs_col_guard()
         self.uses_zeros = False
         self.clears_output = False
-        self.totals = spec.iteration_extents()
+        self.totals = spec.iteration_extents(vectors.lanes)
 
     def fresh(self, prefix: str) -> str:
         return f"{prefix}{next(self.counter)}"
+
+    # -- the family's spelling of vector operations ----------------------------------
+
+    def op(self, name: str) -> str:
+        """An intrinsic of the family: ``op('fmadd_ps')`` is ``_mm512_fmadd_ps``."""
+        return f"{self.v.prefix}_{name}"
+
+    def mask(self, kv: int, k_name: str) -> str:
+        """The tail mask of k vector ``kv``: a mask register (AVX-512) named once per
+        block, or an AVX2 integer-vector mask computed where it is used."""
+        if self.v.isa is Isa.AVX512F:
+            return f"m{kv}"
+        return f"ttile_tail_mask256({self.spec.k} - ({k_name} + {kv * self.lanes}))"
+
+    def full_mask(self) -> str:
+        return "(__mmask16)0xFFFF" if self.v.isa is Isa.AVX512F else "_mm256_set1_epi32(-1)"
+
+    def masked_load(self, mask: str, address: str) -> str:
+        if self.v.isa is Isa.AVX512F:
+            return f"_mm512_maskz_loadu_ps({mask}, {address})"
+        return f"_mm256_maskload_ps({address}, {mask})"
+
+    def masked_store(self, mask: str, address: str, value: str) -> str:
+        if self.v.isa is Isa.AVX512F:
+            return f"_mm512_mask_storeu_ps({address}, {mask}, {value});"
+        return f"_mm256_maskstore_ps({address}, {mask}, {value});"
+
+    @property
+    def bits(self) -> int:
+        """The vector width in bits, as the epilogue helpers are named (512, 256)."""
+        return 32 * self.lanes
 
     # -- loops ---------------------------------------------------------------------
 
@@ -229,47 +285,44 @@ class _Generator:
                            extents: dict[str, int]) -> _Code:
         """Accumulators loaded (or zeroed) around ``inner`` and stored after it, through
         the epilogue when this store is the last one (see the module docstring)."""
-        spec, names = self.spec, inner.names
+        spec, names, lanes, vt = self.spec, inner.names, self.lanes, self.v.vector_type
         lines: list[str] = []
         kvs = range(block.count("k"))
-        if self.k_tail:
+        if self.k_tail and self.v.isa is Isa.AVX512F:
             for kv in kvs:
                 lines.append(f"const __mmask16 m{kv} = ttile_tail_mask({spec.k} - "
-                             f"({names['k']} + {kv * VECTOR_LANES}));")
+                             f"({names['k']} + {kv * lanes}));")
         stores: list[str] = []
         fused: list[str] = []
         # the epilogues whose constants fit beside this block's accumulators at the store
-        # (32 zmm registers; the others go through memory like silu)
-        free = 32 - len(_out_combos(block)) * block.count("k")
+        # (the others go through memory like silu)
+        free = self.v.registers - len(_out_combos(block)) * block.count("k")
+        column = 0 if self.v.isa is Isa.AVX512F else 1
         in_registers: dict[str, list[str]] = {
-            kind: [] for kind, (constants, _) in _REGISTER_EPILOGUES.items() if constants < free}
+            kind: [] for kind, (*constants, _) in _REGISTER_EPILOGUES.items()
+            if constants[column] < free}
         for out in _out_combos(block):
             for kv in kvs:
                 acc = _acc(out, kv)
                 offset = self.y_offset(names, out, kv)
                 addr = f"y + {offset}"
-                mask = f"m{kv}" if self.k_tail else "(__mmask16)0xFFFF"
-                k = f"{names['k']} + {kv * VECTOR_LANES}"
-                fused.append(f"ttile_epilogue_apply512(ep, y, {offset}, {k}, {mask});")
-                load = (lambda a: f"_mm512_maskz_loadu_ps(m{kv}, {a})") if self.k_tail else \
-                    (lambda a: f"_mm512_loadu_ps({a})")
-                store = (lambda a, v: f"_mm512_mask_storeu_ps({a}, m{kv}, {v});") \
-                    if self.k_tail else (lambda a, v: f"_mm512_storeu_ps({a}, {v});")
-                biased = f"_mm512_add_ps({acc}, {load(f'ep->bias + {k}')})"
+                mask = self.mask(kv, names["k"]) if self.k_tail else self.full_mask()
+                k = f"{names['k']} + {kv * lanes}"
+                fused.append(f"ttile_epilogue_apply{self.bits}(ep, y, {offset}, {k}, {mask});")
+                load = (lambda a: self.masked_load(mask, a)) if self.k_tail else \
+                    (lambda a: f"{self.op('loadu_ps')}({a})")
+                store = (lambda a, v: self.masked_store(mask, a, v)) if self.k_tail else \
+                    (lambda a, v: f"{self.op('storeu_ps')}({a}, {v});")
+                biased = f"{self.op('add_ps')}({acc}, {load(f'ep->bias + {k}')})"
                 for kind in in_registers:
-                    value = _REGISTER_EPILOGUES[kind][1]
+                    value = _REGISTER_EPILOGUES[kind][-1]
                     in_registers[kind].append(store(addr, value(
-                        biased, load(f"ep->residual + {offset}"))))
+                        self, biased, load(f"ep->residual + {offset}"))))
                 if complete:
-                    lines.append(f"__m512 {acc} = _mm512_setzero_ps();")
-                elif self.k_tail:
-                    lines.append(f"__m512 {acc} = _mm512_maskz_loadu_ps(m{kv}, {addr});")
+                    lines.append(f"{vt} {acc} = {self.op('setzero_ps')}();")
                 else:
-                    lines.append(f"__m512 {acc} = _mm512_loadu_ps({addr});")
-                if self.k_tail:
-                    stores.append(f"_mm512_mask_storeu_ps({addr}, m{kv}, {acc});")
-                else:
-                    stores.append(f"_mm512_storeu_ps({addr}, {acc});")
+                    lines.append(f"{vt} {acc} = {load(addr)};")
+                stores.append(store(addr, acc))
         if complete:
             kind = "epk"
         else:
@@ -341,7 +394,7 @@ class _Generator:
         n_u, h_u, w_u = out
         return (f"(((int64_t)({names['n']} + {n_u}) * {spec.ho} + ({names['h']} + {h_u})) "
                 f"* {spec.wo} + ({names['w']} + {w_u})) * {spec.k} + {names['k']} + "
-                f"{kv * VECTOR_LANES}")
+                f"{kv * self.lanes}")
 
     def block_body(self, block: Block, names: dict[str, str], guarded: bool) -> list[str]:
         """Outer-product body: per reduction step, load k vectors, broadcast each pixel."""
@@ -354,16 +407,17 @@ class _Generator:
             if index:
                 # Keeps the compiler from merging equal broadcasts of different steps
                 # (with r unrolled, pixel h+1 at r=0 is pixel h at r=1): keeping those
-                # alive across steps took more than 32 registers and spilled.
+                # alive across steps took more registers than there are, and spilled.
                 lines.append('__asm__ volatile("" ::: "memory");')
             step = ["{"]
-            panel = VECTOR_LANES * block.count("k")
+            panel = self.lanes * block.count("k")
             w_row = (f"w + (((int64_t)({names['k']} / {panel}) * {spec.r} + ({names['r']} + {r_u})) "
                      f"* {spec.s} + ({names['s']} + {s_u})) * {spec.c} * {panel} + "
                      f"(int64_t)({names['c']} + {c_u}) * {panel}")
+            vt = self.v.vector_type
             for kv in kvs:  # panels are zero-filled past K: no mask needed on weights
-                step.append(f"    const __m512 wv{kv} = _mm512_loadu_ps({w_row} + "
-                            f"{kv * VECTOR_LANES});")
+                step.append(f"    const {vt} wv{kv} = {self.op('loadu_ps')}({w_row} + "
+                            f"{kv * self.lanes});")
             for out in _out_combos(block):
                 n_u, h_u, w_u = out
                 if guarded:
@@ -373,33 +427,37 @@ class _Generator:
                                * spec.w + w_u * spec.stride_w + s_u * spec.dilation_w)
                               * spec.c + c_u)
                     x = f"xb[{names['c']} + {offset}]"
-                step.append(f"    const __m512 b{'_'.join(map(str, out))} = _mm512_set1_ps({x});")
+                broadcast = f"b{'_'.join(map(str, out))}"
+                step.append(f"    const {vt} {broadcast} = {self.op('set1_ps')}({x});")
                 for kv in kvs:
                     acc = _acc(out, kv)
-                    step.append(f"    {acc} = _mm512_fmadd_ps(b{'_'.join(map(str, out))}, "
-                                f"wv{kv}, {acc});")
+                    step.append(f"    {acc} = {self.op('fmadd_ps')}({broadcast}, wv{kv}, "
+                                f"{acc});")
             step.append("}")
             lines += step
         return lines
 
 
-#: The epilogues applied in registers at the store (TTILE_EPK_*): the vector constants
-#: each keeps live, and the stored value from ``biased`` (acc + bias) and ``residual``
-#: (its load), as C expressions.
+#: The epilogues applied in registers at the store (TTILE_EPK_*): the vector registers
+#: each needs beside the accumulators in AVX-512F and in AVX2 (constants and
+#: temporaries: AVX2's leaky ReLU blends through a compare mask held in a ymm register,
+#: where AVX-512 has mask registers; with one register too few it spilled), and the
+#: stored value from ``biased`` (acc + bias) and ``residual`` (its load), as C
+#: expressions in the generator ``g``'s vector family.
 _REGISTER_EPILOGUES = {
-    "TTILE_EPK_BIAS": (0, lambda biased, residual: biased),
-    "TTILE_EPK_BIAS_RELU": (1, lambda biased, residual:
-                            f"_mm512_max_ps({biased}, _mm512_setzero_ps())"),
-    "TTILE_EPK_BIAS_RESIDUAL": (0, lambda biased, residual:
-                                f"_mm512_add_ps({biased}, {residual})"),
-    "TTILE_EPK_BIAS_RESIDUAL_RELU": (1, lambda biased, residual:
-                                     f"_mm512_max_ps(_mm512_add_ps({biased}, {residual}), "
-                                     f"_mm512_setzero_ps())"),
-    "TTILE_EPK_BIAS_RELU6": (2, lambda biased, residual:
-                             f"_mm512_min_ps(_mm512_max_ps({biased}, _mm512_setzero_ps()), "
-                             f"_mm512_set1_ps(6.0f))"),
-    "TTILE_EPK_BIAS_LEAKY_RELU": (2, lambda biased, residual:
-                                  f"ttile_leaky512({biased}, ep->negative_slope)"),
+    "TTILE_EPK_BIAS": (0, 0, lambda g, biased, residual: biased),
+    "TTILE_EPK_BIAS_RELU": (1, 1, lambda g, biased, residual:
+                            f"{g.op('max_ps')}({biased}, {g.op('setzero_ps')}())"),
+    "TTILE_EPK_BIAS_RESIDUAL": (0, 0, lambda g, biased, residual:
+                                f"{g.op('add_ps')}({biased}, {residual})"),
+    "TTILE_EPK_BIAS_RESIDUAL_RELU": (1, 1, lambda g, biased, residual:
+                                     f"{g.op('max_ps')}({g.op('add_ps')}({biased}, "
+                                     f"{residual}), {g.op('setzero_ps')}())"),
+    "TTILE_EPK_BIAS_RELU6": (2, 2, lambda g, biased, residual:
+                             f"{g.op('min_ps')}({g.op('max_ps')}({biased}, "
+                             f"{g.op('setzero_ps')}()), {g.op('set1_ps')}(6.0f))"),
+    "TTILE_EPK_BIAS_LEAKY_RELU": (2, 4, lambda g, biased, residual:
+                                  f"ttile_leaky{g.bits}({biased}, ep->negative_slope)"),
 }
 
 
@@ -436,11 +494,14 @@ def _xp(pix: tuple[int, ...]) -> str:
     return f"xp_{'_'.join(map(str, pix))}"
 
 
-def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.generate") -> KernelSource:
-    """Generate the C source of ``scheme`` applied to ``spec`` (validated first)."""
-    tree = lower(scheme, spec)
-    name = kernel_name(scheme, spec)
-    gen = _Generator(spec, name)
+def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.generate",
+             isa: Isa = Isa.AVX512F) -> KernelSource:
+    """Generate the C source of ``scheme`` applied to ``spec`` in the vector family
+    ``isa`` (the scheme is validated against that family's lanes and registers first)."""
+    vectors = vector_isa(isa)
+    tree = lower(scheme, spec, vectors.isa)
+    name = kernel_name(scheme, spec, vectors.isa)
+    gen = _Generator(spec, name, vectors)
     body = gen.emit(tree)
     entry = [f"const int {body.names[d]} = 0;" for d in DIMS]
 
@@ -451,7 +512,8 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         f"R={spec.r} S={spec.s}, output {spec.ho}x{spec.wo}"
         + (f", dilation {spec.dilation_h}x{spec.dilation_w}" if spec.dilated else "") + ")",
         f" * command: {command}",
-        f" * generator version {GENERATOR_VERSION}",
+        f" * generator version {GENERATOR_VERSION}; vector family {vectors.isa.value} "
+        f"(compile with {' '.join(vectors.cflags)})",
         " */",
         "#include <immintrin.h>",
         "#include <stdint.h>",
@@ -459,7 +521,7 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         '#include "ttile_epilogue.h"',
         "",
     ]
-    if gen.k_tail:  # guarded: several kernels may share one translation unit
+    if gen.k_tail and vectors.isa is Isa.AVX512F:  # guarded: kernels may share a file
         out += ["#ifndef TTILE_TAIL_MASK_DEFINED",
                 "#define TTILE_TAIL_MASK_DEFINED",
                 "static inline __mmask16 ttile_tail_mask(int remaining)",
@@ -480,8 +542,9 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         size = spec.n * spec.ho * spec.wo * spec.k
         out.append(f"    memset(y, 0, sizeof(float) * (size_t){size});")
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
-    panel = VECTOR_LANES * _block_of(tree).count("k")
-    return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out), panel=panel)
+    panel = vectors.lanes * _block_of(tree).count("k")
+    return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out), panel=panel,
+                        isa=vectors.isa)
 
 
 def _block_of(node: Node) -> Block:

@@ -9,7 +9,8 @@ text form              meaning
                        the scheme cover dimension d exactly
 ``T16 d``              tile loop along d iterating exactly 16 times
 ``U4 d``               the same loop, fully unrolled (register tile)
-``V k``                one 16-lane vector along k; innermost, exactly once
+``V k``                one vector along k (16 lanes in AVX-512F, 8 in AVX2);
+                       innermost, exactly once
 ``Lseq h [(2,11),(1,12)]``
                        lambda-seq: a sequence of loops along h, the first running 2
                        times with the parameter bound to 11, then once with 12; the
@@ -27,7 +28,7 @@ Example (the paper's Yolo9000-13 scheme)::
 
 Specifiers are separated by ``;``; ``λseq`` is accepted for ``Lseq``. Dimensions are
 those of :mod:`ttile.spec` (n k c h w r s), h and w counting output pixels and k counting
-output channels (a ``V k`` covers 16 of them).
+output channels (a ``V k`` covers 16 of them in AVX-512F, 8 in AVX2).
 
 The module has three layers: the frozen :class:`Scheme` value (parse, print, structural
 checks that need no problem size), :meth:`Scheme.validate` against a
@@ -42,10 +43,13 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Union
 
-from .spec import DIMS, REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+from .kinds import Isa
+from .spec import DIMS, REDUCTION_DIMS, ConvSpec
+from .vectors import AVX512F, VectorIsa, vector_isa
 
-#: Vector registers of AVX-512 (zmm0-zmm31).
-VECTOR_REGISTERS = 32
+#: Vector registers of AVX-512 (zmm0-zmm31), the default family's budget (AVX2 has 16:
+#: see :mod:`ttile.core.vectors`).
+VECTOR_REGISTERS = AVX512F.registers
 
 
 
@@ -173,9 +177,10 @@ class Scheme:
         """The block in paper notation, e.g. ``[U beta h; U2 k; V k]``."""
         return "[" + "; ".join(str(sp) for sp in self.block) + "]"
 
-    def validate(self, spec: ConvSpec) -> None:
-        """Raise SchemeError unless the scheme covers ``spec`` exactly and fits registers."""
-        lower(self, spec)
+    def validate(self, spec: ConvSpec, isa: Isa = Isa.AVX512F) -> None:
+        """Raise SchemeError unless the scheme covers ``spec`` exactly and fits the
+        registers of ``isa``."""
+        lower(self, spec, isa)
 
 
 def _check_structure(specs: tuple[Specifier, ...]) -> None:
@@ -287,7 +292,8 @@ class Block:
 
     @property
     def registers(self) -> int:
-        """Live zmm registers: accumulators, one weight vector per k vector, a broadcast."""
+        """Live vector registers: accumulators, one weight vector per k vector, a
+        broadcast."""
         return self.accumulators + self.count("k") + 1
 
 
@@ -314,8 +320,10 @@ class Seq:
 Node = Union[Loop, Seq, Block]
 
 
-def _extents(specs: tuple[Specifier, ...], totals: dict[str, int]) -> dict[str, int]:
-    """Size of the sub-scheme ``specs`` along every dimension, computed innermost out.
+def _extents(specs: tuple[Specifier, ...], totals: dict[str, int],
+             lanes: int = AVX512F.lanes) -> dict[str, int]:
+    """Size of the sub-scheme ``specs`` along every dimension, computed innermost out
+    (``V k`` covers ``lanes`` output channels).
 
     Parametric sizes must already be bound (see :func:`_bind`).
     """
@@ -323,11 +331,11 @@ def _extents(specs: tuple[Specifier, ...], totals: dict[str, int]) -> dict[str, 
     if first_lseq is None:
         ext, outer = {d: 1 for d in DIMS}, specs
     else:
-        ext = _seq_extents(specs[first_lseq], specs[first_lseq + 1:], totals)
+        ext = _seq_extents(specs[first_lseq], specs[first_lseq + 1:], totals, lanes)
         outer = specs[:first_lseq]
     for sp in reversed(outer):
         if sp.kind is SpecKind.V:
-            ext["k"] = VECTOR_LANES
+            ext["k"] = lanes
         elif sp.kind in (SpecKind.T, SpecKind.U):
             ext[sp.dim] *= sp.size
         elif sp.kind is SpecKind.R:
@@ -340,9 +348,10 @@ def _extents(specs: tuple[Specifier, ...], totals: dict[str, int]) -> dict[str, 
 
 
 def _seq_extents(sp: Specifier, rest: tuple[Specifier, ...],
-                 totals: dict[str, int]) -> dict[str, int]:
+                 totals: dict[str, int], lanes: int) -> dict[str, int]:
     """Extents of ``Lseq d [...]`` followed by ``rest``: branches add up along d only."""
-    branch_exts = [_extents(_bind(rest, sp.dim, value), totals) for _, value in sp.parts]
+    branch_exts = [_extents(_bind(rest, sp.dim, value), totals, lanes)
+                   for _, value in sp.parts]
     combined = dict(branch_exts[0])
     combined[sp.dim] = sum(count * e[sp.dim] for (count, _), e in zip(sp.parts, branch_exts))
     for dim in DIMS:
@@ -363,44 +372,49 @@ def _bind(specs: tuple[Specifier, ...], dim: str, value: int) -> tuple[Specifier
     return tuple(out)
 
 
-def _lower_list(specs: tuple[Specifier, ...], totals: dict[str, int]) -> Node:
+def _lower_list(specs: tuple[Specifier, ...], totals: dict[str, int],
+                vectors: VectorIsa) -> Node:
     sp = specs[0]
     if sp.kind in BLOCK_KINDS:
         unrolls = tuple((u.dim, u.size) for u in specs if u.kind is SpecKind.U)
         block = Block(unrolls)
-        if block.registers > VECTOR_REGISTERS:
+        if block.registers > vectors.registers:
             raise SchemeError(
                 f"unrolled block {' '.join(str(u) for u in specs)} needs {block.registers} "
                 f"vector registers ({block.accumulators} accumulators + {block.count('k')} "
-                f"weight vectors + 1 broadcast); AVX-512 has {VECTOR_REGISTERS}")
+                f"weight vectors + 1 broadcast); {vectors.isa.value} has "
+                f"{vectors.registers} ({vectors.register_name})")
         return block
     rest = specs[1:]
     if sp.kind is SpecKind.LSEQ:
         offsets, branches, offset = [], [], 0
         for count, value in sp.parts:
             bound = _bind(rest, sp.dim, value)
-            step = _extents(bound, totals)[sp.dim]
+            step = _extents(bound, totals, vectors.lanes)[sp.dim]
             offsets.append(offset)
-            branches.append(Loop(sp.dim, count, step, False, _lower_list(bound, totals)))
+            branches.append(Loop(sp.dim, count, step, False,
+                                 _lower_list(bound, totals, vectors)))
             offset += count * step
         return Seq(sp.dim, tuple(offsets), tuple(branches))
-    step = _extents(rest, totals)[sp.dim]
+    step = _extents(rest, totals, vectors.lanes)[sp.dim]
     count = sp.size if sp.kind is SpecKind.T else totals[sp.dim] // step
-    return Loop(sp.dim, count, step, sp.parallel, _lower_list(rest, totals))
+    return Loop(sp.dim, count, step, sp.parallel, _lower_list(rest, totals, vectors))
 
 
-def lower(scheme: Scheme, spec: ConvSpec) -> Node:
-    """Rewrite lambda-seq into Seq, resolve loop counts, and check ``scheme`` covers ``spec``.
+def lower(scheme: Scheme, spec: ConvSpec, isa: Isa = Isa.AVX512F) -> Node:
+    """Rewrite lambda-seq into Seq, resolve loop counts, and check ``scheme`` covers ``spec``
+    with the vectors of ``isa`` (``V k`` is 16 channels in AVX-512F, 8 in AVX2).
 
     Raises SchemeError naming the first problem: a dimension not covered exactly, an R
     that does not divide, branches of a Seq that disagree, or a block over the register
-    budget.
+    budget of ``isa``.
     """
-    totals = spec.iteration_extents()
-    ext = _extents(scheme.specifiers, totals)
+    vectors = vector_isa(isa)
+    totals = spec.iteration_extents(vectors.lanes)
+    ext = _extents(scheme.specifiers, totals, vectors.lanes)
     for dim in DIMS:
         if ext[dim] != totals[dim]:
             what = f"{totals[dim]}" if dim != "k" else (
-                f"{totals[dim]} (K={spec.k} rounded up to whole 16-lane vectors)")
+                f"{totals[dim]} (K={spec.k} rounded up to whole {vectors.lanes}-lane vectors)")
             raise SchemeError(f"scheme covers {ext[dim]} along {dim}, the problem needs {what}")
-    return _lower_list(scheme.specifiers, totals)
+    return _lower_list(scheme.specifiers, totals, vectors)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 DIMS: tuple[str, ...] = ("n", "k", "c", "h", "w", "r", "s")
 #: Dimensions summed over: they cannot be split between threads or outputs.
 REDUCTION_DIMS: frozenset[str] = frozenset({"c", "r", "s"})
-#: fp32 lanes in one AVX-512 vector.
+#: fp32 lanes in one AVX-512 vector: the default width of ``V k`` (an AVX2 kernel's is 8,
+#: see :mod:`ttile.core.vectors`).
 VECTOR_LANES = 16
 #: Work below which another thread costs more than it brings: starting and joining an
 #: OpenMP team takes microseconds, 4 MFLOP take about 16 us on one AVX-512 core. A
@@ -95,10 +96,10 @@ class ConvSpec:
         this never serves."""
         return max(1, self.flops * groups // MIN_FLOPS_PER_THREAD)
 
-    @property
-    def k_vectors(self) -> int:
-        """Number of 16-lane vectors along k; the last one is masked when K % 16 != 0."""
-        return -(-self.k // VECTOR_LANES)
+    def k_vectors(self, lanes: int = VECTOR_LANES) -> int:
+        """Number of ``lanes``-wide vectors along k; the last one is masked when K is
+        not a multiple of ``lanes``."""
+        return -(-self.k // lanes)
 
     @property
     def flops(self) -> int:
@@ -121,12 +122,13 @@ class ConvSpec:
         [ceil(K / panel)][R][S][C][panel]."""
         return (-(-self.k // panel), self.r, self.s, self.c, panel)
 
-    def iteration_extents(self) -> dict[str, int]:
+    def iteration_extents(self, lanes: int = VECTOR_LANES) -> dict[str, int]:
         """Extent of each loop dimension of the iteration space a scheme must cover.
 
-        k is rounded up to whole vectors: the scheme tiles vectors, masks trim the tail.
+        k is rounded up to whole vectors of ``lanes``: the scheme tiles vectors, masks
+        trim the tail.
         """
-        return {"n": self.n, "k": self.k_vectors * VECTOR_LANES, "c": self.c,
+        return {"n": self.n, "k": self.k_vectors(lanes) * lanes, "c": self.c,
                 "h": self.ho, "w": self.wo, "r": self.r, "s": self.s}
 
     def needs_row_guard(self) -> bool:

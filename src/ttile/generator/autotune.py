@@ -45,13 +45,14 @@ def _today() -> str:
 
 def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDatabase,
                     bench: LayerBench, calls: int = 20, drop: int = 5) -> TuningRecord:
-    """Time the generic kernel with the paper's cold-cache protocol and record it.
+    """Time the generic kernel (of the database's vector family) with the paper's
+    cold-cache protocol and record it.
 
     Its weights are packed before timing, as every candidate's are: timed through the
     per-call entry point, it also paid for packing, and a small layer's generic time came
     out 4x too slow (Yolo9000-5: 24 GFLOP/s cold, 101 warm)."""
-    copies = generic_packed_copies(spec, bench.copies)
-    times = sorted(time_generic(spec, copies, threads, calls))
+    copies = generic_packed_copies(spec, bench.copies, database.isa)
+    times = sorted(time_generic(spec, copies, threads, calls, database.isa))
     problem = bench.check(copies[0][2])
     seconds = statistics.median(times[drop:len(times) - drop])
     record = TuningRecord(
@@ -71,7 +72,8 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
                progress: Callable[[str], None] = lambda message: None,
                command: str = "ttile-generate") -> Optional[TuningRecord]:
     """Screen candidates in order within the budget, then re-time the best with the
-    paper's protocol. Returns the best record (None if nothing ran correctly)."""
+    paper's protocol, generating them in the database's vector family. Returns the best
+    record (None if nothing ran correctly)."""
     started = time.monotonic()
     today = _today()
 
@@ -94,7 +96,8 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
             spec, [c.scheme for c in todo], bench, threads, calls=settings.screen_calls,
             batch_size=settings.batch_size, jobs=settings.jobs, command=command,
             slow_seconds=settings.call_timeout_seconds,
-            next_group=lambda _: time.monotonic() - started <= settings.budget_seconds):
+            next_group=lambda _: time.monotonic() - started <= settings.budget_seconds,
+            isa=database.isa):
         candidate = todo[measured.index]
         record(candidate, measured.status, measured.seconds, settings.screen_calls,
                Protocol.SCREEN, measured.detail)
@@ -113,7 +116,8 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
     if todo:
         for measured in build_check_time(
                 spec, [c.scheme for c in todo], bench, threads, calls=settings.paper_calls,
-                drop=settings.paper_drop, batch_size=len(todo), jobs=1, command=command):
+                drop=settings.paper_drop, batch_size=len(todo), jobs=1, command=command,
+                isa=database.isa):
             if measured.status is RecordStatus.BUILD_ERROR:
                 continue  # built fine when screened: nothing worth a record
             record(todo[measured.index], measured.status, measured.seconds,
@@ -131,13 +135,14 @@ def compare_warm(name: str, spec: ConvSpec, threads: int, best: TuningRecord,
     warm calls too and the generic kernel improves between searches: whether a searched
     kernel ships is decided by these comparisons when there are any.
     """
-    kernel = generate(Scheme.parse(best.scheme), spec, "ttile-generate (warm check)")
+    kernel = generate(Scheme.parse(best.scheme), spec, "ttile-generate (warm check)",
+                      database.isa)
     library = build([kernel])
     bench = LayerBench.make(spec, copy_bytes=0, max_copies=1, seed=2)
     problem = run_and_check(library, kernel, bench, threads) or ""
     status = RecordStatus.WRONG if problem else RecordStatus.OK
     generic_seconds, (searched_seconds,) = head_to_head(spec, bench, [(kernel, library)],
-                                                        threads, rounds)
+                                                        threads, rounds, database.isa)
     comparison = new_comparison_id()
     common = dict(layer=name, spec=spec, threads=threads, calls=rounds,
                   protocol=Protocol.WARM, cpu=database.cpu_id,

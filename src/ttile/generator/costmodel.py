@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from ..core.spec import VECTOR_LANES, ConvSpec
+from ..core.vectors import vector_isa
 from .iomodel import (Estimate, conv_lower_bound, estimate_nest, generate_permutations,
                       nest_volumes, numeric_footprints, reuse_sets, round_counts, tileopt,
                       weighted_costs)
@@ -37,13 +38,14 @@ from .polyhedral import conv2d_computation
 BANDS = ("memory", "L3", "L2", "L1")  # outermost first
 
 
-def microkernel_tile(spec: ConvSpec, shape: MicrokernelShape) -> dict[str, int]:
+def microkernel_tile(spec: ConvSpec, shape: MicrokernelShape,
+                     lanes: int = VECTOR_LANES) -> dict[str, int]:
     """The microkernel's extents along every dimension (c = 1: its reduction loop is the
-    innermost loop above it, part of the L1 band)."""
-    tile = {"n": 1, "k": shape.alpha * VECTOR_LANES, "c": 1, "h": 1, "w": 1,
+    innermost loop above it, part of the L1 band; k is ``alpha`` vectors of ``lanes``)."""
+    tile = {"n": 1, "k": shape.alpha * lanes, "c": 1, "h": 1, "w": 1,
             "r": shape.unroll_r, "s": shape.unroll_s}
     tile[shape.axis] = shape.beta
-    extents = spec.iteration_extents()
+    extents = spec.iteration_extents(lanes)
     too_big = [d for d, v in tile.items() if v > extents[d]]
     if too_big:
         raise ValueError(f"microkernel {shape.key} is larger than the problem along "
@@ -147,8 +149,8 @@ def _rank_permutations(model: "CostModel", shape: MicrokernelShape, top: int,
     factors between loops of a dimension; that integer estimate is what is ranked.
     """
     spec, comp = model.spec, model.computation
-    tile = microkernel_tile(spec, shape)
-    extents = spec.iteration_extents()
+    tile = microkernel_tile(spec, shape, model.lanes)
+    extents = spec.iteration_extents(model.lanes)
     remaining = {d: extents[d] / tile[d] for d in comp.dims}
     active = [d for d in comp.dims if remaining[d] > 1 + 1e-9]
     integral = {d for d in active if abs(remaining[d] - round(remaining[d])) < 1e-9}
@@ -230,7 +232,8 @@ def _compare_with_lower_bound(spec: ConvSpec, ranked: RankedPermutation,
 def default_microkernel(spec: ConvSpec, table=None) -> MicrokernelShape:
     """The best measured selected microkernel that fits ``spec`` (no r/s unroll family
     unless the layer's kernel size matches), or a safe default without a table."""
-    extents = spec.iteration_extents()
+    lanes = vector_isa(table.isa).lanes if table is not None else VECTOR_LANES
+    extents = spec.iteration_extents(lanes)
     if table is not None:
         fits = []
         for cls in table.classes:
@@ -238,14 +241,14 @@ def default_microkernel(spec: ConvSpec, table=None) -> MicrokernelShape:
                                                      (spec.r, spec.s)}:
                 continue
             for shape in cls.shapes():
-                if shape.alpha * VECTOR_LANES <= extents["k"] and \
+                if shape.alpha * lanes <= extents["k"] and \
                         shape.beta <= extents[shape.axis]:
                     fits.append(shape)
         measured = {m.shape: m.gflops for m in table.measurements
                     if m.status is RecordStatus.OK}
         if fits:
             return max(fits, key=lambda s: measured.get(s, 0.0))
-    alpha = max(1, min(2, extents["k"] // VECTOR_LANES))
+    alpha = max(1, min(2, extents["k"] // lanes))
     beta = max(1, min(8 if alpha == 2 else 14, extents["h"]))
     return MicrokernelShape(1, 1, "h", alpha, beta)
 
@@ -258,9 +261,11 @@ class CostModel:
     depend on nothing else) and shared by every method.
     """
 
-    def __init__(self, spec: ConvSpec, caches: Sequence[CacheLevel]):
+    def __init__(self, spec: ConvSpec, caches: Sequence[CacheLevel],
+                 lanes: int = VECTOR_LANES):
         self.spec = spec
         self.caches = tuple(caches)
+        self.lanes = lanes          # of the vector family the microkernels are written in
         self.computation = conv2d_computation(spec.stride_h, spec.stride_w)
         self.footprints = numeric_footprints(self.computation)
 

@@ -4,9 +4,11 @@ The registry holds the offline search's verdict for every (CPU, thread count, la
 the tuning records cover, for every CPU with records: a searched kernel where it beat
 the generic kernel, else an entry saying the generic kernel serves (so that layer is
 never tuned again at run time on that CPU). Each kernel becomes one C file named by the
-kernel grammar (``ttile_f32_conv2d_<hash>__avx512f.c``; two CPUs that chose the same
-scheme share it), stamped with its scheme, problem and the command that made it, and
-rewritten only when its content changes. Everything is regenerated from scheme text
+kernel grammar (``ttile_f32_conv2d_<hash>__avx512f.c``, ``..._<hash>__avx2.c``: the build
+compiles each file with its family's flags only; two CPUs that chose the same scheme
+share it), stamped with its scheme, problem and the command that made it, and rewritten
+only when its content changes. Verdicts are kept per vector family: the AVX2 family's
+records (``<cpu-id>.avx2.jsonl``) give that CPU's AVX2 entries. Everything is regenerated from scheme text
 alone, so emitting from the records is deterministic and needs no measurement.
 """
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Iterable, Optional, Sequence
 
 from ..core.codegen import generate
 from ..core.fileio import write_if_changed
+from ..core.kinds import Isa
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
+from ..core.vectors import parse_family_stem
 from ..tuning.records import Contender, Protocol, RecordStatus, TuningDatabase
 
 
@@ -36,6 +40,10 @@ class RegistryEntry:
     gflops: float
     warm_gflops: float = 0.0       # the scheme beside the generic kernel, warm (0: never)
     generic_gflops: float = 0.0    # the generic kernel there (warm when compared)
+    isa: Isa = Isa.AVX512F         # the vector family it was searched in
+
+
+_ISA_CONSTANTS = {Isa.AVX512F: "TTILE_ISA_AVX512F", Isa.AVX2: "TTILE_ISA_AVX2"}
 
 
 def _c_string(text: str) -> str:
@@ -51,19 +59,21 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
     rows, declarations, written = [], [], []
     names: set[str] = set()
     current_cpu = None
-    for entry in sorted(entries, key=lambda e: (e.cpu, e.spec.key(), e.threads)):
-        if entry.cpu != current_cpu:
-            current_cpu = entry.cpu
-            rows.append(f"    /* {entry.cpu} */")
+    for entry in sorted(entries, key=lambda e: (e.cpu, e.isa.value != Isa.AVX512F.value,
+                                                e.isa.value, e.spec.key(), e.threads)):
+        if (entry.cpu, entry.isa) != current_cpu:
+            current_cpu = (entry.cpu, entry.isa)
+            rows.append(f"    /* {entry.cpu}, {entry.isa.value} */")
         s = entry.spec
         problem = (f"{s.n}, {s.k}, {s.c}, {s.h}, {s.w}, {s.r}, {s.s}, {s.stride_h}, "
-                   f"{s.stride_w}, {s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}")
+                   f"{s.stride_w}, {s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}, "
+                   f"{s.dilation_h}, {s.dilation_w}, {_ISA_CONSTANTS[entry.isa]}")
         if entry.scheme is None:
             rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, 0, NULL,\n"
                         f"     {_c_string(entry.layer)}, \"\", {entry.gflops:.1f}, 0.0, "
                         f"{entry.generic_gflops:.1f}}},")
             continue
-        source = generate(entry.scheme, entry.spec, command)
+        source = generate(entry.scheme, entry.spec, command, entry.isa)
         if source.name not in names:
             path = directory / f"{source.name}.c"
             write_if_changed(path, f"/* layer: {entry.layer} */\n" + source.code)
@@ -128,19 +138,24 @@ def registry_entries(databases: Iterable[TuningDatabase]) -> list[RegistryEntry]
                     searched_warm = [r.gflops for r in warm if r.scheme == best.scheme]
                     out.append(RegistryEntry(
                         layer=name, spec=spec, cpu=database.cpu_id, threads=threads,
+                        isa=database.isa,
                         scheme=Scheme.parse(best.scheme), gflops=best.gflops,
                         warm_gflops=statistics.median(searched_warm) if searched_warm else 0.0,
                         generic_gflops=generic_rate))
                     continue
                 if generic is not None:
                     out.append(RegistryEntry(layer=name, spec=spec, cpu=database.cpu_id,
-                                             threads=threads, scheme=None,
+                                             threads=threads, scheme=None, isa=database.isa,
                                              gflops=generic.gflops,
                                              generic_gflops=generic_rate))
     return out
 
 
 def databases_in(records_dir: Path) -> list[TuningDatabase]:
-    """Every CPU's tuning database under ``records_dir`` (``<cpu-id>.jsonl``)."""
-    return [TuningDatabase(records_dir, path.stem)
-            for path in sorted(Path(records_dir).glob("*.jsonl"))]
+    """Every CPU's tuning databases under ``records_dir``, one per vector family
+    (``<cpu-id>.jsonl``, ``<cpu-id>.avx2.jsonl``)."""
+    out = []
+    for path in sorted(Path(records_dir).glob("*.jsonl")):
+        cpu_id, isa = parse_family_stem(path.stem)
+        out.append(TuningDatabase(records_dir, cpu_id, isa=isa))
+    return out

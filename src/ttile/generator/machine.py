@@ -64,16 +64,20 @@ class MachineModel:
 
 
 def _read_bandwidth(floats: int, min_seconds: float = 0.05) -> float:
+    """Bytes per second reading ``floats`` floats over and over, with the widest vector
+    loads this CPU has (AVX-512F, else AVX2: a CPU without AVX-512 measures its own
+    model too)."""
     from .. import _kernels
+    isa = _kernels.ISA_AVX512F if _kernels.cpu_has_avx512f() else _kernels.ISA_AVX2
     buffer = np.ones(floats, np.float32)
     reps = 1
-    _kernels.read_seconds(buffer, 1)
+    _kernels.read_seconds(buffer, 1, isa)
     while True:
-        seconds = _kernels.read_seconds(buffer, reps)
+        seconds = _kernels.read_seconds(buffer, reps, isa)
         if seconds >= min_seconds:
             break
         reps *= 2
-    best = min(_kernels.read_seconds(buffer, reps) for _ in range(3))
+    best = min(_kernels.read_seconds(buffer, reps, isa) for _ in range(3))
     return floats * 4 * reps / best
 
 

@@ -49,8 +49,8 @@ def plot_microkernels(table: MicrokernelTable, path: Path) -> Path:
     for ax in list(axes.flat)[len(families):]:
         ax.axis("off")
     fig.colorbar(image, ax=axes.ravel().tolist(), label="% of measured peak")
-    fig.suptitle(f"Microkernels on {table.cpu.model_name} ({table.cpu.id}), "
-                 f"peak {table.peak_gflops:.0f} GFLOP/s; red: within "
+    fig.suptitle(f"{table.isa.value} microkernels on {table.cpu.model_name} ({table.cpu.id}), "
+                 f"{table.isa.value} peak {table.peak_gflops:.0f} GFLOP/s; red: within "
                  f"{100 * table.threshold:.0f} % of their scheme's best")
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -40,8 +40,10 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..core.kinds import Isa
 from ..core.scheme import LOOP_KINDS, Scheme, SchemeError, SpecKind, Specifier, lower
 from ..core.spec import REDUCTION_DIMS, VECTOR_LANES, ConvSpec
+from ..core.vectors import vector_isa
 from ..tuning.records import Strategy
 from .costmodel import CostModel, RankedPermutation, microkernel_tile
 from .iomodel import divisor_splits
@@ -82,9 +84,10 @@ class SpacePoint:
     betas: tuple[tuple[int, int], ...]  # ((count, beta), ...): one entry, or the pair
 
 
-def class_fits(spec: ConvSpec, cls: MicrokernelClass) -> bool:
-    """Whether a class can appear in a scheme for ``spec`` (k vectors divide, r/s match)."""
-    vectors = spec.k_vectors
+def class_fits(spec: ConvSpec, cls: MicrokernelClass, lanes: int = VECTOR_LANES) -> bool:
+    """Whether a class can appear in a scheme for ``spec`` (k vectors of ``lanes``
+    divide, r/s match)."""
+    vectors = spec.k_vectors(lanes)
     if vectors % cls.alpha:
         return False
     if cls.unroll_r not in (1, spec.r) or cls.unroll_s not in (1, spec.s):
@@ -163,13 +166,13 @@ def reduction_innermost_orders(spec: ConvSpec, cls: MicrokernelClass) -> list[tu
 
 
 def completions(spec: ConvSpec, cls: MicrokernelClass, order: Sequence[str],
-                max_points: int = 200_000) -> list[SpacePoint]:
+                max_points: int = 200_000, lanes: int = VECTOR_LANES) -> list[SpacePoint]:
     """Every completion of the loop ``order`` (outermost first, ending with c) above a
-    microkernel of ``cls`` (section 5.3)."""
-    extents = spec.iteration_extents()
+    microkernel of ``cls`` with vectors of ``lanes`` (section 5.3)."""
+    extents = spec.iteration_extents(lanes)
     axis = cls.axis
     dims = list(order)
-    tile = {"n": 1, "k": cls.alpha * VECTOR_LANES, "c": 1, "h": 1, "w": 1,
+    tile = {"n": 1, "k": cls.alpha * lanes, "c": 1, "h": 1, "w": 1,
             "r": cls.unroll_r, "s": cls.unroll_s}
     points: list[SpacePoint] = []
     for betas in microkernel_choices(extents[axis], cls):
@@ -222,7 +225,7 @@ def model_costs(model: CostModel, cls: MicrokernelClass, points: Sequence[SpaceP
     for (dims, betas), idx in groups.items():
         beta = betas[0][1]
         shape = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha, beta)
-        tile = microkernel_tile(spec, shape)
+        tile = microkernel_tile(spec, shape, model.lanes)
         stretch = sum(a * b for a, b in betas) / beta
         counts = np.array([points[i].counts for i in idx], float)
         axis_loops = [j for j, d in enumerate(dims) if d == cls.axis]
@@ -258,12 +261,14 @@ def classes_for(spec: ConvSpec, table, thresholds: Sequence[float] = (0.75, 0.65
                 ) -> list[MicrokernelClass]:
     """The table's classes, or when none of them can cover this layer (no size or pair
     divides its axis, or k does not split into their vector counts), classes selected
-    with a lower threshold: the paper's fallback to suboptimal microkernels."""
+    with a lower threshold: the paper's fallback to suboptimal microkernels. The
+    table's vector family sets the width of a vector."""
+    lanes = vector_isa(table.isa).lanes
 
     def usable(classes) -> list[MicrokernelClass]:
         out = []
         for cls in classes:
-            if class_fits(spec, cls):
+            if class_fits(spec, cls, lanes):
                 axis_extent = spec.ho if cls.axis == "h" else spec.wo
                 if microkernel_choices(axis_extent, cls):
                     out.append(cls)
@@ -301,18 +306,21 @@ class _RankedPoint:
 def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
                  caches: Sequence[CacheLevel], permutations_per_class: int = 1,
                  keep_fraction: float = 0.4, top: int = 200,
-                 max_classes: int = 8, max_points: int = 200_000) -> list[Candidate]:
-    """Steps 3-4 for one layer: every completion of the best fitting classes, pruned.
+                 max_classes: int = 8, max_points: int = 200_000,
+                 isa: Isa = Isa.AVX512F) -> list[Candidate]:
+    """Steps 3-4 for one layer: every completion of the best fitting classes (of the
+    vector family ``isa``), pruned.
 
     The permutation is analysed once per unroll of k, r and s (and axis), as in the
     paper: it does not change with the microkernel's size along the spatial axis.
     ``max_points`` caps the completions of one loop order (the run-time tuner, on a
     budget of seconds, asks for fewer).
     """
-    model = CostModel(spec, caches)
+    lanes = vector_isa(isa).lanes
+    model = CostModel(spec, caches, lanes)
     candidates: list[_RankedPoint] = []
     seen: set[tuple[Specifier, ...]] = set()
-    fitting = sorted((c for c in classes if class_fits(spec, c)),
+    fitting = sorted((c for c in classes if class_fits(spec, c, lanes)),
                      key=lambda c: -c.best_percent)[:max_classes]
     permutations: dict[tuple, list[RankedPermutation]] = {}
     for cls in fitting:
@@ -331,7 +339,7 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
         orders += [(o, LoopFamily.REDUCTION_INNERMOST)
                    for o in reduction_innermost_orders(spec, cls)]
         for order, origin in orders:
-            points = completions(spec, cls, order, max_points)
+            points = completions(spec, cls, order, max_points, lanes)
             if not points:
                 continue
             costs = model_costs(model, cls, points)
@@ -361,7 +369,8 @@ def hoist_above_lambda_seq(specs: Sequence[Specifier], first_block: int) -> list
     return list(specs[1:end]) + [lseq] + list(specs[end:])
 
 
-def parallel_variants(candidate: Candidate, spec: ConvSpec, threads: int) -> list[Candidate]:
+def parallel_variants(candidate: Candidate, spec: ConvSpec, threads: int,
+                      isa: Isa = Isa.AVX512F) -> list[Candidate]:
     """The three parallel strategies of section 5.5 applied to a sequential scheme.
 
     Only loops above the first lambda-seq can be parallel; a variant whose parallel band
@@ -413,7 +422,7 @@ def parallel_variants(candidate: Candidate, spec: ConvSpec, threads: int) -> lis
         seen.add(specifiers)
         try:
             scheme = Scheme(specifiers)
-            lower(scheme, spec)
+            lower(scheme, spec, isa)
         except SchemeError:
             continue
         out.append(Candidate(scheme, candidate.microkernels, candidate.reduction_above,

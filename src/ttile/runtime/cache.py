@@ -62,9 +62,13 @@ class CacheKey:
     compiler: str           # path and first line of --version
     ttile_version: str
     generator_version: int
+    isa: str = "avx512f"    # the vector family searched (Isa value)
 
     def digest(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        data = asdict(self)
+        if self.isa == "avx512f":   # the digest of entries made before AVX2 kernels
+            del data["isa"]
+        text = json.dumps(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -52,7 +52,7 @@ class KernelChoice:
     tuned_threads: Optional[int] = None  # and the thread count
     warm_gflops: float = 0.0            # a tuned kernel's warm rate, and the generic
     generic_gflops: float = 0.0         # kernel's beside it (0: not compared)
-    isa: Isa = Isa.AVX512F              # the family a generic choice runs
+    isa: Isa = Isa.AVX512F              # the vector family (or portable) it runs
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,8 @@ def generic_choice(isa: Isa, spec: ConvSpec, note: str = "", final: bool = True
 
 def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
     """What a verdict of the offline search serves: its kernel, or the generic one."""
-    where = f"{entry.layer}, searched on {entry.cpu} at {entry.threads} thread(s)"
+    where = (f"{entry.layer}, searched on {entry.cpu} at {entry.threads} thread(s)"
+             + ("" if entry.isa is Isa.AVX512F else f" in {entry.isa.value}"))
     if entry.kind is KernelKind.GENERIC:
         return replace(generic_choice(isa, entry.spec, f"the offline search chose the "
                                                        f"generic kernel ({where})"),
@@ -187,7 +188,7 @@ def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
                         microkernels=entry.microkernels, gflops=entry.gflops,
                         note=f"compiled into ttile ({where})", tuned_cpu=entry.cpu,
                         tuned_threads=entry.threads, warm_gflops=entry.warm_gflops,
-                        generic_gflops=entry.generic_gflops)
+                        generic_gflops=entry.generic_gflops, isa=entry.isa)
 
 
 #: Data rates that weigh what packing weights costs a per-call conv2d, measured on the
@@ -210,7 +211,7 @@ def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
     registry, the generic kernel serves a per-call call when its estimated time is lower
     (a 9.4 MB layer: ResNet18-10 at 2 threads took 1.20 ms per call with its searched
     kernel, 0.95 with the generic one)."""
-    if not per_call or choice.kind is not KernelKind.TUNED or isa is not Isa.AVX512F \
+    if not per_call or choice.kind is not KernelKind.TUNED or not isa.vector \
             or not (choice.warm_gflops > 0 and choice.generic_gflops > 0):
         return choice
     scale = threads ** 0.5
@@ -244,14 +245,15 @@ def compiler_identity() -> Optional[str]:
     return _compiler_id
 
 
-def cache_key(spec: ConvSpec, layout: str, threads: int, compiler: str):
+def cache_key(spec: ConvSpec, layout: str, threads: int, compiler: str,
+              isa: Isa = Isa.AVX512F):
     from .._version import __version__
     from ..core.codegen import GENERATOR_VERSION
     from ..core.cpuinfo import fingerprint
     from .cache import CacheKey
     return CacheKey(problem=spec.key(), layout=layout, threads=threads,
                     cpu=fingerprint().id, compiler=compiler, ttile_version=__version__,
-                    generator_version=GENERATOR_VERSION)
+                    generator_version=GENERATOR_VERSION, isa=isa.value)
 
 
 def _open_cache():
@@ -265,11 +267,11 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
     import ctypes
     if entry.problem != spec:
         raise ValueError(f"cache entry for {entry.problem.key()}, not {spec.key()}")
+    isa = Isa(entry.key.isa)
     if entry.kind is not KernelKind.JIT:
-        return KernelChoice(kind=KernelKind.GENERIC, problem=spec,
-                            panel=_kernels.generic_panel(spec.k, spec.wo),
-                            gflops=entry.generic_gflops or None,
-                            note="tuned here: no scheme beat the generic kernel")
+        return replace(generic_choice(isa, spec, "tuned here: no scheme beat the generic "
+                                                 "kernel"),
+                       gflops=entry.generic_gflops or None)
     # Load a private copy of the bytes: the dynamic loader would hand back a library
     # already loaded under the same path (stale once the entry is rebuilt), and the
     # cache file may be replaced or damaged while this process runs. The copy is
@@ -291,16 +293,17 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
                         microkernels=entry.microkernels, gflops=entry.gflops,
                         tuned_cpu=entry.key.cpu, tuned_threads=entry.key.threads,
                         note=f"tuned here in {entry.search_seconds:.1f} s "
-                             f"({entry.library.name})", handle=handle)
+                             f"({entry.library.name})", handle=handle, isa=isa)
 
 
-def cached_choice(spec: ConvSpec, layout: str, threads: int) -> Optional[KernelChoice]:
+def cached_choice(spec: ConvSpec, layout: str, threads: int,
+                  isa: Isa = Isa.AVX512F) -> Optional[KernelChoice]:
     """The choice a valid disk cache entry gives, without tuning (None: no entry)."""
     compiler = compiler_identity()
     if compiler is None:
         return None
     cache = _open_cache()
-    entry = cache.lookup(cache_key(spec, layout, threads, compiler))
+    entry = cache.lookup(cache_key(spec, layout, threads, compiler, isa))
     if entry is None:
         return None
     try:
@@ -331,7 +334,7 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
         warn_once("compiler", "no C compiler on PATH: shapes without a tuned kernel run "
                               "the generic kernel (set CC or install gcc/clang to tune them)")
         return generic_choice(isa, spec, "no C compiler to tune with")
-    key = cache_key(spec, layout, threads, compiler)
+    key = cache_key(spec, layout, threads, compiler, isa)
     cache = _open_cache()
     policy = _policy
     persistent = True
@@ -351,7 +354,7 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
         try:
             result = tune(spec, threads, JitSettings(budget_seconds=policy.budget_seconds,
                                                      ship=policy.ship),
-                          cache_root=cache.root if persistent else None)
+                          cache_root=cache.root if persistent else None, isa=isa)
         except JitUnavailable as exc:
             warn_once("jit", f"{exc}; shapes without a tuned kernel run the generic kernel")
             return generic_choice(isa, spec, str(exc))
@@ -412,17 +415,16 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: Isa, use_tuned: bool,
            tune: bool = True) -> KernelChoice:
     """The kernel for a problem; with ``tune`` False nothing is searched (for ``plan``)."""
     global _background
-    if isa is not Isa.AVX512F:   # the searched and tuned kernels are AVX-512F code
-        return generic_choice(isa, spec, "no searched AVX2 kernels yet: the generic one"
-                              if isa is Isa.AVX2 else "")
-    entry = registry.lookup(spec, threads) if use_tuned else None
+    if not isa.vector:   # searched and tuned kernels are vector code
+        return generic_choice(isa, spec)
+    entry = registry.lookup(spec, threads, isa=isa) if use_tuned else None
     if entry is None and use_tuned and spec.n > 1:
         # A batch of a layer searched for one image: its verdict serves image by image
         # (``choice.problem.n`` is 1; the generic kernel takes the whole batch at once).
-        entry = registry.lookup(replace(spec, n=1), threads)
+        entry = registry.lookup(replace(spec, n=1), threads, isa=isa)
     if entry is not None:
         return registry_choice(entry, isa)
-    key = (spec, layout, threads)
+    key = (spec, layout, threads, isa)
     choice = _choices.get(key)
     if choice is not None:
         return choice
@@ -432,7 +434,7 @@ def choose(spec: ConvSpec, layout: str, threads: int, isa: Isa, use_tuned: bool,
                   else f"under {policy.min_mflops:g} MFLOP: not worth tuning")
         return generic_choice(isa, spec, reason)
     if not tune:
-        cached = cached_choice(spec, layout, threads)
+        cached = cached_choice(spec, layout, threads, isa)
         return cached or generic_choice(isa, spec, f"not tuned yet (mode {policy.mode!r})",
                                         final=False)
     if policy.mode == "background":

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..core.kinds import KernelKind
+from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
 from ..tuning.policy import DEFAULT_SHIP_POLICY, ShipPolicy
 
@@ -70,24 +70,28 @@ class JitResult:
     failed: int                        # candidates that did not build (error or time-out)
 
 
-def _load_microkernel_table(cache_root: Optional[Path]):
-    """This CPU's table, else any AVX-512 table shipped with ttile: the classes are
-    register blocks that suit any core with 32 zmm registers, only their measured
-    rates differ."""
+def _load_microkernel_table(cache_root: Optional[Path], isa: Isa = Isa.AVX512F):
+    """This CPU's table of the vector family ``isa``, else any table of that family
+    shipped with ttile: the classes are register blocks that suit any core with that
+    family's registers, only their measured rates differ."""
     from ..core.cpuinfo import fingerprint
+    from ..core.vectors import family_stem, parse_family_stem
     from ..generator.data import DataKind, all_files, find_file, read_json
     from ..generator.microkernels import MicrokernelTable
-    path = find_file(DataKind.MICROKERNELS, fingerprint().id, cache_root)
+    path = find_file(DataKind.MICROKERNELS, family_stem(fingerprint().id, isa), cache_root)
     if path is not None:
         return MicrokernelTable.from_json(read_json(path))
     for path in all_files(DataKind.MICROKERNELS, cache_root):
+        if parse_family_stem(path.stem)[1] is not isa:
+            continue
         try:
             table = MicrokernelTable.from_json(read_json(path))
         except (OSError, ValueError, KeyError):
             continue
-        if "avx512f" in table.cpu.flags:
+        if table.isa is isa:
             return table
-    raise JitUnavailable("no microkernel table found (ttile's data files are missing)")
+    raise JitUnavailable(f"no {isa.value} microkernel table found (ttile's data files are "
+                         f"missing)")
 
 
 def _load_caches(cache_root: Optional[Path]):
@@ -122,19 +126,22 @@ def _require_libraries() -> None:
 
 
 def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: float,
-               cache_root: Optional[Path]):
-    """The schemes worth compiling: the model's best few of each of the best classes."""
+               cache_root: Optional[Path], isa: Isa = Isa.AVX512F):
+    """The schemes worth compiling: the model's best few of each of the best classes
+    of the vector family ``isa``."""
+    from ..core.vectors import vector_isa
     from ..generator.search import classes_for, class_fits, parallel_variants, scheme_space
-    table = _load_microkernel_table(cache_root)
+    table = _load_microkernel_table(cache_root, isa)
     caches = _load_caches(cache_root)
-    fitting = sorted((c for c in classes_for(spec, table) if class_fits(spec, c)),
+    lanes = vector_isa(isa).lanes
+    fitting = sorted((c for c in classes_for(spec, table) if class_fits(spec, c, lanes)),
                      key=lambda c: -c.best_percent)[:settings.max_classes]
     per_class = []
     for cls in fitting:
         if per_class and time.monotonic() > deadline:
             break
         space = scheme_space(spec, [cls], caches, top=settings.per_class,
-                             max_points=settings.max_points)
+                             max_points=settings.max_points, isa=isa)
         if space:
             per_class.append(space)
     chosen = []  # round robin over classes, each class's best first
@@ -145,7 +152,7 @@ def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: fl
     if threads > 1:
         parallel = []
         for candidate in chosen:
-            variants = parallel_variants(candidate, spec, threads)
+            variants = parallel_variants(candidate, spec, threads, isa)
             if variants:
                 parallel.append(variants[0])
         chosen = parallel
@@ -153,8 +160,9 @@ def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: fl
 
 
 def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
-         cache_root: Optional[Path] = None) -> JitResult:
-    """Search, check and time within ``settings.budget_seconds``; see the module text."""
+         cache_root: Optional[Path] = None, isa: Isa = Isa.AVX512F) -> JitResult:
+    """Search, check and time within ``settings.budget_seconds`` in the vector family
+    ``isa`` (its microkernels, its generic kernel as the bar); see the module text."""
     from ..core.cbuild import find_compiler
     started = time.monotonic()
     if find_compiler() is None:
@@ -166,10 +174,10 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
 
     budget = settings.budget_seconds
     chosen, _ = candidates(spec, threads, settings, started + settings.model_fraction * budget,
-                           cache_root)
+                           cache_root, isa)
     bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)
     generic_seconds = statistics.median(
-        time_generic(spec, generic_packed_copies(spec, bench.copies), threads, 5))
+        time_generic(spec, generic_packed_copies(spec, bench.copies, isa), threads, 5, isa))
     calls = int(max(3, min(25, settings.target_seconds_per_kernel / generic_seconds)))
     screened = []  # (seconds, candidate, kernel, library)
     wrong = failed = 0
@@ -182,7 +190,7 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
             or time.monotonic() - started <= 0.7 * budget,
             # keep the rest of the budget for the final comparison
             next_kernel=lambda timed: not timed
-            or time.monotonic() - started <= 0.85 * budget):
+            or time.monotonic() - started <= 0.85 * budget, isa=isa):
         if measured.status is RecordStatus.OK:
             screened.append((measured.seconds, chosen[measured.index], measured.kernel,
                              measured.library))
@@ -195,7 +203,7 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     rounds = int(max(5, min(30, settings.final_seconds / max(generic_seconds, 1e-6)
                              / (1 + len(finalists)))))
     generic_seconds, final = head_to_head(spec, bench, [(k, lib) for _, _, k, lib in finalists],
-                                          threads, rounds)
+                                          threads, rounds, isa)
     flops = spec.flops
     outcome = dict(problem=spec, generic_gflops=flops / generic_seconds / 1e9,
                    search_seconds=time.monotonic() - started, measured=len(screened),

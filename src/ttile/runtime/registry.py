@@ -1,13 +1,14 @@
 """The offline search's verdicts compiled into the extension, keyed by the problem, the
-CPU and the thread count they were measured on.
+CPU, the vector family and the thread count they were measured on.
 
 ``kernels/gen/registry.c`` (written by :mod:`ttile.generator.emit` from every CPU's
-tuning records) lists, per CPU fingerprint and thread count, each layer's verdict: a
-searched kernel, or the generic kernel. A verdict is evidence about that CPU and that
-thread count only, so :func:`lookup` serves an entry only when all three match; a call
-elsewhere goes to the run-time tuner or the generic kernel. Each entry becomes a typed
-:class:`TunedEntry`, and the key is the entry's :class:`~ttile.core.spec.ConvSpec`
-itself, so no caller spells out the problem's fields.
+tuning records) lists, per CPU fingerprint, vector family and thread count, each
+layer's verdict: a searched kernel, or the generic kernel. A verdict is evidence about
+that CPU, family and thread count only, so :func:`lookup` serves an entry only when all
+match the call (an AVX2 verdict serves calls held to the AVX2 family, see
+``ttile.set_isa``); a call elsewhere goes to the run-time tuner or the generic kernel.
+Each entry becomes a typed :class:`TunedEntry`, and the key is the entry's
+:class:`~ttile.core.spec.ConvSpec` itself, so no caller spells out the problem's fields.
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from functools import cached_property
 from typing import Iterator, Optional
 
 from .. import _kernels
-from ..core.kinds import KernelKind
+from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
 
 _SPEC_FIELDS = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_top",
-                "pad_bottom", "pad_left", "pad_right")
+                "pad_bottom", "pad_left", "pad_right", "dilation_h", "dilation_w")
+#: The extension's family numbers (ttile_registry.h) as enums.
+_ISAS = {_kernels.ISA_AVX512F: Isa.AVX512F, _kernels.ISA_AVX2: Isa.AVX2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +35,7 @@ class TunedEntry:
     spec: ConvSpec       # the problem it was generated for, exactly
     cpu: str             # CpuFingerprint.id of the CPU it was measured on
     threads: int         # the thread count it was measured at
+    isa: Isa             # the vector family it was searched in (and its kernel is)
     kind: KernelKind     # TUNED: a searched kernel; GENERIC: the generic kernel won
     panel: int           # weight panel width the kernel reads (0 for GENERIC)
     layer: str
@@ -51,14 +55,14 @@ class TunedEntry:
     def to_dict(self) -> dict:
         """The public form of ``ttile.tuned_kernels()``."""
         return {"index": self.index, **self.spec.to_json(), "cpu": self.cpu,
-                "threads": self.threads, "kind": self.kind.value,
+                "threads": self.threads, "isa": self.isa.value, "kind": self.kind.value,
                 "parallel": self.threads > 1, "panel": self.panel, "layer": self.layer,
                 "scheme": self.scheme, "gflops": self.gflops}
 
 
 def _read() -> tuple[TunedEntry, ...]:
     return tuple(TunedEntry(index=e["index"], spec=ConvSpec(**{f: e[f] for f in _SPEC_FIELDS}),
-                            cpu=e["cpu"], threads=e["threads"],
+                            cpu=e["cpu"], threads=e["threads"], isa=_ISAS[e["isa"]],
                             kind=KernelKind.TUNED if e["has_kernel"] else KernelKind.GENERIC,
                             panel=e["panel"], layer=e["layer"], scheme=e["scheme"],
                             gflops=e["gflops"], warm_gflops=e["warm_gflops"],
@@ -69,8 +73,8 @@ def _read() -> tuple[TunedEntry, ...]:
 ENTRIES: tuple[TunedEntry, ...] = _read()
 #: Searched kernels only (the verdicts that carry a kernel).
 KERNELS: tuple[TunedEntry, ...] = tuple(e for e in ENTRIES if e.kind is KernelKind.TUNED)
-_BY_KEY: dict[tuple[ConvSpec, str, int], TunedEntry] = {
-    (e.spec, e.cpu, e.threads): e for e in ENTRIES}
+_BY_KEY: dict[tuple[ConvSpec, str, int, Isa], TunedEntry] = {
+    (e.spec, e.cpu, e.threads, e.isa): e for e in ENTRIES}
 _serving_cpu: Optional[str] = None
 
 
@@ -94,10 +98,11 @@ def pretend_cpu(cpu_id: str) -> Iterator[None]:
         _serving_cpu = previous
 
 
-def lookup(spec: ConvSpec, threads: int, cpu: Optional[str] = None) -> Optional[TunedEntry]:
+def lookup(spec: ConvSpec, threads: int, cpu: Optional[str] = None,
+           isa: Isa = Isa.AVX512F) -> Optional[TunedEntry]:
     """The verdict for ``spec`` at exactly ``threads`` threads on ``cpu`` (default: the
-    serving CPU), if the offline search made one."""
-    return _BY_KEY.get((spec, cpu or serving_cpu(), threads))
+    serving CPU) in the vector family ``isa``, if the offline search made one."""
+    return _BY_KEY.get((spec, cpu or serving_cpu(), threads, isa))
 
 
 def cpus() -> list[str]:

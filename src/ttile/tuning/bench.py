@@ -25,6 +25,7 @@ import numpy as np
 from .. import _kernels
 from ..core.cbuild import BuildError, BuiltLibrary, build_batches, symbol_address
 from ..core.codegen import KernelSource, generate
+from ..core.kinds import Isa
 from ..core.reference import conv2d_nhwc_f64
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
@@ -135,8 +136,9 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                      slow_seconds: Optional[float] = None,
                      next_group: Callable[[int], bool] = lambda attempted: True,
                      next_kernel: Callable[[int], bool] = lambda timed: True,
-                     ) -> Iterator[Measured]:
-    """Build, check and time ``schemes`` in order; yields one :class:`Measured` each.
+                     isa: Isa = Isa.AVX512F) -> Iterator[Measured]:
+    """Build, check and time ``schemes`` (generated in the vector family ``isa``) in
+    order; yields one :class:`Measured` each.
 
     Groups of ``batch_size * jobs`` schemes are compiled at once (``jobs`` compilers in
     parallel). Before each group ``next_group(attempted so far)`` and before each kernel
@@ -150,7 +152,7 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
             return
         group = list(enumerate(schemes))[start:start + step]
         batches = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
-        sources = [[generate(scheme, spec, command) for _, scheme in batch]
+        sources = [[generate(scheme, spec, command, isa) for _, scheme in batch]
                    for batch in batches]
         libraries = build_batches(sources, jobs=jobs, timers=True, timeout=compile_timeout)
         for batch, kernels, library in zip(batches, sources, libraries):
@@ -174,26 +176,34 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                                detail=detail)
 
 
-def generic_packed_copies(spec: ConvSpec, copies: Copies) -> Copies:
-    """``copies`` with the weights packed for the generic kernel (as ``conv2d`` does)."""
-    panel = _kernels.generic_panel(spec.k, spec.wo)
+def _isa_code(isa: Isa) -> int:
+    return _kernels.ISA_AVX2 if isa is Isa.AVX2 else _kernels.ISA_AVX512F
+
+
+def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F) -> Copies:
+    """``copies`` with the weights packed for the generic kernel of family ``isa`` (as
+    ``conv2d`` does)."""
+    panel = _kernels.generic_panel(spec.k, spec.wo, _isa_code(isa))
     return [(x, _kernels.pack_weights(w, panel), y) for x, w, y in copies]
 
 
-def _run_generic(spec: ConvSpec, threads: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+def _run_generic(spec: ConvSpec, threads: int, isa: Isa = Isa.AVX512F
+                 ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    code = _isa_code(isa)
+
     def run(x: np.ndarray, packed: np.ndarray, y: np.ndarray) -> None:
         _kernels.conv2d_generic_packed(x, packed, y, spec.stride_h, spec.stride_w,
                                        spec.pad_top, spec.pad_left, threads,
-                                       dil_h=spec.dilation_h, dil_w=spec.dilation_w)
+                                       dil_h=spec.dilation_h, dil_w=spec.dilation_w, isa=code)
     return run
 
 
-def time_generic(spec: ConvSpec, copies: Copies, threads: int, calls: int
-                 ) -> list[float]:
-    """Seconds of each of ``calls`` calls of the generic kernel, rotating over
-    ``copies`` (weights already packed: :func:`generic_packed_copies`); one untimed
-    call warms up first."""
-    run = _run_generic(spec, threads)
+def time_generic(spec: ConvSpec, copies: Copies, threads: int, calls: int,
+                 isa: Isa = Isa.AVX512F) -> list[float]:
+    """Seconds of each of ``calls`` calls of the generic kernel of family ``isa``,
+    rotating over ``copies`` (weights already packed: :func:`generic_packed_copies`);
+    one untimed call warms up first."""
+    run = _run_generic(spec, threads, isa)
     run(*copies[0])
     times = []
     for i in range(calls):
@@ -206,13 +216,13 @@ def time_generic(spec: ConvSpec, copies: Copies, threads: int, calls: int
 
 def head_to_head(spec: ConvSpec, bench: LayerBench,
                  finalists: Sequence[tuple[KernelSource, BuiltLibrary]], threads: int,
-                 rounds: int) -> tuple[float, list[float]]:
-    """Median seconds of the generic kernel and of each finalist, timed in interleaved
-    rounds the way ``conv2d`` runs them (through the extension, weights packed before),
-    so that the machine's drift hits every contender alike."""
+                 rounds: int, isa: Isa = Isa.AVX512F) -> tuple[float, list[float]]:
+    """Median seconds of the generic kernel of family ``isa`` and of each finalist,
+    timed in interleaved rounds the way ``conv2d`` runs them (through the extension,
+    weights packed before), so that the machine's drift hits every contender alike."""
     x, w, y = bench.copies[0]
-    ((_, generic_w, _),) = generic_packed_copies(spec, [(x, w, y)])
-    generic = _run_generic(spec, threads)
+    ((_, generic_w, _),) = generic_packed_copies(spec, [(x, w, y)], isa)
+    generic = _run_generic(spec, threads, isa)
     runs = [lambda: generic(x, generic_w, y)]
     for kernel, library in finalists:
         address = symbol_address(library.handle, kernel.name)

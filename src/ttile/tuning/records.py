@@ -1,8 +1,11 @@
-"""The tuning database: one typed record per measurement, one JSON-lines file per CPU.
+"""The tuning database: one typed record per measurement, one JSON-lines file per CPU and
+vector family.
 
 Every measurement the generator makes (a scheme screened, re-timed with the paper's
 protocol, compared warm with the generic kernel, or the generic kernel itself) is
-appended to ``data/records/<cpu-id>.jsonl`` as one :class:`TuningRecord`, so a search
+appended to ``data/records/<cpu-id>.jsonl`` (the AVX-512F family) or
+``data/records/<cpu-id>.avx2.jsonl`` (the AVX2 family, searched with its own microkernels
+and compared with its own generic kernel) as one :class:`TuningRecord`, so a search
 resumes where it stopped and the kernels can be emitted again from the records without
 measuring anything.
 
@@ -30,7 +33,9 @@ from typing import Any, Optional
 from ..core.codegen import GENERATOR_VERSION
 from ..core.cpuinfo import fingerprint
 from ..core.fileio import atomic_write
+from ..core.kinds import Isa
 from ..core.spec import ConvSpec
+from ..core.vectors import family_stem
 from .policy import DEFAULT_SHIP_POLICY, ShipPolicy
 
 #: Format of the records written now.
@@ -239,12 +244,15 @@ def read_records(path: Path) -> list[TuningRecord]:
 
 
 class TuningDatabase:
-    """Append-only store of tuning records for one CPU."""
+    """Append-only store of tuning records for one CPU and one vector family."""
 
     def __init__(self, directory: Path, cpu_id: Optional[str] = None,
-                 ship: ShipPolicy = DEFAULT_SHIP_POLICY):
+                 ship: ShipPolicy = DEFAULT_SHIP_POLICY, isa: Isa = Isa.AVX512F):
         self.cpu_id = cpu_id or fingerprint().id
-        self.path = Path(directory) / f"{self.cpu_id}.jsonl"
+        self.isa = Isa(isa)
+        if not self.isa.vector:
+            raise ValueError(f"no tuning records for the {self.isa.value} family")
+        self.path = Path(directory) / f"{family_stem(self.cpu_id, self.isa)}.jsonl"
         self.ship = ship
         self.records: list[TuningRecord] = []
         self._keys: set[tuple] = set()
