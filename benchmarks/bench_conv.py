@@ -50,10 +50,13 @@ def cpu_model() -> str:
 
 
 def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3,
-                    cpus: list[int] | None = None) -> float:
-    """Peak fp32 GFLOP/s of ``threads`` cores: best of ``repeats`` concurrent FMA runs,
-    thread i pinned to ``cpus[i]`` (default: the CPUs this thread may use; pass them
-    explicitly when OpenMP may have bound the calling thread to one core)."""
+                    cpus: list[int] | None = None, isa: int | None = None) -> float:
+    """Peak fp32 GFLOP/s of ``threads`` cores in the vector family ``isa`` (default
+    AVX-512F): best of ``repeats`` concurrent FMA runs, thread i pinned to ``cpus[i]``
+    (default: the CPUs this thread may use; pass them explicitly when OpenMP may have
+    bound the calling thread to one core)."""
+    isa = _kernels.ISA_AVX512F if isa is None else isa
+    flops = _kernels.fma_peak_flops(isa)
     cpus = sorted(cpus or os.sched_getaffinity(0))
     best = 0.0
     for _ in range(repeats):
@@ -62,14 +65,14 @@ def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3
         def run(i: int) -> None:
             # one core each, whatever affinity OpenMP gave the main thread (OMP_PROC_BIND)
             os.sched_setaffinity(0, {cpus[i % len(cpus)]})
-            seconds[i] = _kernels.fma_peak_seconds(iterations)
+            seconds[i] = _kernels.fma_peak_seconds(iterations, isa)
 
         workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
         for t in workers:
             t.start()
         for t in workers:
             t.join()
-        best = max(best, sum(iterations * 768 / s for s in seconds) / 1e9)
+        best = max(best, sum(iterations * flops / s for s in seconds) / 1e9)
     return best
 
 
@@ -272,10 +275,13 @@ def main(argv=None) -> int:
     for threads in counts:
         os.sched_setaffinity(0, cpus[:threads])
         torch.set_num_threads(threads)
-        peak = fma_peak_gflops(threads, cpus=cpus[:threads]) if ttile.has_avx512f() \
-            else float("nan")
+        family = ttile.get_isa()
+        peak = (fma_peak_gflops(threads, cpus=cpus[:threads],
+                                isa=_kernels.ISA_AVX2 if family == "avx2"
+                                else _kernels.ISA_AVX512F)
+                if family.vector else float("nan"))
         lines += [f"### {threads} thread{'s' if threads > 1 else ''} "
-                  f"(FMA peak measured: {peak:.0f} GFLOP/s)", ""]
+                  f"({family.value} FMA peak measured: {peak:.0f} GFLOP/s)", ""]
         lines += compare_table(layers, threads, args.reps, torch, peak,
                                lambda layer: _served_by(layer, threads))
     os.sched_setaffinity(0, cpus[:1])

@@ -23,7 +23,8 @@ def _run_layer(layer, layout, threads, expect_tuned=None):
         x, w = random_tensors(rng, (1, spec.c, spec.h, spec.w), (spec.k, spec.c, spec.r, spec.s))
     plan = ttile.plan(x.shape, w.shape, stride=layer.stride, padding=pad, layout=layout,
                       threads=threads, prepacked=True)   # the verdict itself
-    entry = registry.lookup(spec, threads)
+    family = ttile.get_isa()
+    entry = registry.lookup(spec, threads, isa=family) if family.vector else None
     if expect_tuned and entry is not None and entry.kind is ttile.KernelKind.TUNED:
         assert plan.kind == ttile.KernelKind.TUNED, plan
     elif expect_tuned is False:
@@ -54,6 +55,14 @@ def test_layer_nhwc_default_kernel(layer, kernel_choice):
                          ids=lambda l: l.name)
 def test_layer_nchw_default_kernel(layer):
     _run_layer(layer, "NCHW", threads=1)
+
+
+@pytest.mark.skipif("avx2" not in AVAILABLE_ISAS, reason="this CPU does not run AVX2")
+@pytest.mark.parametrize("isa", ["avx2"], indirect=True)
+@pytest.mark.parametrize("layer", ALL_LAYERS, ids=lambda l: l.name)
+def test_layer_avx2_family(layer, isa):
+    """The AVX2 family's searched kernels (where this CPU has them) and generic kernel."""
+    _run_layer(layer, "NHWC", threads=1, expect_tuned=True)
 
 
 @pytest.mark.parametrize("isa", ["portable"], indirect=True)

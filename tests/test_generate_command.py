@@ -96,7 +96,7 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
     assert registry.count('"small-') + registry.count('"tiny-') == 3
     assert registry.count('"small-') + registry.count('"tiny-') - registry.count(", NULL,") \
         == len(sources)
-    assert f'/* {fingerprint().id} */' in registry
+    assert f'/* {fingerprint().id}, avx512f */' in registry
     for path in sources:
         text = path.read_text()
         assert "command: ttile-generate --layers-file" in text
@@ -147,7 +147,7 @@ def test_emission_keeps_every_cpus_verdicts(tmp_path, capsys):
     assert main(["--layers-file", str(layers), "--data-dir", str(generator), "--from-records",
                  "--kernels-dir", str(kernels)]) == 0
     registry = (kernels / "registry.c").read_text()
-    assert f'/* {repo_records[0].stem} */' in registry
+    assert f'/* {repo_records[0].stem}, avx512f */' in registry
     assert f'{{"{repo_records[0].stem}", 1, ' in registry
 
 

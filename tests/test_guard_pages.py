@@ -93,15 +93,20 @@ def test_generic_kernels_stay_in_bounds(family, case, side):
 
 
 def _registry_cases(limit=None):
+    """The registry's kernels, smallest first; with ``limit``, that many of each family."""
     entries = sorted(registry.KERNELS,
                      key=lambda e: e.spec.n * e.spec.h * e.spec.w * (e.spec.c + e.spec.k)
                      + e.spec.r * e.spec.s * e.spec.c * e.spec.k)
-    entries = entries if limit is None else entries[:limit]
-    return [pytest.param(e, id=f"{e.layer}-{e.cpu[:16]}-t{e.threads}")
+    if limit is not None:
+        entries = [e for isa in (ttile.Isa.AVX512F, ttile.Isa.AVX2)
+                   for e in [e for e in entries if e.isa is isa][:limit]]
+    return [pytest.param(e, id=f"{e.layer}-{e.cpu[:16]}-t{e.threads}-{e.isa.value}")
             for e in entries]
 
 
 def _check_registry_entry(entry, side):
+    if entry.isa.value not in AVAILABLE_ISAS:
+        pytest.skip(f"this CPU cannot run the {entry.isa.value} family")
     spec = entry.spec
     _, w = _tensors(spec)
     threads = entry.threads
@@ -109,30 +114,30 @@ def _check_registry_entry(entry, side):
                  lambda gx, gw, gy: _kernels.run_tuned(entry.index, gx, gw, gy, threads))
 
 
-@requires_avx512
 @pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("entry", _registry_cases(limit=8))
+@pytest.mark.parametrize("entry", _registry_cases(limit=6))
 def test_smallest_tuned_kernels_stay_in_bounds(entry, side):
     _check_registry_entry(entry, side)
 
 
 @pytest.mark.slow
-@requires_avx512
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("entry", _registry_cases())
 def test_every_tuned_kernel_stays_in_bounds(entry, side):
     _check_registry_entry(entry, side)
 
 
-@requires_avx512
+@pytest.mark.parametrize("family", ["avx512f", "avx2"])
 @pytest.mark.parametrize("case", TAIL_SHAPES[:3] + TAIL_SHAPES[4:5],
                          ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}")
-def test_jit_kernels_stay_in_bounds(case, monkeypatch, tmp_path):
+def test_jit_kernels_stay_in_bounds(case, family, monkeypatch, tmp_path):
     pytest.importorskip("islpy")
+    if family not in AVAILABLE_ISAS:
+        pytest.skip(f"this CPU cannot run the {family} family")
     spec = _spec(case)
     # ship the tuned kernel whatever its speed: its bounds are what is tested
     settings = jit.JitSettings(budget_seconds=2.0, ship=ttile.ShipPolicy(math.inf))
-    result = jit.tune(spec, 1, settings, cache_root=tmp_path)
+    result = jit.tune(spec, 1, settings, cache_root=tmp_path, isa=ttile.Isa(family))
     assert result.wrong == 0
     if result.kind is not ttile.KernelKind.JIT:
         pytest.skip("no scheme of the space fits this shape")  # generic: tested above

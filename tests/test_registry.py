@@ -25,10 +25,11 @@ def test_entries_name_their_cpu_and_thread_count():
     assert len(raw) == len(registry.KERNELS)
     for entry, data in zip(registry.KERNELS, raw):
         assert data["cpu"] == entry.cpu and data["threads"] == entry.threads >= 1
+        assert data["isa"] == entry.isa.value
         assert data["scheme"] == entry.scheme and data["k"] == entry.spec.k
         assert entry.microkernels.startswith("[U") and entry.microkernels.endswith("V k]")
     for entry in registry.ENTRIES:
-        assert registry.lookup(entry.spec, entry.threads, entry.cpu) == entry
+        assert registry.lookup(entry.spec, entry.threads, entry.cpu, entry.isa) == entry
         assert (entry.kind is ttile.KernelKind.GENERIC) == (entry.scheme == "" == entry.microkernels)
     assert registry.lookup(ConvSpec(1, 16, 3, 5, 5, 1, 1), 1) is None
 
@@ -43,9 +44,16 @@ def test_a_verdict_serves_only_its_cpu_and_thread_count():
         assert registry.lookup(entry.spec, entry.threads) == entry
 
 
-@requires_avx512
+def _skip_unless_runnable(entry) -> None:
+    runs = ttile.has_avx512f() if entry.isa is ttile.Isa.AVX512F else ttile.has_avx2()
+    if not runs:
+        pytest.skip(f"this CPU does not run the {entry.isa.value} family")
+
+
 @pytest.mark.parametrize("entry", _kernel_cases())
 def test_every_shipped_tuned_kernel_matches_the_reference(entry):
+    """Each family's kernels, served to calls held to that family (``set_isa``)."""
+    _skip_unless_runnable(entry)
     spec = entry.spec
     rng = np.random.default_rng(entry.index)
     x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
@@ -59,11 +67,22 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     # estimated to cost more than the generic kernel (which the plan's note then says)
     pads = (spec.pad_top, spec.pad_left)
     stride = (spec.stride_h, spec.stride_w)
+    previous = ttile.set_isa(entry.isa)
+    try:
+        _serve_on_its_cpu(entry, x, w, y, stride, pads)
+    finally:
+        ttile.set_isa(previous)
+    forget_choices()
+
+
+def _serve_on_its_cpu(entry, x, w, y, stride, pads):
+    spec = entry.spec
     with registry.pretend_cpu(entry.cpu):
         plan = ttile.plan(spec.input_shape(), spec.weight_shape(),
                           stride=stride, padding=pads, layout="NHWC",
                           threads=entry.threads, prepacked=True)
         assert plan.kind == ttile.KernelKind.TUNED and plan.scheme == entry.scheme
+        assert plan.isa == entry.isa
         assert (plan.tuned_cpu, plan.tuned_threads) == (entry.cpu, entry.threads)
         out = ttile.Conv2d(w, stride=stride, padding=pads, layout="NHWC",
                            threads=entry.threads)(x)
@@ -72,6 +91,39 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
                               threads=entry.threads)
         assert per_call.kind == ttile.KernelKind.TUNED or "estimated" in per_call.note
     np.testing.assert_array_equal(out, y)
+
+
+def test_a_verdict_serves_only_its_vector_family():
+    """An AVX2 verdict is evidence about the AVX2 family: it serves calls held to AVX2,
+    never an AVX-512F call, and an AVX-512F verdict never serves an AVX2 call."""
+    families = {e.isa for e in registry.KERNELS}
+    assert families == {ttile.Isa.AVX512F, ttile.Isa.AVX2}, "the wheel ships both families"
+    for entry in registry.KERNELS:
+        other = ttile.Isa.AVX2 if entry.isa is ttile.Isa.AVX512F else ttile.Isa.AVX512F
+        twin = registry.lookup(entry.spec, entry.threads, entry.cpu, other)
+        assert twin is None or twin.isa is other
+    if not ttile.has_avx2():
+        pytest.skip("this CPU does not run AVX2")
+    entry = next(e for e in registry.KERNELS if e.isa is ttile.Isa.AVX2)
+    spec = entry.spec
+    args = dict(stride=(spec.stride_h, spec.stride_w), padding=(spec.pad_top, spec.pad_left),
+                layout="NHWC", threads=entry.threads, prepacked=True)
+    with registry.pretend_cpu(entry.cpu):
+        previous = ttile.set_isa("avx2")
+        try:
+            held = ttile.plan(spec.input_shape(), spec.weight_shape(), **args)
+        finally:
+            ttile.set_isa(previous)
+        assert held.kind == ttile.KernelKind.TUNED and held.isa == "avx2"
+        assert "in avx2" in held.note
+        if ttile.has_avx512f():
+            previous = ttile.set_isa("avx512f")
+            try:
+                wide = ttile.plan(spec.input_shape(), spec.weight_shape(), **args)
+            finally:
+                ttile.set_isa(previous)
+            assert wide.scheme != entry.scheme or wide.isa == "avx512f"
+            assert wide.isa == "avx512f"
     forget_choices()
 
 

@@ -21,9 +21,10 @@ from ttile.core.cbuild import find_compiler
 ROOT = Path(__file__).resolve().parent.parent
 
 #: What runs sanitized: out-of-bounds guards, generated kernels compiled at run time,
-#: random shapes through both kernel families, the tuned kernels on Fig. 8 layers of
+#: AVX2 generated kernels, random shapes through every kernel family, the tuned kernels on Fig. 8 layers of
 #: moderate size, bad input, one run-time tuning, Conv2d (shared by threads) and plan.
-SUBSET = ["tests/test_guard_pages.py", "tests/test_codegen.py", "tests/test_random_shapes.py",
+SUBSET = ["tests/test_guard_pages.py", "tests/test_codegen.py", "tests/test_codegen_avx2.py",
+          "tests/test_random_shapes.py",
           "tests/test_bad_input.py", "tests/test_fig8_layers.py",
           "tests/test_runtime.py::test_first_call_tunes_and_caches",
           "tests/test_runtime.py::test_plan_reports_a_tuned_kernel_of_the_registry",

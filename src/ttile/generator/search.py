@@ -205,7 +205,7 @@ def completions(spec: ConvSpec, cls: MicrokernelClass, order: Sequence[str],
     return points
 
 
-def _reduction_above(point: SpacePoint) -> int:
+def reduction_above(point: SpacePoint) -> int:
     """Iterations of the innermost loop if it runs over c (0 when it does not)."""
     for d, n in zip(reversed(point.dims), reversed(point.counts)):
         if n > 1 or d == "c":
@@ -350,7 +350,7 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
                 seen.add(specifiers)
                 text = "[" + "; ".join(str(sp) for sp in specifiers) + "]"
                 candidates.append(_RankedPoint(text, specifiers, cls, point.betas,
-                                               _reduction_above(point), float(cost), origin))
+                                               reduction_above(point), float(cost), origin))
     return [point.candidate() for point in prune(candidates, keep_fraction, top)]
 
 
