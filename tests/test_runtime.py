@@ -64,6 +64,40 @@ def test_first_call_tunes_and_caches(jit_cache, prefer_jit):
     assert meta.with_suffix(".so").stat().st_size == data["library_size"]
 
 
+def test_the_avx2_family_tunes_its_own_kernel(jit_cache, prefer_jit):
+    """A call held to AVX2 tunes with the AVX2 microkernel table against the AVX2 generic
+    kernel, and caches the result under its own key: an AVX-512F call of the same shape
+    does not get it (and tunes its own)."""
+    x, w = random_tensors(np.random.default_rng(3), X_SHAPE, W_SHAPE)
+    previous = ttile.set_isa("avx2")
+    try:
+        y = _call(x, w)
+        plan = ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1)
+    finally:
+        ttile.set_isa(previous)
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    assert plan.kind == "jit" and plan.isa == "avx2"
+    [meta] = _entries(jit_cache)
+    data = json.loads(meta.read_text())
+    assert data["key"]["isa"] == "avx2" and data["function"].endswith("__avx2")
+    assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC",
+                      threads=1).kind == "generic"     # the AVX-512F family: not tuned yet
+    forget_choices()
+
+
+def test_first_call_measures_the_learned_rankings_picks(jit_cache):
+    """With the ranker shipped, a first call compiles and times only the ranking's first
+    picks (no model permutation is solved); without it, the model-ranked search runs."""
+    spec = ttile.ConvSpec(1, 40, 24, 23, 23, 3, 3, 1, 1, 1, 1, 1, 1)
+    settings = jit.JitSettings(budget_seconds=4.0, ship=SHIP_ANY)
+    ranked = jit.tune(spec, 1, settings, cache_root=jit_cache)
+    assert ranked.ranked and ranked.wrong == 0
+    assert 1 <= ranked.measured + ranked.failed <= settings.ranked_measure
+    full = jit.tune(spec, 1, jit.JitSettings(ranked=False, budget_seconds=4.0, ship=SHIP_ANY),
+                    cache_root=jit_cache)
+    assert not full.ranked and full.wrong == 0
+
+
 def test_later_process_reuses_the_entry_without_searching(jit_cache, prefer_jit):
     x, w = random_tensors(np.random.default_rng(1), X_SHAPE, W_SHAPE)
     _call(x, w)
@@ -150,8 +184,10 @@ def test_unwritable_cache_degrades_to_memory_with_one_warning(jit_cache, prefer_
 def test_a_cpu_without_a_shipped_machine_model_tunes_with_an_unwritable_cache(
         jit_cache, prefer_jit, tmp_path, monkeypatch):
     """A CPU ttile has no bandwidth table for, and nowhere to save one: the bandwidths are
-    measured in memory and the shape is still tuned."""
+    measured in memory and the shape is still tuned (by the model-ranked search, the
+    one that reads bandwidths: the learned ranking needs none)."""
     from ttile.generator import data
+    monkeypatch.setattr(jit, "_load_ranker", lambda cache_root: None)
     real_installed = data.installed_directory
     monkeypatch.setattr(data, "installed_directory", lambda kind: None
                         if kind is data.DataKind.MACHINE else real_installed(kind))

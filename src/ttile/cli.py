@@ -75,6 +75,38 @@ def _search_isa(args: argparse.Namespace) -> Isa:
     return isa
 
 
+def _cmd_train_ranker(args: argparse.Namespace) -> int:
+    import json
+
+    from .generator.data import DataKind, search_path
+    from .generator.microkernels import MicrokernelTable
+    from .tuning import ranker
+    tables = {}
+    for directory in reversed(search_path(DataKind.MICROKERNELS, args.data_dir)):
+        for path in sorted(directory.glob("*.json")):   # the data directory's win
+            table = MicrokernelTable.from_json(json.loads(path.read_text()))
+            tables[(table.cpu.id, table.isa)] = table
+    started = time.monotonic()
+    groups = ranker.training_groups(args.data_dir / DataKind.RECORDS.value, tables)
+    if not groups:
+        print(f"no screened measurements with a microkernel table under {args.data_dir}",
+              file=sys.stderr)
+        return 2
+    fit = dict(rounds=args.rounds, depth=args.depth)
+    results = ranker.evaluate(groups, folds=args.folds, **fit)
+    held_out = ranker.summary(results)
+    model = ranker.train(groups, **fit)
+    model = ranker.Ranker(model.trees, {**model.trained_on, "held_out": held_out,
+                                        "folds": args.folds, **fit})
+    path = model.save(args.data_dir / DataKind.RANKER.value / "ranker.json")
+    report = ranker.evaluation_report(results, held_out, model, args.folds)
+    (path.parent / "evaluation.md").write_text(report)
+    print(report)
+    print(f"trained on {model.trained_on['measurements']} measurements in {len(groups)} "
+          f"groups in {time.monotonic() - started:.0f} s: {path}")
+    return 0
+
+
 def _cmd_microkernels(args: argparse.Namespace) -> int:
     from .generator.microkernels import explore
     if args.plot:
@@ -486,6 +518,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tuning", default="never", choices=("never", "now"),
                      help="tune layers without a shipped kernel first (now: up to 20 s each)")
     run.set_defaults(run=_cmd_run)
+    rank = sub.add_parser("train-ranker", help="train the learned ranking of schemes from "
+                                               "the tuning records (data/records), evaluate "
+                                               "it on held-out layers, write data/ranker/")
+    rank.add_argument("--folds", type=int, default=5,
+                      help="layers are held out in this many folds for the evaluation")
+    rank.add_argument("--rounds", type=int, default=150, help="boosted trees")
+    rank.add_argument("--depth", type=int, default=4, help="depth of each tree")
+    rank.set_defaults(run=_cmd_train_ranker)
     listing = sub.add_parser("layers", help="list the layers of a network, layers file or "
                                             "ONNX model, as the generator would search them")
     chosen = listing.add_mutually_exclusive_group(required=True)

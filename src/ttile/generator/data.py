@@ -24,6 +24,7 @@ class DataKind(str, Enum):
     MICROKERNELS = "microkernels"   # step 1 tables, <cpu-id>.json
     MACHINE = "machine"             # cache bandwidths, <cpu-id>.json
     RECORDS = "records"             # tuning records, <cpu-id>.jsonl
+    RANKER = "ranker"               # the learned ranking of schemes, ranker.json
 
 
 def installed_directory(kind: DataKind) -> Optional[Path]:

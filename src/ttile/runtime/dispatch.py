@@ -59,9 +59,11 @@ class KernelChoice:
 class TuningPolicy:
     """How shapes without a tuned kernel are handled.
 
-    mode: "now" tunes on the first call (the call waits, at most ``budget_seconds`` plus
-    compile time), "background" serves the generic kernel while a background thread
-    tunes, "never" always serves the generic kernel. Problems under ``min_mflops`` are
+    mode: "now" tunes on the first call (the call waits: the learned ranking's first
+    picks are compiled and timed, about 2 s; without a ranker the model-ranked search of
+    at most ``budget_seconds`` plus compile time), "background" serves the generic kernel
+    while a background thread runs the fuller model-ranked search, "never" always serves
+    the generic kernel. Problems under ``min_mflops`` are
     not tuned: they run in microseconds either way.
     """
 
@@ -352,8 +354,11 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
             except (OSError, AttributeError, ValueError):
                 pass  # unloadable: tune again and overwrite
         try:
-            result = tune(spec, threads, JitSettings(budget_seconds=policy.budget_seconds,
-                                                     ship=policy.ship),
+            # "now": the call waits, so the learned ranking picks the few to measure;
+            # "background": nobody waits, so the fuller model-ranked search runs
+            result = tune(spec, threads,
+                          JitSettings(ranked=policy.mode != "background",
+                                      budget_seconds=policy.budget_seconds, ship=policy.ship),
                           cache_root=cache.root if persistent else None, isa=isa)
         except JitUnavailable as exc:
             warn_once("jit", f"{exc}; shapes without a tuned kernel run the generic kernel")

@@ -1,11 +1,15 @@
 """The quick search that tunes a shape nobody tuned for, on the user's machine.
 
-The same pipeline as ``ttile-generate`` cut to fit a budget (20 s by default), for
-the first call of a shape: the model ranks the schemes of the best few microkernel
-classes (steps 2-4), the cheapest few by the model's data movement are compiled with
-the system compiler, each is checked against the float64 reference and timed, and the
-fastest two are timed again beside the generic kernel in interleaved rounds (the machine
-drifts; only a side-by-side comparison decides). The fastest wins if the ship policy
+The same pipeline as ``ttile-generate`` cut to fit the first call of a shape. By
+default the learned ranking (:mod:`ttile.tuning.ranker`, trained on the tuning records)
+scores the completions of the best microkernel classes and only its first four are
+compiled and timed (about 2 s, compiles included); without a ranker, or for the fuller
+search the background mode runs, the IOOpt model ranks the schemes of the best few
+classes (steps 2-4) within a budget (20 s by default) and the cheapest few by the model's
+data movement are compiled. Either way each candidate is compiled with the system
+compiler, checked against the float64 reference and timed, and the fastest two are timed
+again beside the generic kernel in interleaved rounds (the machine drifts; only a
+side-by-side comparison decides). The fastest wins if the ship policy
 (:class:`ttile.tuning.policy.ShipPolicy`, the generator's rule) says it beats the generic
 kernel - else the generic kernel does, which is remembered too. Candidates found wrong or
 that did not build are counted in the result, never dropped silently.
@@ -36,6 +40,15 @@ class JitUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class JitSettings:
+    #: Rank the candidates with the learned ranking (:mod:`ttile.tuning.ranker`) and
+    #: measure only its first few (about 2 s, compiles included); False, or no ranker
+    #: installed: the model-ranked search of up to ``budget_seconds``.
+    ranked: bool = True
+    ranked_classes: int = 6          # microkernel classes whose completions are ranked
+    ranked_points: int = 400         # completions per loop order
+    ranked_measure: int = 4          # the ranking's first picks compiled and timed
+    ranked_seconds_per_kernel: float = 0.04
+    ranked_final_seconds: float = 0.3
     budget_seconds: float = 20.0
     model_fraction: float = 0.4      # of the budget spent ranking schemes with the model
     max_classes: int = 4             # microkernel classes ranked, best measured first
@@ -68,6 +81,7 @@ class JitResult:
     measured: int                      # candidates checked correct and timed
     wrong: int                         # candidates that computed a wrong result
     failed: int                        # candidates that did not build (error or time-out)
+    ranked: bool = False               # the learned ranking chose what was measured
 
 
 def _load_microkernel_table(cache_root: Optional[Path], isa: Isa = Isa.AVX512F):
@@ -125,6 +139,68 @@ def _require_libraries() -> None:
                              f"(pip install 'ttile[jit]')")
 
 
+@functools.lru_cache(maxsize=4)
+def _load_ranker(cache_root: Optional[Path]):
+    """The learned ranking shipped with ttile (or in ``cache_root``), None if absent or
+    unreadable (the model-ranked search serves then)."""
+    from ..generator.data import DataKind, find_file
+    from ..tuning.ranker import Ranker
+    path = find_file(DataKind.RANKER, "ranker", cache_root)
+    if path is None:
+        return None
+    try:
+        return Ranker.load(path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def ranked_candidates(spec: ConvSpec, threads: int, settings: JitSettings,
+                      cache_root: Optional[Path], isa: Isa, model) -> list:
+    """The learned ranking's first picks among the completions of the best classes'
+    reduction-innermost loop orders (no model permutation is solved: that took most of
+    the 20 s search), parallel variants at ``threads`` > 1."""
+    from ..core.cpuinfo import fingerprint
+    from ..core.scheme import Scheme
+    from ..core.vectors import vector_isa
+    from ..generator.microkernels import MicrokernelShape
+    from ..generator.search import (Candidate, LoopFamily, class_fits, classes_for,
+                                    completions, parallel_variants, point_specifiers,
+                                    reduction_above, reduction_innermost_orders)
+    from ..tuning.ranker import CpuContext, features
+    table = _load_microkernel_table(cache_root, isa)
+    here = fingerprint()
+    context = CpuContext(here.l1d_bytes or 32768, here.l2_bytes or (1 << 20),
+                         CpuContext.from_table(table).microkernel_percent)
+    lanes = vector_isa(isa).lanes
+    fitting = sorted((c for c in classes_for(spec, table) if class_fits(spec, c, lanes)),
+                     key=lambda c: -c.best_percent)[:settings.ranked_classes]
+    pool, seen = [], set()
+    for cls in fitting:
+        for order in reduction_innermost_orders(spec, cls):
+            for point in completions(spec, cls, order, settings.ranked_points, lanes):
+                specifiers = point_specifiers(point, cls)
+                if specifiers in seen:
+                    continue
+                seen.add(specifiers)
+                shapes = tuple(MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis,
+                                                cls.alpha, b) for _, b in point.betas)
+                pool.append(Candidate(Scheme(specifiers), shapes, reduction_above(point),
+                                      0.0, origin=LoopFamily.REDUCTION_INNERMOST))
+    if threads > 1:
+        pool = [v for c in pool for v in parallel_variants(c, spec, threads, isa)]
+    rows, kept = [], []
+    for candidate in pool:
+        row = features(spec, candidate.scheme, threads, isa, context)
+        if row is not None:
+            rows.append(row)
+            kept.append(candidate)
+    if not kept:
+        return []
+    scores = model.scores(np.stack(rows))
+    order = np.argsort(-scores, kind="stable")
+    return [kept[i] for i in order[:settings.ranked_measure]]
+
+
 def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: float,
                cache_root: Optional[Path], isa: Isa = Isa.AVX512F):
     """The schemes worth compiling: the model's best few of each of the best classes
@@ -173,12 +249,19 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     from ..tuning.records import RecordStatus
 
     budget = settings.budget_seconds
-    chosen, _ = candidates(spec, threads, settings, started + settings.model_fraction * budget,
-                           cache_root, isa)
+    model = _load_ranker(cache_root) if settings.ranked else None
+    if model is not None:
+        chosen = ranked_candidates(spec, threads, settings, cache_root, isa, model)
+        per_kernel, final_seconds = (settings.ranked_seconds_per_kernel,
+                                     settings.ranked_final_seconds)
+    else:
+        chosen, _ = candidates(spec, threads, settings,
+                               started + settings.model_fraction * budget, cache_root, isa)
+        per_kernel, final_seconds = settings.target_seconds_per_kernel, settings.final_seconds
     bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)
     generic_seconds = statistics.median(
         time_generic(spec, generic_packed_copies(spec, bench.copies, isa), threads, 5, isa))
-    calls = int(max(3, min(25, settings.target_seconds_per_kernel / generic_seconds)))
+    calls = int(max(3, min(25, per_kernel / generic_seconds)))
     screened = []  # (seconds, candidate, kernel, library)
     wrong = failed = 0
     for measured in build_check_time(
@@ -200,12 +283,13 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
             failed += 1
     screened.sort(key=lambda item: item[0])
     finalists = screened[:settings.finalists]
-    rounds = int(max(5, min(30, settings.final_seconds / max(generic_seconds, 1e-6)
+    rounds = int(max(5, min(30, final_seconds / max(generic_seconds, 1e-6)
                              / (1 + len(finalists)))))
     generic_seconds, final = head_to_head(spec, bench, [(k, lib) for _, _, k, lib in finalists],
                                           threads, rounds, isa)
     flops = spec.flops
     outcome = dict(problem=spec, generic_gflops=flops / generic_seconds / 1e9,
+                   ranked=model is not None,
                    search_seconds=time.monotonic() - started, measured=len(screened),
                    wrong=wrong, failed=failed)
     best = min(range(len(finalists)), key=final.__getitem__, default=None)
