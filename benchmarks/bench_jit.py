@@ -79,7 +79,8 @@ def main(argv=None) -> int:
 
     def kind_of(layer):
         return ttile.plan((1, layer.hw, layer.hw, layer.c), (layer.rs, layer.rs, layer.c, layer.k),
-                          layer.stride, layer.rs // 2, "NHWC", threads=args.threads).kind
+                          stride=layer.stride, padding=layer.rs // 2, layout="NHWC",
+                          threads=args.threads).kind
 
     lines += compare_table(SHAPES, args.threads, args.reps, torch, peak, kind_of)
     text = "\n".join(lines)

@@ -46,7 +46,7 @@ class JitSettings:
     ranked: bool = True
     ranked_classes: int = 6          # microkernel classes whose completions are ranked
     ranked_points: int = 400         # completions per loop order
-    ranked_measure: int = 4          # the ranking's first picks compiled and timed
+    ranked_measure: int = 2          # the ranking's first picks compiled and timed (one per compiler)
     ranked_seconds_per_kernel: float = 0.04
     ranked_final_seconds: float = 0.3
     budget_seconds: float = 20.0
@@ -266,7 +266,9 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     wrong = failed = 0
     for measured in build_check_time(
             spec, [c.scheme for c in chosen], bench, threads, calls=calls,
-            batch_size=settings.batch_size, jobs=settings.jobs,
+            # the ranked picks are few: one batch per compiler, all compiling at once
+            batch_size=(-(-len(chosen) // settings.jobs) if model is not None
+                        else settings.batch_size), jobs=settings.jobs,
             command="ttile.conv2d (run-time tuning)",
             compile_timeout=settings.compile_seconds,
             next_group=lambda attempted: not attempted
