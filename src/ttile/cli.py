@@ -360,6 +360,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
         table = load_table(args.data_dir, isa=isa)
         caches = load_or_measure(args.data_dir).caches()
     settings = TuneSettings(budget_seconds=args.budget)
+    search = _distributed_search(args, database)
     source = (f"--network {' '.join(args.network)}" if args.network
               else f"--onnx {Path(args.onnx).name}" if args.onnx
               else f"--layers-file {args.layers_file}")
@@ -380,9 +381,15 @@ def _cmd_network(args: argparse.Namespace) -> int:
                                       keep_fraction=args.keep_fraction, isa=isa)
             bench = LayerBench.make(spec)
             for threads in counts:
-                if threads == 1 or threads <= spec.useful_threads():
+                if search is not None and threads == 1:
+                    search.measure_generic(layer.name, spec, threads)
+                elif threads == 1 or threads <= spec.useful_threads():
                     measure_generic(layer.name, spec, threads, database, bench)
-            tune_layer(layer.name, spec, candidates, 1, database, bench, settings, verbose, command)
+            if search is not None:
+                search.tune_layer(layer.name, spec, candidates, 1, settings, command)
+            else:
+                tune_layer(layer.name, spec, candidates, 1, database, bench, settings,
+                           verbose, command)
             screened = sorted(database.for_layer(spec, 1, Protocol.SCREEN),
                               key=lambda r: r.seconds)
             by_text = {str(c.scheme): c for c in candidates}
@@ -405,6 +412,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
         rows.append((layer, {t: database.best(spec, t) for t in counts}))
     progress(len(layers), len(layers), "done")
     progress.close()
+    if search is not None:
+        search.close()
     elapsed = time.monotonic() - started
     # The registry holds every layer tuned on this CPU so far, not only this run's, so
     # tuning a second network does not drop the first one's kernels.
@@ -456,6 +465,29 @@ def _cmd_network(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distributed_search(args: argparse.Namespace, database):
+    """The Dask workers that measure for this search (``--dask``), or None."""
+    if not getattr(args, "dask", None) or args.from_records:
+        return None
+    from .generator.distributed import (DaskUnavailable, DistributedSearch, connect,
+                                        measuring_workers)
+    try:
+        client = connect(args.dask)
+    except DaskUnavailable as exc:
+        raise SystemExit(f"ttile-generate: {exc}") from None
+    allowed, refused = measuring_workers(client, database.cpu_id)
+    for address, cpu in refused.items():
+        print(f"dask worker {address} on {cpu}: refused for measuring (the candidates are "
+              f"for {database.cpu_id}; run ttile-generate on that CPU for its own set)",
+              file=sys.stderr)
+    if not allowed:
+        client.close()
+        raise SystemExit(f"ttile-generate: no Dask worker at {args.dask} can measure for "
+                         f"{database.cpu_id}")
+    print(f"measuring on {len(allowed)} Dask worker(s) at {args.dask}", file=sys.stderr)
+    return DistributedSearch(client, database, allowed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ttile-generate",
                                      description="TTile offline generator")
@@ -493,6 +525,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-records", action="store_true",
                         help="emit from the tuning records without searching (with "
                              "--warm-check, only the warm comparisons are measured)")
+    parser.add_argument("--dask", metavar="ADDRESS",
+                        help="measure the single-thread search on Dask workers (needs "
+                             "ttile[dask]): tcp://scheduler:8786, or local:N for a "
+                             "LocalCluster of N workers. One measurement per worker core at "
+                             "a time (start remote workers with --nthreads 1 --resources "
+                             "ttile-measure=1, one per core); records are written here as "
+                             "whole tasks complete, a dead worker's tasks run elsewhere; "
+                             "workers on another CPU model than this one are refused for "
+                             "measuring (run ttile-generate there for that CPU's own set). "
+                             "Multi-thread variants are measured here")
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
     sub = parser.add_subparsers(dest="command")
     micro = sub.add_parser("microkernels", help="step 1: measure microkernels on this CPU")
