@@ -114,3 +114,26 @@ def test_shipped_ranker_loads_and_scores():
                                            f"U{b} h; V k]", 1, Isa.AVX512F, CONTEXT)
                      for b in (1, 6)])
     assert np.all(np.isfinite(model.scores(rows)))
+
+
+@pytest.mark.skipif(not ttile.has_avx512f(), reason="searches AVX-512F kernels")
+def test_offline_search_screens_only_the_rankings_first_picks(tmp_path, capsys):
+    pytest.importorskip("islpy")
+    import shutil
+    from ttile.cli import main
+    from ttile.runtime import jit
+    from test_generate_command import LAYERS_TOML, _generator_dir
+    generator = _generator_dir(tmp_path / "generator")
+    (generator / "ranker").mkdir()
+    shipped = jit._load_ranker(None)
+    shipped.save(generator / "ranker" / "ranker.json")
+    layers = tmp_path / "layers.toml"
+    layers.write_text(LAYERS_TOML)
+    assert main(["--layers-file", str(layers), "--data-dir", str(generator), "--kernels-dir",
+                 str(tmp_path / "gen"), "--threads", "1", "--budget", "30",
+                 "--rank-measure", "3"]) == 0
+    [path] = (generator / "records").glob("*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for name in ("small-3x3", "tiny-1x1"):
+        screened = [r for r in records if r["layer"] == name and r["protocol"] == "screen"]
+        assert 1 <= len(screened) <= 3

@@ -141,17 +141,9 @@ def _require_libraries() -> None:
 
 @functools.lru_cache(maxsize=4)
 def _load_ranker(cache_root: Optional[Path]):
-    """The learned ranking shipped with ttile (or in ``cache_root``), None if absent or
-    unreadable (the model-ranked search serves then)."""
-    from ..generator.data import DataKind, find_file
-    from ..tuning.ranker import Ranker
-    path = find_file(DataKind.RANKER, "ranker", cache_root)
-    if path is None:
-        return None
-    try:
-        return Ranker.load(path)
-    except (OSError, ValueError, KeyError):
-        return None
+    """The learned ranking (:func:`ttile.tuning.ranker.load`), read once per process."""
+    from ..tuning.ranker import load
+    return load(cache_root)
 
 
 def ranked_candidates(spec: ConvSpec, threads: int, settings: JitSettings,

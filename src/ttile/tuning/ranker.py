@@ -341,6 +341,19 @@ class Ranker:
         return cls(BoostedTrees.from_json(data["model"]), data.get("trained_on", {}))
 
 
+def load(data_dir: Optional[Path] = None) -> Optional[Ranker]:
+    """The learned ranking in ``data_dir`` or shipped with ttile; None if there is none
+    or it cannot be read (callers then rank with the IOOpt model alone)."""
+    from ..generator.data import DataKind, find_file
+    path = find_file(DataKind.RANKER, "ranker", data_dir)
+    if path is None:
+        return None
+    try:
+        return Ranker.load(path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def train(groups: Sequence[Group], **fit_args) -> Ranker:
     x = np.concatenate([g.x for g in groups])
     y = np.concatenate([g.target for g in groups])
@@ -458,3 +471,21 @@ def evaluation_report(results: Sequence[GroupResult], held_out: dict, model: Ran
                      f"{len(g.gflops)} | {r.model_top1:.2f} | {r.model_top3:.2f} | "
                      f"{r.search_top1:.2f} | {r.search_top3:.2f} | {r.spearman:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def order(model: Ranker, spec: ConvSpec, candidates: Sequence, threads: int, isa: Isa,
+          cpu: CpuContext) -> list:
+    """``candidates`` (anything with a ``scheme``) best-scored first; those the features
+    cannot describe keep their order, after the others."""
+    rows, scored, rest = [], [], []
+    for candidate in candidates:
+        row = features(spec, candidate.scheme, threads, isa, cpu)
+        if row is None:
+            rest.append(candidate)
+        else:
+            rows.append(row)
+            scored.append(candidate)
+    if not scored:
+        return list(rest)
+    scores = model.scores(np.stack(rows))
+    return [scored[i] for i in np.argsort(-scores, kind="stable")] + rest
