@@ -2,7 +2,7 @@
 
 The same pipeline as ``ttile-generate`` cut to fit the first call of a shape. By
 default the learned ranking (:mod:`ttile.tuning.ranker`, trained on the tuning records)
-scores the completions of the best microkernel classes and only its first four are
+scores the completions of the best microkernel classes and only its first two are
 compiled and timed (about 2 s, compiles included); without a ranker, or for the fuller
 search the background mode runs, the IOOpt model ranks the schemes of the best few
 classes (steps 2-4) within a budget (20 s by default) and the cheapest few by the model's
