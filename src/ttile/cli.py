@@ -371,9 +371,10 @@ def _cmd_network(args: argparse.Namespace) -> int:
     search = _distributed_search(args, database)
     ranking = context = None
     if args.rank_measure != 0 and not args.from_records:
-        from .tuning.ranker import CpuContext, load
+        from .generator.data import load_ranker
+        from .tuning.ranker import CpuContext
         from .tuning.ranker import order as rank_order
-        ranking = load(args.data_dir)
+        ranking = load_ranker(args.data_dir)
         if ranking is None and args.rank_measure is not None:
             raise SystemExit("ttile-generate: --rank-measure needs a learned ranking "
                              "(ttile-generate train-ranker)")

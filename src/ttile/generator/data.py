@@ -68,3 +68,17 @@ def all_files(kind: DataKind, *directories: Optional[Path]) -> Iterable[Path]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def load_ranker(*directories: Optional[Path]):
+    """The learned ranking of schemes (``ranker/ranker.json``) from ``directories`` or
+    shipped with ttile; None if there is none or it cannot be read (callers then rank
+    with the IOOpt model alone)."""
+    from ..tuning.ranker import Ranker
+    path = find_file(DataKind.RANKER, "ranker", *directories)
+    if path is None:
+        return None
+    try:
+        return Ranker.load(path)
+    except (OSError, ValueError, KeyError):
+        return None

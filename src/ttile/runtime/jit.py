@@ -141,9 +141,10 @@ def _require_libraries() -> None:
 
 @functools.lru_cache(maxsize=4)
 def _load_ranker(cache_root: Optional[Path]):
-    """The learned ranking (:func:`ttile.tuning.ranker.load`), read once per process."""
-    from ..tuning.ranker import load
-    return load(cache_root)
+    """The learned ranking (:func:`ttile.generator.data.load_ranker`), read once per
+    process."""
+    from ..generator.data import load_ranker
+    return load_ranker(cache_root)
 
 
 def ranked_candidates(spec: ConvSpec, threads: int, settings: JitSettings,

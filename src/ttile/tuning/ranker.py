@@ -341,19 +341,6 @@ class Ranker:
         return cls(BoostedTrees.from_json(data["model"]), data.get("trained_on", {}))
 
 
-def load(data_dir: Optional[Path] = None) -> Optional[Ranker]:
-    """The learned ranking in ``data_dir`` or shipped with ttile; None if there is none
-    or it cannot be read (callers then rank with the IOOpt model alone)."""
-    from ..generator.data import DataKind, find_file
-    path = find_file(DataKind.RANKER, "ranker", data_dir)
-    if path is None:
-        return None
-    try:
-        return Ranker.load(path)
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def train(groups: Sequence[Group], **fit_args) -> Ranker:
     x = np.concatenate([g.x for g in groups])
     y = np.concatenate([g.target for g in groups])
