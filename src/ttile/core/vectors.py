@@ -54,6 +54,13 @@ def vector_isa(isa: Isa | str) -> VectorIsa:
                          f"{', '.join(v.isa.value for v in VECTOR_ISAS)}") from None
 
 
+def extension_code(isa: Isa | str) -> int:
+    """The extension's number (``_kernels.ISA_AVX512F`` / ``ISA_AVX2``) of a vector
+    family's kernels: what the generic kernel, the FMA-peak and bandwidth benchmarks take."""
+    from .. import _kernels
+    return _kernels.ISA_AVX2 if vector_isa(isa) is AVX2 else _kernels.ISA_AVX512F
+
+
 def family_stem(cpu_id: str, isa: Isa | str = Isa.AVX512F) -> str:
     """The name (less its extension) of a CPU's per-family data file: the CPU id for
     AVX-512F, as before there were two families, ``<cpu-id>.avx2`` for AVX2. Tuning

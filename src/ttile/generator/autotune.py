@@ -18,11 +18,12 @@ from typing import Callable, Optional, Sequence
 
 from ..core.cbuild import build
 from ..core.codegen import GENERATOR_VERSION, generate
+from ..core.kinds import Isa
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
 from ..tuning.bench import (LayerBench, build_check_time, generic_packed_copies,
                             head_to_head, run_and_check, time_generic)
-from ..tuning.records import (GENERIC_REVISION, Contender, Protocol, RecordStatus,
+from ..tuning.records import (GENERIC_REVISION, Contender, Protocol, RecordStatus, Strategy,
                               TuningDatabase, TuningRecord, new_comparison_id)
 from .search import Candidate
 
@@ -43,25 +44,45 @@ def _today() -> str:
     return datetime.date.today().isoformat()
 
 
-def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDatabase,
-                    bench: LayerBench, calls: int = 20, drop: int = 5) -> TuningRecord:
-    """Time the generic kernel (of the database's vector family) with the paper's
-    cold-cache protocol and record it.
+def generic_record(name: str, spec: ConvSpec, threads: int, bench: LayerBench, cpu: str,
+                   isa: Isa, calls: int = 20, drop: int = 5) -> TuningRecord:
+    """Time the generic kernel of the family ``isa`` with the paper's cold-cache
+    protocol: its record, measured on ``cpu``.
 
     Its weights are packed before timing, as every candidate's are: timed through the
     per-call entry point, it also paid for packing, and a small layer's generic time came
     out 4x too slow (Yolo9000-5: 24 GFLOP/s cold, 101 warm)."""
-    copies = generic_packed_copies(spec, bench.copies, database.isa)
-    times = sorted(time_generic(spec, copies, threads, calls, database.isa))
+    copies = generic_packed_copies(spec, bench.copies, isa)
+    times = sorted(time_generic(spec, copies, threads, calls, isa))
     problem = bench.check(copies[0][2])
     seconds = statistics.median(times[drop:len(times) - drop])
-    record = TuningRecord(
+    return TuningRecord(
         layer=name, spec=spec, contender=Contender.GENERIC, scheme="", threads=threads,
         status=RecordStatus.WRONG if problem else RecordStatus.OK, seconds=seconds,
         gflops=spec.flops / seconds / 1e9, calls=calls, protocol=Protocol.PAPER,
-        strategy=None, microkernels="", cpu=database.cpu_id,
+        strategy=None, microkernels="", cpu=cpu,
         generator_version=GENERATOR_VERSION, measured_on=_today(), detail=problem or "",
         generic_revision=GENERIC_REVISION)
+
+
+def scheme_record(name: str, spec: ConvSpec, scheme: str, strategy: Optional[Strategy],
+                  microkernels: str, threads: int, status: RecordStatus, seconds: float,
+                  calls: int, protocol: Protocol, cpu: str, detail: str = "") -> TuningRecord:
+    """The record of one searched scheme's measurement on ``cpu``."""
+    return TuningRecord(
+        layer=name, spec=spec, contender=Contender.SCHEME, scheme=scheme, threads=threads,
+        status=status, seconds=seconds,
+        gflops=spec.flops / seconds / 1e9 if seconds > 0 else 0.0, calls=calls,
+        protocol=protocol, strategy=strategy, microkernels=microkernels, cpu=cpu,
+        generator_version=GENERATOR_VERSION, measured_on=_today(), detail=detail)
+
+
+def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDatabase,
+                    bench: LayerBench, calls: int = 20, drop: int = 5) -> TuningRecord:
+    """Time the generic kernel (of the database's vector family) with the paper's
+    cold-cache protocol and record it (see :func:`generic_record`)."""
+    record = generic_record(name, spec, threads, bench, database.cpu_id, database.isa,
+                            calls, drop)
     database.add(record)
     return record
 
@@ -75,17 +96,12 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
     paper's protocol, generating them in the database's vector family. Returns the best
     record (None if nothing ran correctly)."""
     started = time.monotonic()
-    today = _today()
 
     def record(candidate: Candidate, status: RecordStatus, seconds: float, calls: int,
                protocol: Protocol, detail: str = "") -> TuningRecord:
-        rec = TuningRecord(
-            layer=name, spec=spec, contender=Contender.SCHEME, scheme=str(candidate.scheme),
-            threads=threads, status=status, seconds=seconds,
-            gflops=spec.flops / seconds / 1e9 if seconds > 0 else 0.0, calls=calls,
-            protocol=protocol, strategy=candidate.strategy,
-            microkernels=candidate.microkernel_text, cpu=database.cpu_id,
-            generator_version=GENERATOR_VERSION, measured_on=today, detail=detail)
+        rec = scheme_record(name, spec, str(candidate.scheme), candidate.strategy,
+                            candidate.microkernel_text, threads, status, seconds, calls,
+                            protocol, database.cpu_id, detail)
         database.add(rec)
         return rec
 

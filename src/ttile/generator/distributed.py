@@ -27,18 +27,16 @@ the client itself after the distributed single-thread search (as without ``--das
 """
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..core.codegen import GENERATOR_VERSION
 from ..core.kinds import Isa
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
-from ..tuning.records import (GENERIC_REVISION, Contender, Protocol, RecordStatus,
-                              Strategy, TuningDatabase, TuningRecord)
+from ..tuning.records import (Protocol, RecordStatus, Strategy, TuningDatabase,
+                              TuningRecord)
 
 #: The Dask resource a measuring task holds: one unit per core that may time kernels.
 MEASURE_RESOURCE = "ttile-measure"
@@ -124,41 +122,25 @@ def _pin_worker_core() -> None:
 def run_task(task: MeasureTask) -> tuple[str, list[TuningRecord]]:
     """On a worker: build, check and time the task's candidates (or the generic kernel);
     the CPU measured on and the records."""
-    from ..tuning.bench import (LayerBench, build_check_time, generic_packed_copies,
-                                single_threaded_blas, time_generic)
+    from ..tuning.bench import LayerBench, build_check_time, single_threaded_blas
+    from .autotune import generic_record, scheme_record
     _pin_worker_core()
     cpu = _worker_cpu()
-    today = datetime.date.today().isoformat()
     with single_threaded_blas():
         bench = LayerBench.make(task.spec, copy_bytes=64 << 20, max_copies=16)
-    spec = task.spec
     if not task.schemes:
-        copies = generic_packed_copies(spec, bench.copies, task.isa)
-        times = sorted(time_generic(spec, copies, task.threads, task.calls, task.isa))
-        problem = bench.check(copies[0][2])
-        kept = times[task.drop:len(times) - task.drop] or times
-        seconds = sorted(kept)[len(kept) // 2]
-        return cpu, [TuningRecord(
-            layer=task.layer, spec=spec, contender=Contender.GENERIC, scheme="",
-            threads=task.threads, status=RecordStatus.WRONG if problem else RecordStatus.OK,
-            seconds=seconds, gflops=spec.flops / seconds / 1e9, calls=task.calls,
-            protocol=task.protocol, strategy=None, microkernels="", cpu=cpu,
-            generator_version=GENERATOR_VERSION, measured_on=today, detail=problem or "",
-            generic_revision=GENERIC_REVISION)]
+        return cpu, [generic_record(task.layer, task.spec, task.threads, bench, cpu,
+                                    task.isa, task.calls, task.drop)]
     records = []
-    for measured in build_check_time(spec, [Scheme.parse(s) for s in task.schemes], bench,
-                                     task.threads, calls=task.calls, drop=task.drop,
+    for measured in build_check_time(task.spec, [Scheme.parse(s) for s in task.schemes],
+                                     bench, task.threads, calls=task.calls, drop=task.drop,
                                      batch_size=len(task.schemes), jobs=1,
                                      command=task.command, isa=task.isa):
         i = measured.index
-        seconds = measured.seconds
-        records.append(TuningRecord(
-            layer=task.layer, spec=spec, contender=Contender.SCHEME, scheme=task.schemes[i],
-            threads=task.threads, status=measured.status, seconds=seconds,
-            gflops=spec.flops / seconds / 1e9 if seconds > 0 else 0.0, calls=task.calls,
-            protocol=task.protocol, strategy=task.strategies[i],
-            microkernels=task.microkernels[i], cpu=cpu, generator_version=GENERATOR_VERSION,
-            measured_on=today, detail=measured.detail))
+        records.append(scheme_record(task.layer, task.spec, task.schemes[i],
+                                     task.strategies[i], task.microkernels[i], task.threads,
+                                     measured.status, measured.seconds, task.calls,
+                                     task.protocol, cpu, measured.detail))
     return cpu, records
 
 

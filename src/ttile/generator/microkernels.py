@@ -53,7 +53,7 @@ from ..core.kinds import Isa
 from ..core.reference import conv_mismatch
 from ..core.scheme import VECTOR_REGISTERS, Scheme, SpecKind, Specifier
 from ..core.spec import VECTOR_LANES, ConvSpec
-from ..core.vectors import family_stem, vector_isa
+from ..core.vectors import extension_code, family_stem, vector_isa
 from ..tuning.records import RecordStatus
 from .data import DataKind, find_file, search_path
 
@@ -200,7 +200,7 @@ def measure_peak_gflops(iterations: int = 10_000_000, repeats: int = 7,
     The best of several runs: on a shared machine interference only lowers a run.
     """
     from .. import _kernels
-    code = _kernels.ISA_AVX2 if isa is Isa.AVX2 else _kernels.ISA_AVX512F
+    code = extension_code(isa)
     flops = _kernels.fma_peak_flops(code)
     if isa is Isa.AVX2:
         iterations *= 2   # a round is a quarter of the work: time about as long

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _kernels
 from ..core.kinds import Activation, Isa, KernelKind
+from ..core.vectors import extension_code
 from ..core.spec import MIN_FLOPS_PER_THREAD, ConvSpec  # noqa: F401 (re-exported)
 from . import dispatch, registry
 from .scratch import scratch
@@ -537,7 +538,7 @@ def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights:
         kcrs = weights.ndim == 4 and (plan.family is not Family.DENSE or plan.layout == "NCHW")
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, False,
                                        kcrs, groups=plan.groups, **dilation, **fused,
-                                       isa=dispatch.isa_code(choice.isa))
+                                       isa=extension_code(choice.isa))
     else:
         _kernels.conv2d_generic_nhwc(x, weights, y, *_generic_args(spec), nthreads,
                                      _kernels.ISA_PORTABLE, groups=plan.groups, **dilation,
@@ -569,7 +570,7 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
                                        weights.ndim == 4, groups=plan.groups,
                                        dil_h=spec.dilation_h, dil_w=spec.dilation_w,
-                                       **fused.kwargs(), isa=dispatch.isa_code(choice.isa))
+                                       **fused.kwargs(), isa=extension_code(choice.isa))
         return y
     nhwc = _nhwc_shape(plan)
     residual = None

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from .. import _kernels
 from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
+from ..core.vectors import extension_code
 from ..tuning.policy import DEFAULT_SHIP_POLICY, ShipPolicy
 from . import registry
 
@@ -159,18 +160,13 @@ def warn_once(cause: str, message: str) -> None:
         warnings.warn(f"ttile: {message}", RuntimeWarning, stacklevel=4)
 
 
-def isa_code(isa: Isa) -> int:
-    """The extension's number for a vector family."""
-    return _kernels.ISA_AVX2 if isa is Isa.AVX2 else _kernels.ISA_AVX512F
-
-
 def generic_choice(isa: Isa, spec: ConvSpec, note: str = "", final: bool = True
                    ) -> KernelChoice:
     """The generic kernel of family ``isa``: the vector one reads panels of its own
     width (AVX-512F: 16 x its block's vectors, AVX2: 8 x), the portable one RSCK."""
     if isa.vector:
         return KernelChoice(kind=KernelKind.GENERIC, problem=spec,
-                            panel=_kernels.generic_panel(spec.k, spec.wo, isa_code(isa)),
+                            panel=_kernels.generic_panel(spec.k, spec.wo, extension_code(isa)),
                             note=note, final=final, isa=isa)
     return KernelChoice(kind=KernelKind.GENERIC, problem=spec, panel=0,
                         note=note or "portable C (no AVX-512F, no AVX2)", final=final,

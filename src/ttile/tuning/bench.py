@@ -29,6 +29,7 @@ from ..core.kinds import Isa
 from ..core.reference import conv2d_nhwc_f64
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
+from ..core.vectors import extension_code
 from .records import RecordStatus
 
 Copies = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -176,20 +177,16 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                                detail=detail)
 
 
-def _isa_code(isa: Isa) -> int:
-    return _kernels.ISA_AVX2 if isa is Isa.AVX2 else _kernels.ISA_AVX512F
-
-
 def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F) -> Copies:
     """``copies`` with the weights packed for the generic kernel of family ``isa`` (as
     ``conv2d`` does)."""
-    panel = _kernels.generic_panel(spec.k, spec.wo, _isa_code(isa))
+    panel = _kernels.generic_panel(spec.k, spec.wo, extension_code(isa))
     return [(x, _kernels.pack_weights(w, panel), y) for x, w, y in copies]
 
 
 def _run_generic(spec: ConvSpec, threads: int, isa: Isa = Isa.AVX512F
                  ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-    code = _isa_code(isa)
+    code = extension_code(isa)
 
     def run(x: np.ndarray, packed: np.ndarray, y: np.ndarray) -> None:
         _kernels.conv2d_generic_packed(x, packed, y, spec.stride_h, spec.stride_w,
