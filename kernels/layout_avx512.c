@@ -1,37 +1,11 @@
 /* AVX-512 tiles for the layout conversions of layout.c: 16 x 16 floats transposed in
- * registers (unpack, then 64-bit unpack, then two 128-bit lane shuffles), loads and
+ * registers (ttile_transpose16_512, shared with the kernels' NCHW stores), loads and
  * stores masked at the edges. About three times the scalar loop's speed, which ran at
  * one element per cycle, far below memory bandwidth. Called only when cpuid said yes. */
 #include <immintrin.h>
 
+#include "ttile_epilogue.h"
 #include "ttile_runtime.h"
-
-static inline void transpose16(__m512 r[16])
-{
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    }
-}
 
 void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                                  int64_t dstride, int64_t rows, int64_t cols,
@@ -50,7 +24,7 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
             for (int64_t i = 0; i < 16; i++)
                 v[i] = i < nr ? _mm512_maskz_loadu_ps(cmask, src + (r0 + i) * sstride + c0)
                               : _mm512_setzero_ps();
-            transpose16(v);
+            ttile_transpose16_512(v);
             for (int64_t j = 0; j < nc; j++) {
                 const int64_t c = first + c0 + j;
                 const int64_t row = group == 1 ? c : (c % group) * groups + c / group;

@@ -29,6 +29,8 @@ typedef struct {
                                 is about that family's generic kernel */
     int panel;               /* weights are packed in panels of this many k (pack_weights) */
     ttile_kernel_fn fn;      /* NULL: the generic kernel serves (it won the search) */
+    ttile_kernel_fn fn_nchw; /* the same kernel writing an NCHW output (y[N][K][Ho][Wo]) tile
+                                by tile; NULL when its scheme has no such entry point */
     const char *layer;
     const char *scheme;      /* "" for the generic kernel */
     double gflops;           /* measured when tuned (cold protocol) */

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from ttile.core.cbuild import EpilogueArgs, assembly, build, find_compiler
+from ttile.core import codegen
 from ttile.core.codegen import generate, kernel_name
 from ttile.core.scheme import Scheme
 from ttile.core.spec import ConvSpec
 from conftest import random_tensors, requires_avx512
 from ttile.core.reference import assert_conv_close
+from ttile.runtime.scratch import aligned_empty
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on PATH")
 
@@ -82,9 +84,15 @@ def _loop_trip_counts(code: str) -> list[int]:
     return [int(m) for m in re.findall(r"for \(int i\d+ = 0; i\d+ < (\d+);", code)]
 
 
+def _nhwc_code(kernel) -> str:
+    """The NHWC kernel's part of a generated unit (its NCHW entry point follows it)."""
+    code = kernel.code
+    return code[:code.index("/* NCHW output")] if kernel.nchw_name else code
+
+
 def test_golden_loop_structure_of_lseq_scheme():
     spec, text = CASES["lseq"]
-    code = generate(Scheme.parse(text), spec).code
+    code = _nhwc_code(generate(Scheme.parse(text), spec))
     # k, then the two Seq branches (1 iteration of 8, 1 of 9), each w r s, then the c
     # loop twice: interior (base pointer) and border (guarded pointers) versions.
     assert _loop_trip_counts(code) == [2, 1, 17, 3, 3, 32, 32, 1, 17, 3, 3, 32, 32]
@@ -94,7 +102,7 @@ def test_golden_loop_structure_of_lseq_scheme():
 
 def test_golden_accumulators_hoisted_out_of_reduction_band():
     spec, text = CASES["lseq"]
-    code = generate(Scheme.parse(text), spec).code
+    code = _nhwc_code(generate(Scheme.parse(text), spec))
     # r, s, c loops all sit inside the accumulator region: zero-init, no output loads.
     first_zero = code.index("_mm512_setzero_ps")
     first_r_loop = code.index("< 3;")
@@ -106,24 +114,24 @@ def test_golden_accumulators_hoisted_out_of_reduction_band():
 
 def test_golden_partial_reduction_clears_output_and_accumulates():
     spec, text = CASES["parallel_reductions_outer"]
-    code = generate(Scheme.parse(text), spec).code
+    code = _nhwc_code(generate(Scheme.parse(text), spec))
     assert "memset(y, 0" in code
     assert "_mm512_loadu_ps(y" in code and "= _mm512_setzero_ps();" not in code
     assert "#pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads)" in code
 
 
 def test_golden_masks_only_when_k_has_a_tail():
-    code = generate(Scheme.parse(CASES["lseq"][1]), CASES["lseq"][0]).code
+    code = _nhwc_code(generate(Scheme.parse(CASES["lseq"][1]), CASES["lseq"][0]))
     # (the epilogue takes a full mask on every vector)
     assert "ttile_tail_mask" not in code and "_mask_storeu" not in code
-    code = generate(Scheme.parse(CASES["k_tail"][1]), CASES["k_tail"][0]).code
+    code = _nhwc_code(generate(Scheme.parse(CASES["k_tail"][1]), CASES["k_tail"][0]))
     # outputs are masked; weight panels are zero-filled past K, so their loads are not
     assert "_mm512_mask_storeu_ps(y" in code and "_mm512_maskz_loadu_ps(m0, w" not in code
 
 
 def test_golden_no_guards_without_padding():
     spec, text = CASES["r_and_batch"]
-    code = generate(Scheme.parse(text), spec).code
+    code = _nhwc_code(generate(Scheme.parse(text), spec))
     # the one branch left is the epilogue's, at the store
     assert "zeros_" not in code and "if (" not in code and "switch (epk)" in code
 
@@ -155,7 +163,11 @@ def test_microkernel_keeps_accumulators_in_registers(case, text):
     spec = same(1, 32, 32, 14 if case == "largest_block" else 17, 3, w=17)
     if case == "lseq":
         spec = CASES["lseq"][0]
-    asm = assembly(generate(Scheme.parse(text), spec))
+    kernel = generate(Scheme.parse(text), spec)
+    assert kernel.nchw_name is not None
+    # both entry points: the NCHW one's tile buffer is moved off the stack for the check
+    asm = assembly(kernel, ("-DTTILE_CHECK_SPILLS",))
+    assert f"{kernel.nchw_name}:" in asm
     spills = _ZMM_STACK_STORE.findall(asm)
     assert not spills, f"vector registers spilled to the stack: {spills[:5]}"
 
@@ -235,3 +247,82 @@ def test_generated_kernel_with_dilation_matches_reference():
     from ttile.core.reference import conv2d_nhwc_f64
     expected = conv2d_nhwc_f64(x, w, (1, 2), (2, 2, 2, 2), (2, 3))
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+
+
+# -- the NCHW entry point ----------------------------------------------------------------
+#: Cases whose scheme has no NCHW entry point: a reduction loop above every loop of the
+#: output (and an output larger than the tile buffer); tiles of 5 pixels along w, below
+#: loops parallel along w, in rows of 10.
+NO_NCHW = {"parallel_reductions_outer", "parallel_reductions_inner"}
+
+
+def _nchw_case(case, threads, small_tiles, monkeypatch):
+    if small_tiles:   # regions deep in the tree (inside Seq branches), streamed stores
+        monkeypatch.setattr(codegen, "NCHW_TILE_BYTES", 2048)
+        monkeypatch.setattr(codegen, "NCHW_STREAM_BYTES", 0)
+    spec, text = CASES[case]
+    kernel = generate(Scheme.parse(text), spec)
+    if case in NO_NCHW and not small_tiles:
+        assert kernel.nchw_name is None
+        return None
+    if kernel.nchw_name is None:
+        assert small_tiles or case in NO_NCHW
+        pytest.skip("no NCHW entry point at this tile budget (tiles narrower than a vector)")
+    library = build([kernel])
+    rng = np.random.default_rng(11)
+    x, w = random_tensors(rng, (spec.n, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
+    y = np.full((spec.n, spec.ho, spec.wo, spec.k), np.nan, dtype=np.float32)
+    library.run(kernel, x, w, y, nthreads=threads)
+    return kernel, library, x, w, y, rng
+
+
+@requires_avx512
+@pytest.mark.parametrize("small_tiles", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nchw_entry_point_stores_the_kernels_sums_in_nchw(case, threads, small_tiles,
+                                                           monkeypatch):
+    """The same sums, bit for bit, stored tile by tile into NCHW; the epilogue (bias,
+    an NCHW residual, activation) applied at that store."""
+    found = _nchw_case(case, threads, small_tiles, monkeypatch)
+    if found is None:
+        return
+    kernel, library, x, w, y, rng = found
+    spec = kernel.spec
+    shape = (spec.n, spec.k, spec.ho, spec.wo)
+    y_nchw = aligned_empty(shape)
+    y_nchw.fill(np.nan)
+    library.run(kernel, x, w, y_nchw, nthreads=threads, nchw=True)
+    np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))
+    bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
+    residual = rng.uniform(-1, 1, shape).astype(np.float32)
+    library.run(kernel, x, w, y_nchw, nthreads=threads, nchw=True,
+                epilogue=EpilogueArgs.of(bias, residual, 2, 0.0))   # relu6
+    expected = np.clip(y.transpose(0, 3, 1, 2) + bias[:, None, None] + residual, 0, 6)
+    np.testing.assert_allclose(y_nchw, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_tile_regions_sit_below_parallel_loops_and_above_reductions():
+    spec, text = CASES["parallel_band"]   # [PT2 k; PT5 h; T2 w; ...]
+    code = generate(Scheme.parse(text), spec).code
+    nchw = code[code.index("_nchw__avx512f("):]
+    # one buffer per thread: declared inside the parallel loop, stored after the blocks
+    assert nchw.index("#pragma omp parallel") < nchw.index("float yt[")
+    assert nchw.index("float yt[") < nchw.index("_mm512_fmadd_ps") \
+        < nchw.index("ttile_store_nchw512(yt")
+    # a split reduction accumulates into the buffer, cleared per tile, not into y
+    spec, text = CASES["k_inside_c"]
+    code = generate(Scheme.parse(text), spec).code
+    nchw = code[code.index("_nchw__avx512f("):]
+    assert "memset(yt, 0" in nchw and "memset(y, 0" not in nchw
+    assert "memset(y, 0" in code[:code.index("_nchw__avx512f(")]
+
+
+def test_no_nchw_entry_point_when_tiles_are_narrower_than_a_vector(monkeypatch):
+    """Blocks unrolled along h under a small tile budget leave tiles one pixel wide: NCHW
+    rows of a float or two, slower than converting the whole output afterwards."""
+    monkeypatch.setattr(codegen, "NCHW_TILE_BYTES", 2048)
+    spec, text = CASES["lseq"]   # U beta h under T17 w
+    assert generate(Scheme.parse(text), spec).nchw_name is None
+    monkeypatch.setattr(codegen, "NCHW_TILE_BYTES", 128 * 1024)
+    assert generate(Scheme.parse(text), spec).nchw_name is not None

@@ -51,19 +51,22 @@ def _pads(spec: ConvSpec):
     return (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
 
 
-def _run_guarded(spec: ConvSpec, side: str, weights: np.ndarray, launch) -> None:
+def _run_guarded(spec: ConvSpec, side: str, weights: np.ndarray, launch,
+                 nchw_out: bool = False) -> None:
     """Place x, weights and y against guard pages on ``side``, launch, check the output
-    against float64 and the canaries around y."""
+    (NHWC, or NCHW with ``nchw_out``) against float64 and the canaries around y."""
     x, w = _tensors(spec)
     gx, gw = guarded_copy(x, side), guarded_copy(weights, side)
-    gy = guarded_copy(np.zeros((spec.n, spec.ho, spec.wo, spec.k), np.float32), side)
+    shape = (spec.n, spec.k, spec.ho, spec.wo) if nchw_out else (spec.n, spec.ho, spec.wo, spec.k)
+    gy = guarded_copy(np.zeros(shape, np.float32), side)
     gy.array.view(np.uint32)[...] = 0xA5A5A5A5  # a kernel must overwrite every output
     launch(gx.array, gw.array, gy.array)
     assert gy.canary_intact(), "the kernel wrote outside its output"
     assert gx.canary_intact() and gw.canary_intact(), "the kernel wrote into its inputs' fences"
     np.testing.assert_array_equal(gx.array, x)  # inputs untouched
-    assert_conv_close(gy.array.copy(), x, w, (spec.stride_h, spec.stride_w), _pads(spec),
-                      layout="NHWC")
+    y = gy.array.transpose(0, 2, 3, 1) if nchw_out else gy.array
+    assert_conv_close(np.ascontiguousarray(y), x, w, (spec.stride_h, spec.stride_w),
+                      _pads(spec), layout="NHWC")
 
 
 @pytest.mark.parametrize("side", SIDES)
@@ -112,6 +115,10 @@ def _check_registry_entry(entry, side):
     threads = entry.threads
     _run_guarded(spec, side, _kernels.pack_weights(w, entry.panel),
                  lambda gx, gw, gy: _kernels.run_tuned(entry.index, gx, gw, gy, threads))
+    if entry.nchw:   # its NCHW entry point, storing tile by tile
+        _run_guarded(spec, side, _kernels.pack_weights(w, entry.panel),
+                     lambda gx, gw, gy: _kernels.run_tuned(entry.index, gx, gw, gy, threads,
+                                                           nchw_out=True), nchw_out=True)
 
 
 @pytest.mark.parametrize("side", SIDES)

@@ -9,9 +9,11 @@ import pytest
 
 import ttile
 from ttile import _kernels
-from ttile.core.reference import assert_conv_close
+from ttile.core.kinds import Activation
+from ttile.core.reference import assert_conv_close, conv2d_nhwc_f64
 from ttile.core.spec import ConvSpec
 from ttile.runtime import dispatch, registry
+from ttile.runtime.scratch import aligned_empty
 from conftest import forget_choices, requires_avx512
 
 
@@ -59,9 +61,12 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
     w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
     y = np.full(spec.output_shape(), np.nan, np.float32)
-    _kernels.run_tuned(entry.index, x, _kernels.pack_weights(w, entry.panel), y, entry.threads)
+    packed = _kernels.pack_weights(w, entry.panel)
+    _kernels.run_tuned(entry.index, x, packed, y, entry.threads)
     assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
                       (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
+    if entry.nchw:
+        _check_nchw_entry_point(entry, x, packed, y, rng)
     # a Conv2d serves the matching call with it on that CPU (the plan says so, the bits
     # agree); a per-call conv2d serves it too unless packing its weights per call is
     # estimated to cost more than the generic kernel (which the plan's note then says)
@@ -73,6 +78,25 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
     finally:
         ttile.set_isa(previous)
     forget_choices()
+
+
+def _check_nchw_entry_point(entry, x, packed, y, rng):
+    """Its NCHW entry point: the same sums stored tile by tile into NCHW, bit for bit,
+    and the epilogue applied at that store."""
+    spec = entry.spec
+    n, ho, wo, k = spec.output_shape()
+    y_nchw = aligned_empty((n, k, ho, wo))   # aligned: large outputs take streamed stores
+    y_nchw.fill(np.nan)
+    _kernels.run_tuned(entry.index, x, packed, y_nchw, entry.threads, nchw_out=True)
+    np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    residual = rng.uniform(-1, 1, y_nchw.shape).astype(np.float32)
+    _kernels.run_tuned(entry.index, x, packed, y_nchw, entry.threads, bias=bias,
+                       residual=residual, activation=Activation.RELU.code,
+                       nchw_out=True)
+    np.testing.assert_allclose(
+        y_nchw, np.maximum(y.transpose(0, 3, 1, 2) + bias[:, None, None] + residual, 0),
+        rtol=1e-6, atol=1e-6)
 
 
 def _serve_on_its_cpu(entry, x, w, y, stride, pads):
@@ -232,3 +256,37 @@ def test_a_batch_of_a_searched_layer_runs_its_kernel_image_by_image(layout):
         y = layer(x, residual=residual)
     forget_choices()
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+
+
+@requires_avx512
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_an_nchw_call_of_a_searched_layer_stores_nchw_from_the_kernel(prepacked):
+    """conv2d / Conv2d in NCHW serve a searched kernel through its NCHW entry point: the
+    output is written by the kernel (no NHWC copy converted back), the residual read in
+    NCHW, and the result is torch's."""
+    entries = [e for e in registry.KERNELS if e.nchw and e.isa is ttile.Isa.AVX512F
+               and e.spec.flops < 2e8]
+    if not entries:
+        pytest.skip("no searched kernel with an NCHW entry point")
+    entry = min(entries, key=lambda e: e.spec.flops)
+    spec = entry.spec
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1, 1, (spec.n, spec.c, spec.h, spec.w)).astype(np.float32)
+    w = rng.uniform(-1, 1, (spec.k, spec.c, spec.r, spec.s)).astype(np.float32)
+    bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (spec.n, spec.k, spec.ho, spec.wo)).astype(np.float32)
+    kwargs = dict(stride=(spec.stride_h, spec.stride_w), padding=(spec.pad_top, spec.pad_left),
+                  threads=entry.threads)
+    with registry.pretend_cpu(entry.cpu):
+        plan = ttile.plan(x.shape, w.shape, **kwargs, prepacked=True)
+        assert plan.kind == ttile.KernelKind.TUNED and plan.scheme == entry.scheme
+        if prepacked:
+            out = ttile.Conv2d(w, bias, **kwargs, activation="relu")(x, residual=residual)
+        else:
+            out = ttile.conv2d(x, w, bias, **kwargs, activation="relu", residual=residual)
+    forget_choices()
+    expected = conv2d_nhwc_f64(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0),
+                               (spec.stride_h, spec.stride_w),
+                               (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
+    expected = np.maximum(expected.transpose(0, 3, 1, 2) + bias[:, None, None] + residual, 0)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-3)

@@ -10,556 +10,636 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *, const float *, float 
 void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_269e0dcbf32d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_269e0dcbf32d_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_51589ff9ef27__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_51589ff9ef27_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_288c8d68b6a2__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_288c8d68b6a2_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_c6f83920cc68_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_58393e7a9fb5__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_38e877883df4__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_38e877883df4_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5e3e1e5e2e5f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_5e3e1e5e2e5f_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_346fdaee68ef__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_346fdaee68ef_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_a31449d27210__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_a31449d27210_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_105f988890ed__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_105f988890ed_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_0bf3e34dc4fe__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_0bf3e34dc4fe_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_53f7381796dc__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_53f7381796dc_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_0eaf58820107__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_07886cc32fc9__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_07886cc32fc9_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_b2153f359443__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_b2153f359443_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_e461ef530dd4__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_e461ef530dd4_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_65362bd01564__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_47d9938debae__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_54f6ee9fee20__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_8e0afdca715d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_8e0afdca715d_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ea2a2670c5dd__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ea2a2670c5dd_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_c9af8106379b__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_c9af8106379b_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_a050ff5aecc3__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_a050ff5aecc3_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_d8e5de6a099f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_d8e5de6a099f_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_3621f0e757bd__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_3621f0e757bd_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_60a481ba1f9c__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_f20051676268__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_f20051676268_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_2fdc6aa32a31__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ae5de7e8f464__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_e3b2ad77a4c2__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_e3b2ad77a4c2_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_44ab36cdb458_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_96f157596010__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_96f157596010_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_e72c31711e3f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_e72c31711e3f_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_1030c99facf9__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_1030c99facf9_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_22bfc378d8f7__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_22bfc378d8f7_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_d5c6b0a87b57__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_d5c6b0a87b57_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_7ae1beea4ee8__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_7ae1beea4ee8_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5131a22dc57b__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_5131a22dc57b_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_7ecee11c5f9f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_7ecee11c5f9f_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_8a4df5f531c3__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_8a4df5f531c3_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_f1540144d806__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_058170ffe05b__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_42ee9095b014__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_42ee9095b014_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_722626ba56fb__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_f26acd12df5d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_f26acd12df5d_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5336ae754ce4__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_0880bc5d0118__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_b218b033715f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_9c805afef720__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9c805afef720_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_bcbb9dfd4f53__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_047f93937218__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_047f93937218_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_6aa47c64e5ce__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ebc0f2dd4aaa__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ebc0f2dd4aaa_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_b8b486255d92__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_04835f3e9737__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_04835f3e9737_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_955f8c209a34__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_b2830191cf18__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_b2830191cf18_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_c30af9d89053__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_c30af9d89053_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_6f7e7d8cce3d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_e67b68f0d004__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_e67b68f0d004_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_80fbdaa6c963__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ccb54de43d5a__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_3402b2dcd832__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_09274c8a3360__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5307336f1214__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_5307336f1214_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ec78c604daa4__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ec78c604daa4_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ee2b2922f89d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_ee2b2922f89d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_08d75c629f1f__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_08d75c629f1f_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_46d75c88ac43__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_d53fdcc5c4fd__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_d53fdcc5c4fd_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_3eeb560d0267__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_3eeb560d0267_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_da51ff0e00b4__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_da51ff0e00b4_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_a6748d0c2169__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_71184699f279__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_71184699f279_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_cf4a00f03e33__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_cf4a00f03e33_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_bb150db41e7d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_bb150db41e7d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_949a6ad90caa__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_87997edf6a60__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_87997edf6a60_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_cfd645703601__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_2446eae554bc__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_44af96ebdd63__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_993c14e42817__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_9696fbc9ca68__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9696fbc9ca68_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_656477e7f76a__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_656477e7f76a_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_046abb56eac8__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5cd41f26d40d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_13eca7854f61__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_13eca7854f61_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_9954b8a648e5__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_9954b8a648e5_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_b262b1b2c1c9__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_80b9b9212ebd__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_80b9b9212ebd_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_2bb7924376a8__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
+void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 
 const ttile_tuned_kernel ttile_tuned_kernels[222] = {
     /* authenticamd-25-17-b17bf99a, avx512f */
-    {"authenticamd-25-17-b17bf99a", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-18", "", 112.3, 0.0, 109.0},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-18", "", 117.1, 0.0, 215.7},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-6", "", 111.0, 0.0, 112.2},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_dcf84b9f3f61__avx512f,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_dcf84b9f3f61__avx512f, NULL,
      "ResNet18-6", "[PT28 w; PT8 k; Lseq h [(2,9),(1,10)]; T3 r; T3 s; T128 c; U beta h; U1 k; V k]", 220.6, 206.1, 132.8},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_9799004ffce1__avx512f,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_9799004ffce1__avx512f, NULL,
      "Yolo9000-9", "[Lseq h [(10,5),(3,6)]; T68 w; T4 k; T256 c; U beta h; U2 k; V k]", 112.6, 114.4, 101.1},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_374ee2e77aa5__avx512f,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_374ee2e77aa5__avx512f, NULL,
      "Yolo9000-9", "[PT17 h; PT68 w; PT2 k; T256 c; U4 h; U4 k; V k]", 112.3, 113.9, 109.0},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_c5a191140f1a__avx512f,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_c5a191140f1a__avx512f, NULL,
      "Yolo9000-4", "[Lseq h [(2,13),(3,14)]; T2 h; T136 w; T8 k; T3 r; T3 s; T64 c; U beta h; U1 k; V k]", 114.4, 113.4, 109.4},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-4", "", 210.2, 0.0, 214.9},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-5", "", 39.6, 0.0, 97.6},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-5", "", 104.1, 0.0, 168.4},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-4", "", 100.8, 0.0, 107.5},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-4", "", 189.0, 0.0, 216.8},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-8", "", 94.4, 0.0, 110.2},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-8", "", 212.6, 0.0, 211.8},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-7", "", 95.9, 0.0, 104.8},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-7", "", 152.9, 0.0, 209.5},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-8", "", 81.0, 0.0, 109.7},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-8", "", 214.3, 0.0, 219.7},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-9", "", 104.0, 0.0, 106.8},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-9", "", 111.2, 0.0, 210.4},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-13", "", 92.6, 0.0, 103.9},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-13", "", 200.7, 0.0, 202.3},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-23", "", 109.0, 0.0, 107.9},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-23", "", 209.8, 0.0, 208.6},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_269e0dcbf32d__avx512f,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_269e0dcbf32d__avx512f, ttile_f32_conv2d_269e0dcbf32d_nchw__avx512f,
      "Yolo9000-0", "[T544 h; Lseq w [(13,7),(5,9)]; T4 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 105.7, 100.8, 78.7},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_51589ff9ef27__avx512f,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_51589ff9ef27__avx512f, ttile_f32_conv2d_51589ff9ef27_nchw__avx512f,
      "Yolo9000-0", "[PT544 h; Lseq w [(1,7),(1,9)]; T34 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 210.0, 176.5, 116.8},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-19", "", 98.3, 0.0, 107.8},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-19", "", 204.0, 0.0, 198.9},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-11", "", 69.9, 0.0, 108.3},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_680fcd3319e3__avx512f,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_680fcd3319e3__avx512f, NULL,
      "ResNet18-11", "[PT2 k; PT4 k; PT7 w; PT4 k; T4 c; T64 c; U7 h; U1 k; V k]", 94.5, 206.0, 110.0},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-12", "", 107.6, 0.0, 111.5},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-12", "", 227.9, 0.0, 216.9},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_288c8d68b6a2__avx512f,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_288c8d68b6a2__avx512f, ttile_f32_conv2d_288c8d68b6a2_nchw__avx512f,
      "ResNet18-10", "[T8 k; T7 h; T2 k; T3 r; T3 s; T512 c; U7 w; U2 k; V k]", 107.2, 91.5, 85.4},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-10", "", 140.1, 0.0, 160.6},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-12", "", 81.3, 0.0, 101.7},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-12", "", 160.7, 0.0, 166.8},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_c6f83920cc68__avx512f,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_c6f83920cc68__avx512f, ttile_f32_conv2d_c6f83920cc68_nchw__avx512f,
      "Yolo9000-5", "[Lseq h [(1,4),(6,5)]; T4 h; T2 w; T2 w; T2 k; T34 w; T2 k; T128 c; U beta h; U1 k; V k]", 112.0, 111.3, 80.4},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_95f1dbeb44fe__avx512f,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_95f1dbeb44fe__avx512f, ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f,
      "Yolo9000-5", "[PT2 w; Lseq h [(1,4),(6,5)]; T4 h; T2 w; T2 k; T2 w; T17 w; T2 k; T128 c; U beta h; U1 k; V k]", 196.8, 190.2, 144.4},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_58393e7a9fb5__avx512f,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_58393e7a9fb5__avx512f, NULL,
      "Yolo9000-2", "[Lseq h [(8,7),(27,8)]; T4 k; T272 w; T3 r; T3 s; T32 c; U beta h; U1 k; V k]", 110.1, 109.4, 106.7},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-2", "", 212.2, 0.0, 211.1},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-1", "", 59.6, 0.0, 94.1},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-1", "", 190.4, 0.0, 170.7},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-3", "", 53.0, 0.0, 105.1},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-3", "", 130.1, 0.0, 160.2},
-    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-2", "", 112.5, 0.0, 109.3},
-    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-25-17-b17bf99a", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-2", "", 223.2, 0.0, 221.7},
     /* authenticamd-26-2-e2549417, avx512f */
-    {"authenticamd-26-2-e2549417", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-18", "", 207.8, 0.0, 229.7},
-    {"authenticamd-26-2-e2549417", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_38e877883df4__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_38e877883df4__avx512f, ttile_f32_conv2d_38e877883df4_nchw__avx512f,
      "Yolo9000-18", "[PT32 k; PT17 h; Lseq w [(1,7),(1,10)]; T3 r; T3 s; T512 c; U beta w; U2 k; V k]", 430.8, 447.6, 432.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 1280, 320, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 1280, 320, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-29-last", "", 142.1, 0.0, 205.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 1280, 320, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_5e3e1e5e2e5f__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 1280, 320, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_5e3e1e5e2e5f__avx512f, ttile_f32_conv2d_5e3e1e5e2e5f_nchw__avx512f,
      "MobileNetV2-29-last", "[PT2 k; PT4 k; PT7 h; PT5 k; T20 c; T16 c; U7 w; U2 k; V k]", 307.0, 426.5, 340.8},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-6", "", 252.1, 0.0, 233.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-6", "", 503.4, 0.0, 452.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_346fdaee68ef__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_346fdaee68ef__avx512f, ttile_f32_conv2d_346fdaee68ef_nchw__avx512f,
      "Yolo9000-9", "[T68 h; T4 k; Lseq w [(1,4),(8,8)]; T256 c; U beta w; U2 k; V k]", 226.6, 238.4, 228.1},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_a31449d27210__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_a31449d27210__avx512f, ttile_f32_conv2d_a31449d27210_nchw__avx512f,
      "Yolo9000-9", "[PT68 h; PT4 k; Lseq w [(2,6),(7,8)]; T256 c; U beta w; U2 k; V k]", 430.0, 473.2, 455.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_105f988890ed__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_105f988890ed__avx512f, ttile_f32_conv2d_105f988890ed_nchw__avx512f,
      "Yolo9000-4", "[T136 h; Lseq w [(7,12),(4,13)]; T4 k; T3 r; T3 s; T64 c; U beta w; U2 k; V k]", 233.5, 247.7, 239.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-4", "", 446.1, 0.0, 461.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_d1d2e11f94d9__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_d1d2e11f94d9__avx512f, NULL,
      "ResNet18-5", "[Lseq w [(2,4),(4,5)]; T28 h; T2 k; T64 c; U beta w; U4 k; V k]", 181.2, 235.7, 212.8},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_0bf3e34dc4fe__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_0bf3e34dc4fe__avx512f, ttile_f32_conv2d_0bf3e34dc4fe_nchw__avx512f,
      "ResNet18-5", "[PT7 h; PT4 h; PT2 k; Lseq w [(2,4),(4,5)]; T64 c; U beta w; U4 k; V k]", 334.3, 434.9, 397.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-4", "", 209.2, 0.0, 235.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-4", "", 395.9, 0.0, 461.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 144, 24, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_53f7381796dc__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 144, 24, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_53f7381796dc__avx512f, ttile_f32_conv2d_53f7381796dc_nchw__avx512f,
      "MobileNetV2-6-expand", "[T56 h; T2 w; T7 w; T3 k; T24 c; U4 w; U3 k; V k]", 197.4, 204.4, 150.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 144, 24, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_0eaf58820107__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 144, 24, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_0eaf58820107__avx512f, NULL,
      "MobileNetV2-6-expand", "[PT56 h; PT2 w; PT7 w; PT3 k; T24 c; U4 w; U3 k; V k]", 352.1, 381.2, 303.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 160, 576, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 160, 576, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-24-project", "", 110.3, 0.0, 188.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 160, 576, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_07886cc32fc9__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 160, 576, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_07886cc32fc9__avx512f, ttile_f32_conv2d_07886cc32fc9_nchw__avx512f,
      "MobileNetV2-24-project", "[PT7 h; PT5 k; T4 c; T4 c; T2 c; T18 c; U7 w; U2 k; V k]", 195.3, 371.5, 323.8},
-    {"authenticamd-26-2-e2549417", 1, 1, 160, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_b2153f359443__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 160, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_b2153f359443__avx512f, ttile_f32_conv2d_b2153f359443_nchw__avx512f,
      "MobileNetV2-27-project", "[T6 c; T4 c; T7 h; T5 k; T5 c; T8 c; U7 w; U2 k; V k]", 134.5, 205.3, 186.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 160, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_e461ef530dd4__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 160, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_e461ef530dd4__avx512f, ttile_f32_conv2d_e461ef530dd4_nchw__avx512f,
      "MobileNetV2-27-project", "[PT7 h; PT5 k; T6 c; T4 c; T5 c; T8 c; U7 w; U2 k; V k]", 257.3, 390.5, 312.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 16, 32, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_65362bd01564__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 16, 32, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_65362bd01564__avx512f, NULL,
      "MobileNetV2-2-project", "[Lseq h [(1,17),(5,19)]; T14 w; T2 w; T4 w; T8 c; T4 c; U beta h; U1 k; V k]", 133.9, 151.8, 115.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 16, 32, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_47d9938debae__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 16, 32, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 16, ttile_f32_conv2d_47d9938debae__avx512f, NULL,
      "MobileNetV2-2-project", "[PT2 w; PT14 w; PT4 w; Lseq h [(1,17),(5,19)]; T8 c; T4 c; U beta h; U1 k; V k]", 123.0, 268.0, 221.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 192, 32, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_5a6ad3fac0f2__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 192, 32, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_5a6ad3fac0f2__avx512f, NULL,
      "MobileNetV2-11-expand", "[Lseq w [(1,4),(2,5)]; T7 h; T3 k; T2 w; T4 h; T32 c; U beta w; U4 k; V k]", 208.3, 196.7, 160.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 192, 32, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_54f6ee9fee20__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 192, 32, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_54f6ee9fee20__avx512f, ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f,
      "MobileNetV2-11-expand", "[PT7 h; PT3 k; Lseq w [(1,4),(2,5)]; T2 w; T4 h; T32 c; U beta w; U4 k; V k]", 372.8, 359.9, 312.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 24, 144, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 24, 144, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-8-project", "", 58.9, 0.0, 145.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 24, 144, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 24, 144, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-8-project", "", 117.2, 0.0, 271.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 24, 96, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 24, 96, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-5-project", "", 65.4, 0.0, 137.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 24, 96, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 24, 96, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-5-project", "", 14.5, 0.0, 268.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-8", "", 234.2, 0.0, 255.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-8", "", 485.7, 0.0, 477.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_8e0afdca715d__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_8e0afdca715d__avx512f, ttile_f32_conv2d_8e0afdca715d_nchw__avx512f,
      "ResNet18-7", "[T2 k; T14 h; T4 k; Lseq w [(1,6),(1,8)]; T3 r; T3 s; T128 c; U beta w; U2 k; V k]", 216.6, 233.9, 224.6},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_ea2a2670c5dd__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_ea2a2670c5dd__avx512f, ttile_f32_conv2d_ea2a2670c5dd_nchw__avx512f,
      "ResNet18-7", "[PT2 k; PT14 h; PT4 k; T3 r; T3 s; T128 c; U14 w; U2 k; V k]", 435.9, 468.6, 443.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-8", "", 240.5, 0.0, 231.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-8", "", 513.9, 0.0, 473.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-9", "", 245.2, 0.0, 245.6},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-9", "", 477.5, 0.0, 467.2},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-13", "", 172.6, 0.0, 237.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-13", "", 402.3, 0.0, 454.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_c9af8106379b__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_c9af8106379b__avx512f, ttile_f32_conv2d_c9af8106379b_nchw__avx512f,
      "Yolo9000-23", "[T31 k; T17 h; T19 k; Lseq w [(1,8),(1,9)]; T1024 c; U beta w; U3 k; V k]", 211.8, 234.7, 224.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_a050ff5aecc3__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_a050ff5aecc3__avx512f, ttile_f32_conv2d_a050ff5aecc3_nchw__avx512f,
      "Yolo9000-23", "[PT31 k; PT17 h; PT19 k; Lseq w [(1,8),(1,9)]; T1024 c; U beta w; U3 k; V k]", 424.8, 465.1, 445.2},
-    {"authenticamd-26-2-e2549417", 1, 1, 320, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_d8e5de6a099f__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 320, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_d8e5de6a099f__avx512f, ttile_f32_conv2d_d8e5de6a099f_nchw__avx512f,
      "MobileNetV2-28-project", "[T10 k; T2 c; T2 c; T7 h; T240 c; U7 w; U2 k; V k]", 145.6, 205.3, 198.6},
-    {"authenticamd-26-2-e2549417", 2, 1, 320, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_3621f0e757bd__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 320, 960, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_3621f0e757bd__avx512f, ttile_f32_conv2d_3621f0e757bd_nchw__avx512f,
      "MobileNetV2-28-project", "[PT5 k; PT7 h; PT2 k; T2 c; T3 c; T160 c; U7 w; U2 k; V k]", 283.6, 390.9, 321.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 32, 144, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_60a481ba1f9c__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 32, 144, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_60a481ba1f9c__avx512f, ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f,
      "MobileNetV2-10-project", "[Lseq w [(1,4),(4,6)]; T28 h; T144 c; U beta w; U2 k; V k]", 184.0, 190.8, 173.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 32, 192, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_f20051676268__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 32, 192, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_f20051676268__avx512f, ttile_f32_conv2d_f20051676268_nchw__avx512f,
      "MobileNetV2-13-project", "[Lseq w [(1,4),(3,8)]; T14 h; T2 h; T192 c; U beta w; U2 k; V k]", 153.2, 199.9, 185.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 32, 192, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_2fdc6aa32a31__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 32, 192, 28, 28, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_2fdc6aa32a31__avx512f, ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f,
      "MobileNetV2-13-project", "[PT28 h; Lseq w [(1,4),(2,12)]; T2 c; T96 c; U beta w; U2 k; V k]", 284.4, 361.1, 314.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 224, 224, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_ef3cd3b3a40b__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 224, 224, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_ef3cd3b3a40b__avx512f, ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f,
      "MobileNetV2-0", "[Lseq h [(1,6),(1,8)]; T8 h; T14 w; T8 w; T3 c; U3 r; U3 s; U beta h; U2 k; V k]", 137.8, 183.0, 140.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 224, 224, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_ae5de7e8f464__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 224, 224, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_ae5de7e8f464__avx512f, ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f,
      "MobileNetV2-0", "[PT112 h; Lseq w [(14,4),(8,7)]; T3 r; T3 s; T3 c; U beta w; U2 k; V k]", 245.6, 363.8, 262.2},
-    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_e3b2ad77a4c2__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_e3b2ad77a4c2__avx512f, ttile_f32_conv2d_e3b2ad77a4c2_nchw__avx512f,
      "Yolo9000-0", "[T544 h; Lseq w [(1,4),(4,7)]; T17 w; T3 r; T3 s; T3 c; U beta w; U2 k; V k]", 203.1, 216.9, 115.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_44ab36cdb458__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_44ab36cdb458__avx512f, ttile_f32_conv2d_44ab36cdb458_nchw__avx512f,
      "Yolo9000-0", "[PT544 h; Lseq w [(1,4),(4,7)]; T17 w; T3 r; T3 s; T3 c; U beta w; U2 k; V k]", 310.4, 411.0, 222.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 384, 64, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_96f157596010__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 384, 64, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_96f157596010__avx512f, ttile_f32_conv2d_96f157596010_nchw__avx512f,
      "MobileNetV2-16-expand", "[T4 k; T2 h; T2 k; T14 w; T64 c; U7 h; U3 k; V k]", 188.5, 204.0, 176.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 384, 64, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_e72c31711e3f__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 384, 64, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_e72c31711e3f__avx512f, ttile_f32_conv2d_e72c31711e3f_nchw__avx512f,
      "MobileNetV2-16-expand", "[PT12 k; PT14 h; Lseq w [(1,6),(1,8)]; T64 c; U beta w; U2 k; V k]", 391.7, 407.7, 363.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_1030c99facf9__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_1030c99facf9__avx512f, ttile_f32_conv2d_1030c99facf9_nchw__avx512f,
      "Yolo9000-19", "[T8 k; T17 h; Lseq w [(1,5),(2,6)]; T1024 c; U beta w; U4 k; V k]", 211.0, 240.6, 233.1},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_22bfc378d8f7__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_22bfc378d8f7__avx512f, ttile_f32_conv2d_22bfc378d8f7_nchw__avx512f,
      "Yolo9000-19", "[PT17 h; PT8 k; Lseq w [(1,5),(2,6)]; T1024 c; U beta w; U4 k; V k]", 403.3, 481.5, 467.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_d5c6b0a87b57__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_d5c6b0a87b57__avx512f, ttile_f32_conv2d_d5c6b0a87b57_nchw__avx512f,
      "ResNet18-11", "[T16 k; T7 h; T8 c; T32 c; U7 w; U2 k; V k]", 216.7, 230.7, 209.6},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_7ae1beea4ee8__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_7ae1beea4ee8__avx512f, ttile_f32_conv2d_7ae1beea4ee8_nchw__avx512f,
      "ResNet18-11", "[PT16 k; PT7 h; T8 c; T32 c; U7 w; U2 k; V k]", 364.0, 415.0, 209.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-12", "", 222.8, 0.0, 236.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-12", "", 466.4, 0.0, 478.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_5131a22dc57b__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_5131a22dc57b__avx512f, ttile_f32_conv2d_5131a22dc57b_nchw__avx512f,
      "ResNet18-10", "[T16 k; T7 h; T3 r; T3 s; T512 c; U7 w; U2 k; V k]", 209.6, 206.7, 188.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_7ecee11c5f9f__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_7ecee11c5f9f__avx512f, ttile_f32_conv2d_7ecee11c5f9f_nchw__avx512f,
      "ResNet18-10", "[PT16 k; PT7 h; T3 r; T3 s; T512 c; U7 w; U2 k; V k]", 380.9, 446.6, 426.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_8a4df5f531c3__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_8a4df5f531c3__avx512f, ttile_f32_conv2d_8a4df5f531c3_nchw__avx512f,
      "ResNet18-12", "[T8 k; T7 h; T2 k; T3 r; T3 s; T512 c; U7 w; U2 k; V k]", 208.6, 207.8, 200.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-12", "", 320.3, 0.0, 438.7},
-    {"authenticamd-26-2-e2549417", 1, 1, 576, 96, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_f1540144d806__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 576, 96, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_f1540144d806__avx512f, ttile_f32_conv2d_f1540144d806_nchw__avx512f,
      "MobileNetV2-20-expand", "[T14 h; Lseq w [(1,6),(1,8)]; T18 k; T96 c; U beta w; U2 k; V k]", 190.9, 208.5, 188.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 576, 96, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_058170ffe05b__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 576, 96, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_058170ffe05b__avx512f, NULL,
      "MobileNetV2-20-expand", "[PT3 k; PT14 h; PT6 k; PT2 w; T96 c; U7 w; U2 k; V k]", 372.1, 398.5, 363.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_8c90176d6fd7__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_8c90176d6fd7__avx512f, ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f,
      "Yolo9000-5", "[T136 h; Lseq w [(31,4),(2,6)]; T128 c; U beta w; U4 k; V k]", 248.7, 240.6, 223.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_42ee9095b014__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_42ee9095b014__avx512f, ttile_f32_conv2d_42ee9095b014_nchw__avx512f,
      "Yolo9000-5", "[PT136 h; Lseq w [(31,4),(2,6)]; T128 c; U beta w; U4 k; V k]", 476.2, 477.3, 445.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 192, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 192, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "MobileNetV2-15-project", "", 138.1, 0.0, 205.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_722626ba56fb__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_722626ba56fb__avx512f, NULL,
      "Yolo9000-2", "[Lseq h [(10,11),(2,13)]; T2 h; T2 k; T272 w; T3 s; T32 c; U3 r; U beta h; U2 k; V k]", 245.5, 243.5, 233.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-2", "", 448.5, 0.0, 452.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_f26acd12df5d__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_f26acd12df5d__avx512f, ttile_f32_conv2d_f26acd12df5d_nchw__avx512f,
      "MobileNetV2-18-project", "[T2 k; T14 h; T2 w; T384 c; U7 w; U2 k; V k]", 169.0, 219.0, 207.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_5336ae754ce4__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_5336ae754ce4__avx512f, NULL,
      "MobileNetV2-18-project", "[PT14 h; PT2 w; PT2 k; T384 c; U7 w; U2 k; V k]", 373.3, 421.6, 397.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_0880bc5d0118__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_0880bc5d0118__avx512f, NULL,
      "ResNet18-1", "[Lseq w [(2,5),(3,6)]; T2 w; T112 h; T2 w; T7 r; T3 c; U7 s; U beta w; U4 k; V k]", 234.6, 239.1, 230.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_b218b033715f__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_b218b033715f__avx512f, ttile_f32_conv2d_b218b033715f_nchw__avx512f,
      "ResNet18-1", "[PT2 k; PT112 h; Lseq w [(16,6),(2,8)]; T7 r; T7 s; T3 c; U beta w; U2 k; V k]", 435.6, 454.0, 435.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-3", "", 192.9, 0.0, 217.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-3", "", 378.3, 0.0, 429.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-2", "", 230.6, 0.0, 232.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-2", "", 447.0, 0.0, 453.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 960, 160, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_9c805afef720__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 960, 160, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_9c805afef720__avx512f, ttile_f32_conv2d_9c805afef720_nchw__avx512f,
      "MobileNetV2-25-expand", "[T4 k; T5 k; T7 w; T160 c; U7 h; U3 k; V k]", 156.5, 194.8, 182.7},
-    {"authenticamd-26-2-e2549417", 2, 1, 960, 160, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_bcbb9dfd4f53__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 960, 160, 7, 7, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_bcbb9dfd4f53__avx512f, NULL,
      "MobileNetV2-25-expand", "[PT4 k; PT5 k; PT7 w; T160 c; U7 h; U3 k; V k]", 284.2, 419.2, 242.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 96, 16, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_047f93937218__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 96, 16, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_047f93937218__avx512f, ttile_f32_conv2d_047f93937218_nchw__avx512f,
      "MobileNetV2-3-expand", "[T112 h; T2 k; Lseq w [(3,4),(20,5)]; T16 c; U beta w; U3 k; V k]", 154.8, 197.3, 136.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 96, 16, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_6aa47c64e5ce__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 96, 16, 112, 112, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_6aa47c64e5ce__avx512f, ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f,
      "MobileNetV2-3-expand", "[PT112 h; PT2 k; Lseq w [(1,4),(2,5)]; T8 w; T16 c; U beta w; U3 k; V k]", 241.9, 388.0, 265.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 96, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_ebc0f2dd4aaa__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 96, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_ebc0f2dd4aaa__avx512f, ttile_f32_conv2d_ebc0f2dd4aaa_nchw__avx512f,
      "MobileNetV2-19-project", "[T2 k; T2 h; T14 w; T384 c; U7 h; U3 k; V k]", 194.8, 212.9, 206.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 96, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_b8b486255d92__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 96, 384, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_b8b486255d92__avx512f, NULL,
      "MobileNetV2-19-project", "[PT2 k; PT2 h; PT14 w; T384 c; U7 h; U3 k; V k]", 322.6, 399.4, 386.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 96, 576, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_04835f3e9737__avx512f,
+    {"authenticamd-26-2-e2549417", 1, 1, 96, 576, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_04835f3e9737__avx512f, ttile_f32_conv2d_04835f3e9737_nchw__avx512f,
      "MobileNetV2-22-project", "[T14 h; T2 w; T3 k; T576 c; U7 w; U2 k; V k]", 192.0, 207.4, 198.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 96, 576, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_955f8c209a34__avx512f,
+    {"authenticamd-26-2-e2549417", 2, 1, 96, 576, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_955f8c209a34__avx512f, NULL,
      "MobileNetV2-22-project", "[PT2 k; PT2 h; PT14 w; T576 c; U7 h; U3 k; V k]", 330.5, 412.9, 389.0},
     /* authenticamd-26-2-e2549417, avx2 */
-    {"authenticamd-26-2-e2549417", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_b2830191cf18__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_b2830191cf18__avx2, ttile_f32_conv2d_b2830191cf18_nchw__avx2,
      "Yolo9000-18", "[T8 k; Lseq h [(1,5),(2,6)]; T8 k; T17 w; T3 r; T3 s; T512 c; U beta h; U2 k; V k]", 104.4, 0.0, 98.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_c30af9d89053__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_c30af9d89053__avx2, ttile_f32_conv2d_c30af9d89053_nchw__avx2,
      "Yolo9000-18", "[PT16 k; Lseq h [(1,5),(2,6)]; T4 k; T17 w; T3 r; T3 s; T512 c; U beta h; U2 k; V k]", 208.8, 0.0, 198.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-6", "", 103.9, 0.0, 103.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_6f7e7d8cce3d__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_6f7e7d8cce3d__avx2, ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2,
      "ResNet18-6", "[PT4 k; Lseq h [(1,4),(4,6)]; T4 c; T28 w; T2 k; T32 c; U3 r; U3 s; U beta h; U2 k; V k]", 200.6, 0.0, 125.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_e67b68f0d004__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_e67b68f0d004__avx2, ttile_f32_conv2d_e67b68f0d004_nchw__avx2,
      "Yolo9000-9", "[T2 k; Lseq h [(1,4),(5,6)]; T2 h; T4 k; T68 w; T256 c; U beta h; U2 k; V k]", 100.0, 0.0, 76.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_80fbdaa6c963__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_80fbdaa6c963__avx2, ttile_f32_conv2d_80fbdaa6c963_nchw__avx2,
      "Yolo9000-9", "[PT2 k; Lseq h [(1,4),(5,6)]; T2 h; T4 k; T68 w; T256 c; U beta h; U2 k; V k]", 200.7, 0.0, 184.8},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ccb54de43d5a__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ccb54de43d5a__avx2, ttile_f32_conv2d_ccb54de43d5a_nchw__avx2,
      "Yolo9000-4", "[Lseq h [(2,5),(21,6)]; T8 k; T136 w; T3 s; T64 c; U3 r; U beta h; U2 k; V k]", 105.0, 0.0, 89.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-4", "", 217.5, 0.0, 217.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_3402b2dcd832__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_3402b2dcd832__avx2, NULL,
      "ResNet18-5", "[Lseq h [(1,4),(2,5)]; T14 w; T2 h; T2 w; T2 k; T2 k; T2 k; T64 c; U beta h; U2 k; V k]", 95.5, 0.0, 57.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_09274c8a3360__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_09274c8a3360__avx2, NULL,
      "ResNet18-5", "[PT14 w; Lseq h [(1,4),(2,5)]; T2 h; T2 w; T2 k; T2 k; T2 k; T64 c; U beta h; U2 k; V k]", 163.1, 0.0, 106.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5307336f1214__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5307336f1214__avx2, ttile_f32_conv2d_5307336f1214_nchw__avx2,
      "ResNet18-4", "[T8 k; Lseq h [(1,4),(4,6)]; T28 w; T3 r; T3 s; T64 c; U beta h; U2 k; V k]", 109.5, 0.0, 89.8},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ec78c604daa4__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ec78c604daa4__avx2, ttile_f32_conv2d_ec78c604daa4_nchw__avx2,
      "ResNet18-4", "[PT8 k; Lseq h [(1,4),(4,6)]; T28 w; T3 r; T3 s; T64 c; U beta h; U2 k; V k]", 203.9, 0.0, 197.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-8", "", 108.7, 0.0, 108.7},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-8", "", 192.0, 0.0, 192.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ee2b2922f89d__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ee2b2922f89d__avx2, ttile_f32_conv2d_ee2b2922f89d_nchw__avx2,
      "ResNet18-7", "[T16 k; Lseq h [(2,4),(1,6)]; T14 w; T3 r; T3 s; T128 c; U beta h; U2 k; V k]", 104.9, 0.0, 92.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_08d75c629f1f__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_08d75c629f1f__avx2, ttile_f32_conv2d_08d75c629f1f_nchw__avx2,
      "ResNet18-7", "[PT16 k; Lseq h [(2,4),(1,6)]; T14 w; T3 r; T3 s; T128 c; U beta h; U2 k; V k]", 200.6, 0.0, 177.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-8", "", 101.4, 0.0, 101.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_46d75c88ac43__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_46d75c88ac43__avx2, ttile_f32_conv2d_46d75c88ac43_nchw__avx2,
      "Yolo9000-8", "[PT4 h; PT8 k; Lseq h [(1,5),(2,6)]; T4 c; T68 w; T2 k; T3 s; T32 c; U3 r; U beta h; U2 k; V k]", 206.3, 0.0, 185.7},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-9", "", 103.0, 0.0, 103.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_d53fdcc5c4fd__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_d53fdcc5c4fd__avx2, ttile_f32_conv2d_d53fdcc5c4fd_nchw__avx2,
      "ResNet18-9", "[PT2 k; Lseq h [(2,4),(1,6)]; T8 k; T14 w; T3 r; T3 s; T256 c; U beta h; U2 k; V k]", 191.6, 0.0, 184.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_3eeb560d0267__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_3eeb560d0267__avx2, ttile_f32_conv2d_3eeb560d0267_nchw__avx2,
      "Yolo9000-13", "[T8 k; Lseq h [(1,4),(5,6)]; T2 k; T34 w; T512 c; U beta h; U2 k; V k]", 106.4, 0.0, 87.6},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_da51ff0e00b4__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_da51ff0e00b4__avx2, ttile_f32_conv2d_da51ff0e00b4_nchw__avx2,
      "Yolo9000-13", "[PT4 k; Lseq h [(1,4),(5,6)]; T4 k; T34 w; T512 c; U beta h; U2 k; V k]", 199.7, 0.0, 188.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-23", "", 100.0, 0.0, 100.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-23", "", 197.7, 0.0, 197.7},
-    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_a6748d0c2169__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_a6748d0c2169__avx2, ttile_f32_conv2d_a6748d0c2169_nchw__avx2,
      "Yolo9000-0", "[T544 h; Lseq w [(14,9),(38,11)]; T4 k; T3 r; T3 c; U3 s; U beta w; U1 k; V k]", 75.6, 0.0, 52.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_71184699f279__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_71184699f279__avx2, ttile_f32_conv2d_71184699f279_nchw__avx2,
      "Yolo9000-0", "[PT544 h; Lseq w [(10,9),(14,13)]; T2 w; T4 k; T3 r; T3 c; U3 s; U beta w; U1 k; V k]", 152.7, 0.0, 103.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cf4a00f03e33__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cf4a00f03e33__avx2, ttile_f32_conv2d_cf4a00f03e33_nchw__avx2,
      "Yolo9000-19", "[T16 k; Lseq h [(1,5),(2,6)]; T2 k; T17 w; T1024 c; U beta h; U2 k; V k]", 103.7, 0.0, 96.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_bb150db41e7d__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_bb150db41e7d__avx2, ttile_f32_conv2d_bb150db41e7d_nchw__avx2,
      "Yolo9000-19", "[PT4 k; Lseq h [(1,5),(2,6)]; T8 k; T17 w; T1024 c; U beta h; U2 k; V k]", 205.7, 0.0, 193.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-11", "", 79.0, 0.0, 79.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_949a6ad90caa__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_949a6ad90caa__avx2, NULL,
      "ResNet18-11", "[PT7 w; PT64 k; T256 c; U7 h; U1 k; V k]", 123.8, 0.0, 88.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-12", "", 97.2, 0.0, 97.2},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-12", "", 192.1, 0.0, 192.1},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-10", "", 92.9, 0.0, 92.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-10", "", 180.4, 0.0, 180.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-12", "", 99.8, 0.0, 99.8},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-12", "", 189.5, 0.0, 189.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_87997edf6a60__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_87997edf6a60__avx2, ttile_f32_conv2d_87997edf6a60_nchw__avx2,
      "Yolo9000-5", "[Lseq h [(10,4),(16,6)]; T4 k; T136 w; T128 c; U beta h; U2 k; V k]", 102.0, 0.0, 46.1},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cfd645703601__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cfd645703601__avx2, NULL,
      "Yolo9000-5", "[PT136 w; PT4 k; Lseq h [(20,5),(6,6)]; T128 c; U beta h; U2 k; V k]", 185.5, 0.0, 136.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_2446eae554bc__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_2446eae554bc__avx2, ttile_f32_conv2d_2446eae554bc_nchw__avx2,
      "Yolo9000-2", "[Lseq h [(1,5),(2,6)]; T16 h; T4 k; T272 w; T3 r; T3 s; T32 c; U beta h; U2 k; V k]", 118.6, 0.0, 114.1},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-2", "", 225.6, 0.0, 225.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_44af96ebdd63__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_44af96ebdd63__avx2, NULL,
      "ResNet18-1", "[T2 h; Lseq h [(1,4),(2,5)]; T112 w; T4 k; T4 h; T7 s; T3 c; U7 r; U beta h; U2 k; V k]", 95.5, 0.0, 81.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_993c14e42817__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_993c14e42817__avx2, NULL,
      "ResNet18-1", "[PT2 h; Lseq h [(1,4),(2,5)]; T112 w; T4 k; T4 h; T7 s; T3 c; U7 r; U beta h; U2 k; V k]", 183.9, 0.0, 178.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_9696fbc9ca68__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_9696fbc9ca68__avx2, ttile_f32_conv2d_9696fbc9ca68_nchw__avx2,
      "ResNet18-3", "[T2 k; Lseq h [(2,4),(8,6)]; T2 k; T56 w; T64 c; U beta h; U2 k; V k]", 105.0, 0.0, 71.8},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_656477e7f76a__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_656477e7f76a__avx2, ttile_f32_conv2d_656477e7f76a_nchw__avx2,
      "ResNet18-3", "[PT2 k; Lseq h [(2,4),(8,6)]; T2 k; T56 w; T64 c; U beta h; U2 k; V k]", 157.4, 0.0, 143.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_046abb56eac8__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_046abb56eac8__avx2, ttile_f32_conv2d_046abb56eac8_nchw__avx2,
      "ResNet18-2", "[T4 k; Lseq h [(2,5),(3,6)]; T2 h; T56 w; T3 s; T64 c; U3 r; U beta h; U2 k; V k]", 112.8, 0.0, 107.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5cd41f26d40d__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5cd41f26d40d__avx2, ttile_f32_conv2d_5cd41f26d40d_nchw__avx2,
      "ResNet18-2", "[PT4 k; Lseq h [(1,4),(4,6)]; T2 h; T56 w; T3 r; T3 s; T64 c; U beta h; U2 k; V k]", 218.6, 0.0, 211.1},
     /* genuineintel-6-167-513608a3, avx512f */
-    {"genuineintel-6-167-513608a3", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-18", "", 95.5, 0.0, 84.5},
-    {"genuineintel-6-167-513608a3", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-18", "", 146.3, 0.0, 164.1},
-    {"genuineintel-6-167-513608a3", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-6", "", 68.2, 0.0, 91.4},
-    {"genuineintel-6-167-513608a3", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-6", "", 89.0, 0.0, 146.0},
-    {"genuineintel-6-167-513608a3", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_1b9714dc5f9d__avx512f,
+    {"genuineintel-6-167-513608a3", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_1b9714dc5f9d__avx512f, ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f,
      "Yolo9000-9", "[Lseq h [(1,5),(2,6)]; T2 h; T2 h; T2 k; T2 c; T68 w; T128 c; U beta h; U4 k; V k]", 82.9, 77.0, 68.4},
-    {"genuineintel-6-167-513608a3", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_13eca7854f61__avx512f,
+    {"genuineintel-6-167-513608a3", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_13eca7854f61__avx512f, ttile_f32_conv2d_13eca7854f61_nchw__avx512f,
      "Yolo9000-9", "[PT2 h; Lseq h [(1,5),(2,6)]; T2 h; T2 k; T2 c; T17 w; T4 w; T128 c; U beta h; U4 k; V k]", 104.7, 103.6, 58.3},
-    {"genuineintel-6-167-513608a3", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-4", "", 67.3, 0.0, 84.9},
-    {"genuineintel-6-167-513608a3", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-4", "", 105.8, 0.0, 147.8},
-    {"genuineintel-6-167-513608a3", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_9abdd2156c4c__avx512f,
+    {"genuineintel-6-167-513608a3", 1, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_9abdd2156c4c__avx512f, ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f,
      "ResNet18-5", "[Lseq h [(2,5),(3,6)]; T2 w; T14 w; T2 k; T64 c; U beta h; U4 k; V k]", 87.2, 100.7, 87.1},
-    {"genuineintel-6-167-513608a3", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-5", "", 77.8, 0.0, 77.8},
-    {"genuineintel-6-167-513608a3", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-4", "", 67.5, 0.0, 85.3},
-    {"genuineintel-6-167-513608a3", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-4", "", 119.2, 0.0, 126.3},
-    {"genuineintel-6-167-513608a3", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-8", "", 60.1, 0.0, 86.1},
-    {"genuineintel-6-167-513608a3", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-8", "", 77.1, 0.0, 143.1},
-    {"genuineintel-6-167-513608a3", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-7", "", 58.9, 0.0, 82.9},
-    {"genuineintel-6-167-513608a3", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-7", "", 9.7, 0.0, 135.5},
-    {"genuineintel-6-167-513608a3", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-8", "", 100.2, 0.0, 83.9},
-    {"genuineintel-6-167-513608a3", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-8", "", 132.9, 0.0, 154.6},
-    {"genuineintel-6-167-513608a3", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-9", "", 67.0, 0.0, 77.9},
-    {"genuineintel-6-167-513608a3", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-9", "", 123.2, 0.0, 125.5},
-    {"genuineintel-6-167-513608a3", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-13", "", 73.4, 0.0, 82.7},
-    {"genuineintel-6-167-513608a3", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_a2d97c86c75f__avx512f,
+    {"genuineintel-6-167-513608a3", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_a2d97c86c75f__avx512f, ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f,
      "Yolo9000-13", "[PT2 h; PT2 w; PT4 k; T4 c; Lseq h [(1,5),(2,6)]; T17 w; T128 c; U beta h; U4 k; V k]", 193.8, 118.2, 72.5},
-    {"genuineintel-6-167-513608a3", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-23", "", 53.4, 0.0, 82.9},
-    {"genuineintel-6-167-513608a3", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-23", "", 97.0, 0.0, 152.0},
-    {"genuineintel-6-167-513608a3", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_9954b8a648e5__avx512f,
+    {"genuineintel-6-167-513608a3", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_9954b8a648e5__avx512f, ttile_f32_conv2d_9954b8a648e5_nchw__avx512f,
      "Yolo9000-0", "[T136 h; Lseq w [(2,9),(5,10)]; T4 h; T8 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 75.0, 67.9, 35.2},
-    {"genuineintel-6-167-513608a3", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_b262b1b2c1c9__avx512f,
+    {"genuineintel-6-167-513608a3", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_b262b1b2c1c9__avx512f, ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f,
      "Yolo9000-0", "[PT136 h; Lseq w [(8,9),(20,10)]; T4 h; T2 w; T3 r; T3 c; U3 s; U beta w; U2 k; V k]", 147.3, 128.3, 59.6},
-    {"genuineintel-6-167-513608a3", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-19", "", 69.0, 0.0, 88.5},
-    {"genuineintel-6-167-513608a3", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-19", "", 119.0, 0.0, 114.3},
-    {"genuineintel-6-167-513608a3", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-11", "", 43.8, 0.0, 85.0},
-    {"genuineintel-6-167-513608a3", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_80b9b9212ebd__avx512f,
+    {"genuineintel-6-167-513608a3", 2, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_80b9b9212ebd__avx512f, ttile_f32_conv2d_80b9b9212ebd_nchw__avx512f,
      "ResNet18-11", "[PT8 k; PT2 k; PT7 h; T2 c; T2 c; T16 c; T4 c; U7 w; U2 k; V k]", 111.1, 134.2, 80.6},
-    {"genuineintel-6-167-513608a3", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-12", "", 63.0, 0.0, 87.4},
-    {"genuineintel-6-167-513608a3", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 512, 256, 34, 34, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-12", "", 129.8, 0.0, 140.8},
-    {"genuineintel-6-167-513608a3", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-10", "", 42.1, 0.0, 59.0},
-    {"genuineintel-6-167-513608a3", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 512, 512, 14, 14, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-10", "", 84.7, 0.0, 97.7},
-    {"genuineintel-6-167-513608a3", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-12", "", 45.8, 0.0, 60.6},
-    {"genuineintel-6-167-513608a3", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_2bb7924376a8__avx512f,
+    {"genuineintel-6-167-513608a3", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 32, ttile_f32_conv2d_2bb7924376a8__avx512f, NULL,
      "ResNet18-12", "[PT2 k; PT2 k; PT4 k; PT7 w; T64 c; T8 c; U3 r; U3 s; U7 h; U2 k; V k]", 115.4, 80.6, 62.5},
-    {"genuineintel-6-167-513608a3", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_08cced6a51dd__avx512f,
+    {"genuineintel-6-167-513608a3", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_08cced6a51dd__avx512f, NULL,
      "Yolo9000-5", "[Lseq h [(1,5),(2,6)]; T2 h; T17 w; T4 w; T4 h; T2 w; T2 c; T64 c; U beta h; U4 k; V k]", 98.3, 84.3, 62.0},
-    {"genuineintel-6-167-513608a3", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-5", "", 109.2, 0.0, 109.2},
-    {"genuineintel-6-167-513608a3", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-2", "", 63.8, 0.0, 86.1},
-    {"genuineintel-6-167-513608a3", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "Yolo9000-2", "", 82.7, 0.0, 159.1},
-    {"genuineintel-6-167-513608a3", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-1", "", 35.1, 0.0, 72.5},
-    {"genuineintel-6-167-513608a3", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-1", "", 73.8, 0.0, 122.6},
-    {"genuineintel-6-167-513608a3", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_226b2a78d6e3__avx512f,
+    {"genuineintel-6-167-513608a3", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 64, ttile_f32_conv2d_226b2a78d6e3__avx512f, ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f,
      "ResNet18-3", "[Lseq h [(2,5),(3,6)]; T2 h; T14 w; T2 w; T2 w; T4 c; T16 c; U beta h; U4 k; V k]", 92.4, 97.8, 90.6},
-    {"genuineintel-6-167-513608a3", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-3", "", 92.0, 0.0, 92.0},
-    {"genuineintel-6-167-513608a3", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-2", "", 55.4, 0.0, 89.2},
-    {"genuineintel-6-167-513608a3", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,
+    {"genuineintel-6-167-513608a3", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,
      "ResNet18-2", "", 119.1, 0.0, 126.2},
 };
 

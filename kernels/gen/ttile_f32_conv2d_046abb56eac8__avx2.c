@@ -623,3 +623,440 @@ void ttile_f32_conv2d_046abb56eac8__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k42 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    for (int i41 = 0; i41 < 4; i41++) {
+        const int k35 = k42 + i41 * 16;
+        {
+            const int n0 = n34;
+            const int k1 = k35;
+            const int c8 = c36;
+            const int h16 = h37;
+            const int w12 = w38;
+            const int r5 = r39;
+            const int s10 = s40;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[17920] __attribute__((aligned(64)));
+                #else
+                float yt[17920] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n0;
+                const int bo_h = h16;
+                const int bo_w = w12;
+                const int bo_k = k1;
+                for (int i15 = 0; i15 < 2; i15++) {
+                    const int h14 = h16 + i15 * 10;
+                    for (int i13 = 0; i13 < 2; i13++) {
+                        const int h3 = h14 + i13 * 5;
+                        for (int i11 = 0; i11 < 56; i11++) {
+                            const int w4 = w12 + i11 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                for (int i9 = 0; i9 < 3; i9++) {
+                                    const int s6 = s10 + i9 * 1;
+                                    if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 56 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 56) {
+                                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 1)) * 56 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                        for (int i7 = 0; i7 < 64; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 17920]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 17920]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 21504]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 4) * 1 + (r5 + 1) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 4) * 1 + (r5 + 2) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        for (int i7 = 0; i7 < 64; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c2 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c2 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_3_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 4 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_4_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 20 + (h3 + 4 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_4_0_1);
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw1(yt, 1, 20, 56, 16, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+            }
+        }
+        {
+            const int n17 = n34;
+            const int k18 = k35;
+            const int c25 = c36;
+            const int h33 = h37 + 20;
+            const int w29 = w38;
+            const int r22 = r39;
+            const int s27 = s40;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[32256] __attribute__((aligned(64)));
+                #else
+                float yt[32256] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n17;
+                const int bo_h = h33;
+                const int bo_w = w29;
+                const int bo_k = k18;
+                for (int i32 = 0; i32 < 3; i32++) {
+                    const int h31 = h33 + i32 * 12;
+                    for (int i30 = 0; i30 < 2; i30++) {
+                        const int h20 = h31 + i30 * 6;
+                        for (int i28 = 0; i28 < 56; i28++) {
+                            const int w21 = w29 + i28 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                                for (int i26 = 0; i26 < 3; i26++) {
+                                    const int s23 = s27 + i26 * 1;
+                                    if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 56 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 0 < 56) {
+                                        const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 1 + r22 * 1 - 1)) * 56 + (w21 * 1 + s23 * 1 - 1)) * 64;
+                                        for (int i24 = 0; i24 < 64; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3584]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3584]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25088]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 56 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_046abb56eac8__avx2;
+                                        for (int i24 = 0; i24 < 64; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_3_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_4_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_4_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_5_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 36 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_5_0_1);
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw1(yt, 1, 36, 56, 16, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+            }
+        }
+    }
+}

@@ -820,3 +820,388 @@ void ttile_f32_conv2d_105f988890ed__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_105f988890ed_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k35 = 0;
+    const int c36 = 0;
+    const int h42 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    for (int i41 = 0; i41 < 136; i41++) {
+        const int h37 = h42 + i41 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[17408] __attribute__((aligned(64)));
+            #else
+            float yt[17408] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n34;
+            const int bo_h = h37;
+            const int bo_w = w38;
+            const int bo_k = k35;
+            {
+                const int n0 = n34;
+                const int k14 = k35;
+                const int c8 = c36;
+                const int h3 = h37;
+                const int w16 = w38;
+                const int r12 = r39;
+                const int s10 = s40;
+                for (int i15 = 0; i15 < 7; i15++) {
+                    const int w4 = w16 + i15 * 12;
+                    for (int i13 = 0; i13 < 4; i13++) {
+                        const int k1 = k14 + i13 * 32;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_9_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_9_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_10_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_10_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_11_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_11_1 = _mm512_setzero_ps();
+                            for (int i11 = 0; i11 < 3; i11++) {
+                                const int r5 = r12 + i11 * 1;
+                                for (int i9 = 0; i9 < 3; i9++) {
+                                    const int s6 = s10 + i9 * 1;
+                                    if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 136 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 11 < 136) {
+                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                        for (int i7 = 0; i7 < 64; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 64]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 128]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 192]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 256]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 320]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 384]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 448]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c2 + 512]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xb[c2 + 576]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                                const __m512 b0_0_10 = _mm512_set1_ps(xb[c2 + 640]);
+                                                acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                                acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                                const __m512 b0_0_11 = _mm512_set1_ps(xb[c2 + 704]);
+                                                acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                                acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 4) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 4) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 5) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 5) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 6) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_7_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 7) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 7) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_8_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 8) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 8) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_9_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 9) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 9) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_10_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 10) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 10) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_11_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 11) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 11) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        for (int i7 = 0; i7 < 64; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c2 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c2 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_0[c2 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xp_0_0_9_0_0[c2 + 0]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                                const __m512 b0_0_10 = _mm512_set1_ps(xp_0_0_10_0_0[c2 + 0]);
+                                                acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                                acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                                const __m512 b0_0_11 = _mm512_set1_ps(xp_0_0_11_0_0[c2 + 0]);
+                                                acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                                acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 1 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 1 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 2 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 2 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 3 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 3 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_3_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 4 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_4_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 4 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_4_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 5 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_5_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 5 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_5_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 6 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_6_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 6 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_6_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 7 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_7_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 7 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_7_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 8 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_8_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 8 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_8_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 9 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_9_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 9 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_9_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 10 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_10_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 10 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_10_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 11 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_11_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 11 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_11_1);
+                        }
+                    }
+                }
+            }
+            {
+                const int n17 = n34;
+                const int k31 = k35;
+                const int c25 = c36;
+                const int h20 = h37;
+                const int w33 = w38 + 84;
+                const int r29 = r39;
+                const int s27 = s40;
+                for (int i32 = 0; i32 < 4; i32++) {
+                    const int w21 = w33 + i32 * 13;
+                    for (int i30 = 0; i30 < 4; i30++) {
+                        const int k18 = k31 + i30 * 32;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_9_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_9_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_10_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_10_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_11_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_11_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_12_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_12_1 = _mm512_setzero_ps();
+                            for (int i28 = 0; i28 < 3; i28++) {
+                                const int r22 = r29 + i28 * 1;
+                                for (int i26 = 0; i26 < 3; i26++) {
+                                    const int s23 = s27 + i26 * 1;
+                                    if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 0 < 136 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 12 < 136) {
+                                        const float *restrict xb = x + (((int64_t)n17 * 136 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1)) * 64;
+                                        for (int i24 = 0; i24 < 64; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c19 + 64]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c19 + 128]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c19 + 192]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c19 + 256]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c19 + 320]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c19 + 384]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c19 + 448]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c19 + 512]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xb[c19 + 576]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                                const __m512 b0_0_10 = _mm512_set1_ps(xb[c19 + 640]);
+                                                acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                                acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                                const __m512 b0_0_11 = _mm512_set1_ps(xb[c19 + 704]);
+                                                acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                                acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                                const __m512 b0_0_12 = _mm512_set1_ps(xb[c19 + 768]);
+                                                acc_0_0_12_0 = _mm512_fmadd_ps(b0_0_12, wv0, acc_0_0_12_0);
+                                                acc_0_0_12_1 = _mm512_fmadd_ps(b0_0_12, wv1, acc_0_0_12_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 1) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 1) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 2) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 2) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 3) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 3) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 4) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 4) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 5) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 5) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 6) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 6) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_7_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 7) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 7) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_8_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 8) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 8) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_9_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 9) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 9) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_10_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 10) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 10) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_11_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 11) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 11) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        const float *restrict xp_0_0_12_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 12) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 12) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_105f988890ed__avx512f;
+                                        for (int i24 = 0; i24 < 64; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c19 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c19 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c19 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c19 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c19 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c19 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c19 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_0[c19 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xp_0_0_9_0_0[c19 + 0]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                                const __m512 b0_0_10 = _mm512_set1_ps(xp_0_0_10_0_0[c19 + 0]);
+                                                acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                                acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                                const __m512 b0_0_11 = _mm512_set1_ps(xp_0_0_11_0_0[c19 + 0]);
+                                                acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                                acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                                const __m512 b0_0_12 = _mm512_set1_ps(xp_0_0_12_0_0[c19 + 0]);
+                                                acc_0_0_12_0 = _mm512_fmadd_ps(b0_0_12, wv0, acc_0_0_12_0);
+                                                acc_0_0_12_1 = _mm512_fmadd_ps(b0_0_12, wv1, acc_0_0_12_1);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 1 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 1 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 2 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 2 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 3 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 3 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_3_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 4 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_4_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 4 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_4_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 5 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_5_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 5 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_5_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 6 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_6_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 6 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_6_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 7 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_7_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 7 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_7_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 8 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_8_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 8 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_8_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 9 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_9_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 9 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_9_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 10 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_10_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 10 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_10_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 11 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_11_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 11 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_11_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 12 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_12_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 1 + (h20 + 0 - bo_h)) * 17408 + (w21 + 12 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_12_1);
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 136, 128, y, bo_n, bo_h, bo_w, bo_k, 128, 136, 136, ep, 1);
+        }
+    }
+}

@@ -641,3 +641,272 @@ void ttile_f32_conv2d_13eca7854f61__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_13eca7854f61_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n42 = 0;
+    const int k43 = 0;
+    const int c44 = 0;
+    const int h50 = 0;
+    const int w46 = 0;
+    const int r47 = 0;
+    const int s48 = 0;
+    #pragma omp parallel for collapse(1) schedule(static) num_threads(nthreads)
+    for (int i49 = 0; i49 < 2; i49++)
+    {
+        const int h45 = h50 + i49 * 34;
+        {
+            const int n0 = n42;
+            const int k16 = k43;
+            const int c14 = c44;
+            const int h20 = h45;
+            const int w12 = w46;
+            const int r5 = r47;
+            const int s6 = s48;
+            for (int i19 = 0; i19 < 1; i19++) {
+                const int h18 = h20 + i19 * 10;
+                for (int i17 = 0; i17 < 2; i17++) {
+                    const int h3 = h18 + i17 * 5;
+                    for (int i15 = 0; i15 < 2; i15++) {
+                        const int k1 = k16 + i15 * 64;
+                        {
+                            #ifdef TTILE_CHECK_SPILLS
+                            static float yt[21760] __attribute__((aligned(64)));
+                            #else
+                            float yt[21760] __attribute__((aligned(64)));
+                            #endif
+                            const int bo_n = n0;
+                            const int bo_h = h3;
+                            const int bo_w = w12;
+                            const int bo_k = k1;
+                            memset(yt, 0, sizeof(float) * 21760);
+                            for (int i13 = 0; i13 < 2; i13++) {
+                                const int c8 = c14 + i13 * 128;
+                                for (int i11 = 0; i11 < 17; i11++) {
+                                    const int w10 = w12 + i11 * 4;
+                                    for (int i9 = 0; i9 < 4; i9++) {
+                                        const int w4 = w10 + i9 * 1;
+                                        {
+                                            __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                            __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                            __m512 acc_0_0_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                            __m512 acc_0_0_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                            __m512 acc_0_1_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                            __m512 acc_0_1_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                            __m512 acc_0_1_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                            __m512 acc_0_1_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                            __m512 acc_0_2_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                            __m512 acc_0_2_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                            __m512 acc_0_2_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                            __m512 acc_0_2_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                            __m512 acc_0_3_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                            __m512 acc_0_3_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                            __m512 acc_0_3_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                            __m512 acc_0_3_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                            __m512 acc_0_4_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                            __m512 acc_0_4_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                            __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                            __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                            {
+                                                const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                                for (int i7 = 0; i7 < 128; i7++) {
+                                                    const int c2 = c8 + i7 * 1;
+                                                    {
+                                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 0);
+                                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 16);
+                                                        const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 32);
+                                                        const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 48);
+                                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                        acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                                        acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                                        acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                        acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                        acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                                        acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                                        acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                        acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                        acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                                        acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                                        acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                        acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                        acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                                        acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                                        const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 69632]);
+                                                        acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                        acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                        acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                                        acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                                    }
+                                                }
+                                            }
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_1_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_1_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_1_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_1_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_2_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_2_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_2_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_2_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_3_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_3_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_3_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_3_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_4_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_4_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_4_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_4_0_3);
+                                        }
+                                    }
+                                }
+                            }
+                            ttile_store_nchw512(yt, 1, 5, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 128, 68, 68, ep, 0);
+                        }
+                    }
+                }
+            }
+        }
+        {
+            const int n21 = n42;
+            const int k37 = k43;
+            const int c35 = c44;
+            const int h41 = h45 + 10;
+            const int w33 = w46;
+            const int r26 = r47;
+            const int s27 = s48;
+            for (int i40 = 0; i40 < 2; i40++) {
+                const int h39 = h41 + i40 * 12;
+                for (int i38 = 0; i38 < 2; i38++) {
+                    const int h24 = h39 + i38 * 6;
+                    for (int i36 = 0; i36 < 2; i36++) {
+                        const int k22 = k37 + i36 * 64;
+                        {
+                            #ifdef TTILE_CHECK_SPILLS
+                            static float yt[26112] __attribute__((aligned(64)));
+                            #else
+                            float yt[26112] __attribute__((aligned(64)));
+                            #endif
+                            const int bo_n = n21;
+                            const int bo_h = h24;
+                            const int bo_w = w33;
+                            const int bo_k = k22;
+                            memset(yt, 0, sizeof(float) * 26112);
+                            for (int i34 = 0; i34 < 2; i34++) {
+                                const int c29 = c35 + i34 * 128;
+                                for (int i32 = 0; i32 < 17; i32++) {
+                                    const int w31 = w33 + i32 * 4;
+                                    for (int i30 = 0; i30 < 4; i30++) {
+                                        const int w25 = w31 + i30 * 1;
+                                        {
+                                            __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                            __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                            __m512 acc_0_0_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                            __m512 acc_0_0_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                            __m512 acc_0_1_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                            __m512 acc_0_1_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                            __m512 acc_0_1_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                            __m512 acc_0_1_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                            __m512 acc_0_2_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                            __m512 acc_0_2_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                            __m512 acc_0_2_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                            __m512 acc_0_2_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                            __m512 acc_0_3_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                            __m512 acc_0_3_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                            __m512 acc_0_3_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                            __m512 acc_0_3_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                            __m512 acc_0_4_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                            __m512 acc_0_4_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                            __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                            __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                            __m512 acc_0_5_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                            __m512 acc_0_5_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                            __m512 acc_0_5_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                            __m512 acc_0_5_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                            {
+                                                const float *restrict xb = x + (((int64_t)n21 * 68 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0)) * 256;
+                                                for (int i28 = 0; i28 < 128; i28++) {
+                                                    const int c23 = c29 + i28 * 1;
+                                                    {
+                                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 0);
+                                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 16);
+                                                        const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 32);
+                                                        const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 48);
+                                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c23 + 0]);
+                                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                        acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                                        acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[c23 + 17408]);
+                                                        acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                        acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                        acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                                        acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[c23 + 34816]);
+                                                        acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                        acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                        acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                                        acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[c23 + 52224]);
+                                                        acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                        acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                        acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                                        acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                                        const __m512 b0_4_0 = _mm512_set1_ps(xb[c23 + 69632]);
+                                                        acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                        acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                        acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                                        acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                                        const __m512 b0_5_0 = _mm512_set1_ps(xb[c23 + 87040]);
+                                                        acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                        acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                        acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
+                                                        acc_0_5_0_3 = _mm512_fmadd_ps(b0_5_0, wv3, acc_0_5_0_3);
+                                                    }
+                                                }
+                                            }
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_0_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_0_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_0_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_0_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_1_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_1_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_1_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_1_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_2_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_2_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_2_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_2_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_3_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_3_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_3_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_3_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_4_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_4_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_4_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_4_0_3);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_5_0_0);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_5_0_1);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_5_0_2);
+                                            _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_5_0_3);
+                                        }
+                                    }
+                                }
+                            }
+                            ttile_store_nchw512(yt, 1, 6, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 128, 68, 68, ep, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

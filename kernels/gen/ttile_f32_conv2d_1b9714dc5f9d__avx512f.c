@@ -636,3 +636,267 @@ void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n42 = 0;
+    const int k43 = 0;
+    const int c44 = 0;
+    const int h45 = 0;
+    const int w46 = 0;
+    const int r47 = 0;
+    const int s48 = 0;
+    {
+        const int n0 = n42;
+        const int k14 = k43;
+        const int c12 = c44;
+        const int h20 = h45;
+        const int w10 = w46;
+        const int r5 = r47;
+        const int s6 = s48;
+        for (int i19 = 0; i19 < 1; i19++) {
+            const int h18 = h20 + i19 * 20;
+            for (int i17 = 0; i17 < 2; i17++) {
+                const int h16 = h18 + i17 * 10;
+                for (int i15 = 0; i15 < 2; i15++) {
+                    const int h3 = h16 + i15 * 5;
+                    for (int i13 = 0; i13 < 2; i13++) {
+                        const int k1 = k14 + i13 * 64;
+                        {
+                            #ifdef TTILE_CHECK_SPILLS
+                            static float yt[21760] __attribute__((aligned(64)));
+                            #else
+                            float yt[21760] __attribute__((aligned(64)));
+                            #endif
+                            const int bo_n = n0;
+                            const int bo_h = h3;
+                            const int bo_w = w10;
+                            const int bo_k = k1;
+                            memset(yt, 0, sizeof(float) * 21760);
+                            for (int i11 = 0; i11 < 2; i11++) {
+                                const int c8 = c12 + i11 * 128;
+                                for (int i9 = 0; i9 < 68; i9++) {
+                                    const int w4 = w10 + i9 * 1;
+                                    {
+                                        __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                        __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                        __m512 acc_0_0_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                        __m512 acc_0_0_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                        __m512 acc_0_1_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                        __m512 acc_0_1_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                        __m512 acc_0_1_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                        __m512 acc_0_1_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                        __m512 acc_0_2_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                        __m512 acc_0_2_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                        __m512 acc_0_2_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                        __m512 acc_0_2_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                        __m512 acc_0_3_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                        __m512 acc_0_3_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                        __m512 acc_0_3_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                        __m512 acc_0_3_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                        __m512 acc_0_4_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                        __m512 acc_0_4_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                        __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                        __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                        {
+                                            const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                            for (int i7 = 0; i7 < 128; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 16);
+                                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 32);
+                                                    const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 48);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                                    acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                                    acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                                    acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                                    acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                                    acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                                    acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                                    acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 69632]);
+                                                    acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                                    acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                                }
+                                            }
+                                        }
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_1_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_1_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_1_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_1_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_2_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_2_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_2_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_2_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_3_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_3_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_3_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_3_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_4_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_4_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_4_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_4_0_3);
+                                    }
+                                }
+                            }
+                            ttile_store_nchw512(yt, 1, 5, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 128, 68, 68, ep, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    {
+        const int n21 = n42;
+        const int k35 = k43;
+        const int c33 = c44;
+        const int h41 = h45 + 20;
+        const int w31 = w46;
+        const int r26 = r47;
+        const int s27 = s48;
+        for (int i40 = 0; i40 < 2; i40++) {
+            const int h39 = h41 + i40 * 24;
+            for (int i38 = 0; i38 < 2; i38++) {
+                const int h37 = h39 + i38 * 12;
+                for (int i36 = 0; i36 < 2; i36++) {
+                    const int h24 = h37 + i36 * 6;
+                    for (int i34 = 0; i34 < 2; i34++) {
+                        const int k22 = k35 + i34 * 64;
+                        {
+                            #ifdef TTILE_CHECK_SPILLS
+                            static float yt[26112] __attribute__((aligned(64)));
+                            #else
+                            float yt[26112] __attribute__((aligned(64)));
+                            #endif
+                            const int bo_n = n21;
+                            const int bo_h = h24;
+                            const int bo_w = w31;
+                            const int bo_k = k22;
+                            memset(yt, 0, sizeof(float) * 26112);
+                            for (int i32 = 0; i32 < 2; i32++) {
+                                const int c29 = c33 + i32 * 128;
+                                for (int i30 = 0; i30 < 68; i30++) {
+                                    const int w25 = w31 + i30 * 1;
+                                    {
+                                        __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                        __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                        __m512 acc_0_0_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                        __m512 acc_0_0_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                        __m512 acc_0_1_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                        __m512 acc_0_1_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                        __m512 acc_0_1_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                        __m512 acc_0_1_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                        __m512 acc_0_2_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                        __m512 acc_0_2_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                        __m512 acc_0_2_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                        __m512 acc_0_2_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                        __m512 acc_0_3_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                        __m512 acc_0_3_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                        __m512 acc_0_3_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                        __m512 acc_0_3_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                        __m512 acc_0_4_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                        __m512 acc_0_4_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                        __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                        __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                        __m512 acc_0_5_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0);
+                                        __m512 acc_0_5_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16);
+                                        __m512 acc_0_5_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
+                                        __m512 acc_0_5_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
+                                        {
+                                            const float *restrict xb = x + (((int64_t)n21 * 68 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0)) * 256;
+                                            for (int i28 = 0; i28 < 128; i28++) {
+                                                const int c23 = c29 + i28 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 16);
+                                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 32);
+                                                    const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 48);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c23 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                                    acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c23 + 17408]);
+                                                    acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                                    acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c23 + 34816]);
+                                                    acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                                    acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c23 + 52224]);
+                                                    acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                                    acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c23 + 69632]);
+                                                    acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                                    acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                                    const __m512 b0_5_0 = _mm512_set1_ps(xb[c23 + 87040]);
+                                                    acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                    acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                    acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
+                                                    acc_0_5_0_3 = _mm512_fmadd_ps(b0_5_0, wv3, acc_0_5_0_3);
+                                                }
+                                            }
+                                        }
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_0_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_0_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_0_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_0_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_1_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_1_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_1_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_1_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_2_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_2_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_2_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_2_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_3_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_3_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_3_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_3_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_4_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_4_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_4_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_4_0_3);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_5_0_0);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_5_0_1);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_5_0_2);
+                                        _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_5_0_3);
+                                    }
+                                }
+                            }
+                            ttile_store_nchw512(yt, 1, 6, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 128, 68, 68, ep, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -635,3 +635,265 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n42 = 0;
+    const int k43 = 0;
+    const int c44 = 0;
+    const int h45 = 0;
+    const int w46 = 0;
+    const int r47 = 0;
+    const int s48 = 0;
+    {
+        const int n0 = n42;
+        const int k1 = k43;
+        const int c10 = c44;
+        const int h20 = h45;
+        const int w16 = w46;
+        const int r5 = r47;
+        const int s6 = s48;
+        for (int i19 = 0; i19 < 2; i19++) {
+            const int h18 = h20 + i19 * 10;
+            for (int i17 = 0; i17 < 2; i17++) {
+                const int h3 = h18 + i17 * 5;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[17920] __attribute__((aligned(64)));
+                    #else
+                    float yt[17920] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n0;
+                    const int bo_h = h3;
+                    const int bo_w = w16;
+                    const int bo_k = k1;
+                    for (int i15 = 0; i15 < 14; i15++) {
+                        const int w14 = w16 + i15 * 4;
+                        for (int i13 = 0; i13 < 2; i13++) {
+                            const int w12 = w14 + i13 * 2;
+                            for (int i11 = 0; i11 < 2; i11++) {
+                                const int w4 = w12 + i11 * 1;
+                                {
+                                    __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_3 = _mm512_setzero_ps();
+                                    {
+                                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                                        for (int i9 = 0; i9 < 4; i9++) {
+                                            const int c8 = c10 + i9 * 16;
+                                            for (int i7 = 0; i7 < 16; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
+                                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 32);
+                                                    const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 48);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                                    acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 3584]);
+                                                    acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                                    acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 7168]);
+                                                    acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                                    acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 10752]);
+                                                    acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                                    acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 14336]);
+                                                    acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                                    acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                                }
+                                            }
+                                        }
+                                    }
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_1_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_1_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_1_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_1_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_2_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_2_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_2_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_2_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_3_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_3_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_3_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_3_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_4_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_4_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_4_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_4_0_3);
+                                }
+                            }
+                        }
+                    }
+                    ttile_store_nchw512(yt, 1, 5, 56, 64, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+                }
+            }
+        }
+    }
+    {
+        const int n21 = n42;
+        const int k22 = k43;
+        const int c31 = c44;
+        const int h41 = h45 + 20;
+        const int w37 = w46;
+        const int r26 = r47;
+        const int s27 = s48;
+        for (int i40 = 0; i40 < 3; i40++) {
+            const int h39 = h41 + i40 * 12;
+            for (int i38 = 0; i38 < 2; i38++) {
+                const int h24 = h39 + i38 * 6;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[21504] __attribute__((aligned(64)));
+                    #else
+                    float yt[21504] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n21;
+                    const int bo_h = h24;
+                    const int bo_w = w37;
+                    const int bo_k = k22;
+                    for (int i36 = 0; i36 < 14; i36++) {
+                        const int w35 = w37 + i36 * 4;
+                        for (int i34 = 0; i34 < 2; i34++) {
+                            const int w33 = w35 + i34 * 2;
+                            for (int i32 = 0; i32 < 2; i32++) {
+                                const int w25 = w33 + i32 * 1;
+                                {
+                                    __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_3 = _mm512_setzero_ps();
+                                    {
+                                        const float *restrict xb = x + (((int64_t)n21 * 56 + (h24 * 1 + r26 * 1 - 0)) * 56 + (w25 * 1 + s27 * 1 - 0)) * 64;
+                                        for (int i30 = 0; i30 < 4; i30++) {
+                                            const int c29 = c31 + i30 * 16;
+                                            for (int i28 = 0; i28 < 16; i28++) {
+                                                const int c23 = c29 + i28 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 16);
+                                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 32);
+                                                    const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 48);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c23 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                                    acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c23 + 3584]);
+                                                    acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                                    acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c23 + 7168]);
+                                                    acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                                    acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c23 + 10752]);
+                                                    acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                                    acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c23 + 14336]);
+                                                    acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                                    acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                                    const __m512 b0_5_0 = _mm512_set1_ps(xb[c23 + 17920]);
+                                                    acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                    acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                    acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
+                                                    acc_0_5_0_3 = _mm512_fmadd_ps(b0_5_0, wv3, acc_0_5_0_3);
+                                                }
+                                            }
+                                        }
+                                    }
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_1_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_1_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_1_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_1_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_2_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_2_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_2_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_2_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_3_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_3_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_3_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_3_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_4_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_4_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_4_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_4_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 0, acc_0_5_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 16, acc_0_5_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32, acc_0_5_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 3584 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48, acc_0_5_0_3);
+                                }
+                            }
+                        }
+                    }
+                    ttile_store_nchw512(yt, 1, 6, 56, 64, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+                }
+            }
+        }
+    }
+}

@@ -438,3 +438,255 @@ void ttile_f32_conv2d_2446eae554bc__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n42 = 0;
+    const int k43 = 0;
+    const int c44 = 0;
+    const int h45 = 0;
+    const int w46 = 0;
+    const int r47 = 0;
+    const int s48 = 0;
+    {
+        const int n0 = n42;
+        const int k16 = k43;
+        const int c8 = c44;
+        const int h20 = h45;
+        const int w14 = w46;
+        const int r12 = r47;
+        const int s10 = s48;
+        for (int i19 = 0; i19 < 1; i19++) {
+            const int h18 = h20 + i19 * 80;
+            for (int i17 = 0; i17 < 16; i17++) {
+                const int h3 = h18 + i17 * 5;
+                for (int i15 = 0; i15 < 4; i15++) {
+                    const int k1 = k16 + i15 * 16;
+                    {
+                        #ifdef TTILE_CHECK_SPILLS
+                        static float yt[21760] __attribute__((aligned(64)));
+                        #else
+                        float yt[21760] __attribute__((aligned(64)));
+                        #endif
+                        const int bo_n = n0;
+                        const int bo_h = h3;
+                        const int bo_w = w14;
+                        const int bo_k = k1;
+                        for (int i13 = 0; i13 < 272; i13++) {
+                            const int w4 = w14 + i13 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                for (int i11 = 0; i11 < 3; i11++) {
+                                    const int r5 = r12 + i11 * 1;
+                                    for (int i9 = 0; i9 < 3; i9++) {
+                                        const int s6 = s10 + i9 * 1;
+                                        if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 4 < 272 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 272) {
+                                            const float *restrict xb = x + (((int64_t)n0 * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
+                                            for (int i7 = 0; i7 < 32; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                    acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                }
+                                            }
+                                        } else {
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            for (int i7 = 0; i7 < 32; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                                    acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_3_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_4_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_4_0_1);
+                            }
+                        }
+                        ttile_store_nchw1(yt, 1, 5, 272, 16, y, bo_n, bo_h, bo_w, bo_k, 64, 272, 272, ep, 1);
+                    }
+                }
+            }
+        }
+    }
+    {
+        const int n21 = n42;
+        const int k37 = k43;
+        const int c29 = c44;
+        const int h41 = h45 + 80;
+        const int w35 = w46;
+        const int r33 = r47;
+        const int s31 = s48;
+        for (int i40 = 0; i40 < 2; i40++) {
+            const int h39 = h41 + i40 * 96;
+            for (int i38 = 0; i38 < 16; i38++) {
+                const int h24 = h39 + i38 * 6;
+                for (int i36 = 0; i36 < 4; i36++) {
+                    const int k22 = k37 + i36 * 16;
+                    {
+                        #ifdef TTILE_CHECK_SPILLS
+                        static float yt[26112] __attribute__((aligned(64)));
+                        #else
+                        float yt[26112] __attribute__((aligned(64)));
+                        #endif
+                        const int bo_n = n21;
+                        const int bo_h = h24;
+                        const int bo_w = w35;
+                        const int bo_k = k22;
+                        for (int i34 = 0; i34 < 272; i34++) {
+                            const int w25 = w35 + i34 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                                for (int i32 = 0; i32 < 3; i32++) {
+                                    const int r26 = r33 + i32 * 1;
+                                    for (int i30 = 0; i30 < 3; i30++) {
+                                        const int s27 = s31 + i30 * 1;
+                                        if (h24 * 1 + r26 * 1 - 1 >= 0 && h24 * 1 + r26 * 1 - 1 + 5 < 272 && w25 * 1 + s27 * 1 - 1 >= 0 && w25 * 1 + s27 * 1 - 1 + 0 < 272) {
+                                            const float *restrict xb = x + (((int64_t)n21 * 272 + (h24 * 1 + r26 * 1 - 1)) * 272 + (w25 * 1 + s27 * 1 - 1)) * 32;
+                                            for (int i28 = 0; i28 < 32; i28++) {
+                                                const int c23 = c29 + i28 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c23 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c23 + 8704]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c23 + 17408]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c23 + 26112]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c23 + 34816]);
+                                                    acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c23 + 43520]);
+                                                    acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                    acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                }
+                                            }
+                                        } else {
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h24 + 0) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 0) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h24 + 1) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 1) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h24 + 2) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 2) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h24 + 3) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 3) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h24 + 4) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 4) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 5) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            for (int i28 = 0; i28 < 32; i28++) {
+                                                const int c23 = c29 + i28 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c23 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c23 + 0]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c23 + 0]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c23 + 0]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c23 + 0]);
+                                                    acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c23 + 0]);
+                                                    acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                    acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 0 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 1 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 2 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 3 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 8, acc_0_3_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 0, acc_0_4_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 4 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 8, acc_0_4_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 0, acc_0_5_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 16 + k22 - bo_k + 8, acc_0_5_0_1);
+                            }
+                        }
+                        ttile_store_nchw1(yt, 1, 6, 272, 16, y, bo_n, bo_h, bo_w, bo_k, 64, 272, 272, ep, 1);
+                    }
+                }
+            }
+        }
+    }
+}

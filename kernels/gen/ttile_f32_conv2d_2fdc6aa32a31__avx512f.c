@@ -485,3 +485,199 @@ void ttile_f32_conv2d_2fdc6aa32a31__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n26 = 0;
+    const int k27 = 0;
+    const int c28 = 0;
+    const int h34 = 0;
+    const int w30 = 0;
+    const int r31 = 0;
+    const int s32 = 0;
+    #pragma omp parallel for collapse(1) schedule(static) num_threads(nthreads)
+    for (int i33 = 0; i33 < 28; i33++)
+    {
+        const int h29 = h34 + i33 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[896] __attribute__((aligned(64)));
+            #else
+            float yt[896] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n26;
+            const int bo_h = h29;
+            const int bo_w = w30;
+            const int bo_k = k27;
+            {
+                const int n0 = n26;
+                const int k1 = k27;
+                const int c10 = c28;
+                const int h3 = h29;
+                const int w12 = w30;
+                const int r5 = r31;
+                const int s6 = s32;
+                for (int i11 = 0; i11 < 1; i11++) {
+                    const int w4 = w12 + i11 * 4;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
+                            for (int i9 = 0; i9 < 2; i9++) {
+                                const int c8 = c10 + i9 * 96;
+                                for (int i7 = 0; i7 < 96; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 192]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 384]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 576]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    }
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 896 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                    }
+                }
+            }
+            {
+                const int n13 = n26;
+                const int k14 = k27;
+                const int c23 = c28;
+                const int h16 = h29;
+                const int w25 = w30 + 4;
+                const int r18 = r31;
+                const int s19 = s32;
+                for (int i24 = 0; i24 < 2; i24++) {
+                    const int w17 = w25 + i24 * 12;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_9_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_9_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_10_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_10_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_11_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_11_1 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n13 * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 192;
+                            for (int i22 = 0; i22 < 2; i22++) {
+                                const int c21 = c23 + i22 * 96;
+                                for (int i20 = 0; i20 < 96; i20++) {
+                                    const int c15 = c21 + i20 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 192 * 32 + (int64_t)(c15 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 192 * 32 + (int64_t)(c15 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 192]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 384]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 576]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 768]);
+                                        acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                        acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c15 + 960]);
+                                        acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                        acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c15 + 1152]);
+                                        acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                        acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[c15 + 1344]);
+                                        acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                        acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                        const __m512 b0_0_8 = _mm512_set1_ps(xb[c15 + 1536]);
+                                        acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                        const __m512 b0_0_9 = _mm512_set1_ps(xb[c15 + 1728]);
+                                        acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                        acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                        const __m512 b0_0_10 = _mm512_set1_ps(xb[c15 + 1920]);
+                                        acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                        const __m512 b0_0_11 = _mm512_set1_ps(xb[c15 + 2112]);
+                                        acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                        acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                    }
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 0 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 0 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 1 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 1 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 2 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 2 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 3 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 3 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 4 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 4 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 5 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 5 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 6 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 6 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_6_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 7 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_7_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 7 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_7_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 8 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_8_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 8 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_8_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 9 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_9_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 9 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_9_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 10 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_10_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 10 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_10_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 11 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_11_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 896 + (w17 + 11 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_11_1);
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 28, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 28, 28, ep, 0);
+        }
+    }
+}

@@ -402,3 +402,223 @@ void ttile_f32_conv2d_5307336f1214__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_5307336f1214_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k42 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    for (int i41 = 0; i41 < 8; i41++) {
+        const int k35 = k42 + i41 * 16;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[12544] __attribute__((aligned(64)));
+            #else
+            float yt[12544] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n34;
+            const int bo_h = h37;
+            const int bo_w = w38;
+            const int bo_k = k35;
+            {
+                const int n0 = n34;
+                const int k1 = k35;
+                const int c8 = c36;
+                const int h16 = h37;
+                const int w14 = w38;
+                const int r12 = r39;
+                const int s10 = s40;
+                for (int i15 = 0; i15 < 1; i15++) {
+                    const int h3 = h16 + i15 * 4;
+                    for (int i13 = 0; i13 < 28; i13++) {
+                        const int w4 = w14 + i13 * 1;
+                        {
+                            __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                            for (int i11 = 0; i11 < 3; i11++) {
+                                const int r5 = r12 + i11 * 1;
+                                for (int i9 = 0; i9 < 3; i9++) {
+                                    const int s6 = s10 + i9 * 1;
+                                    if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 6 < 56 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 0 < 56) {
+                                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 1)) * 56 + (w4 * 2 + s6 * 1 - 1)) * 64;
+                                        for (int i7 = 0; i7 < 64; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 21504]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 1) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 2) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 3) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        for (int i7 = 0; i7 < 64; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_0_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_1_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_1_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_2_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_2_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_3_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 448 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_3_0_1);
+                        }
+                    }
+                }
+            }
+            {
+                const int n17 = n34;
+                const int k18 = k35;
+                const int c25 = c36;
+                const int h33 = h37 + 4;
+                const int w31 = w38;
+                const int r29 = r39;
+                const int s27 = s40;
+                for (int i32 = 0; i32 < 4; i32++) {
+                    const int h20 = h33 + i32 * 6;
+                    for (int i30 = 0; i30 < 28; i30++) {
+                        const int w21 = w31 + i30 * 1;
+                        {
+                            __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                            for (int i28 = 0; i28 < 3; i28++) {
+                                const int r22 = r29 + i28 * 1;
+                                for (int i26 = 0; i26 < 3; i26++) {
+                                    const int s23 = s27 + i26 * 1;
+                                    if (h20 * 2 + r22 * 1 - 1 >= 0 && h20 * 2 + r22 * 1 - 1 + 10 < 56 && w21 * 2 + s23 * 1 - 1 >= 0 && w21 * 2 + s23 * 1 - 1 + 0 < 56) {
+                                        const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 1)) * 56 + (w21 * 2 + s23 * 1 - 1)) * 64;
+                                        for (int i24 = 0; i24 < 64; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 28672]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 35840]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 0) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 1) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 2) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 3) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 4) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 5) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5307336f1214__avx2;
+                                        for (int i24 = 0; i24 < 64; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_0_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_0_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_1_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_1_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_2_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_2_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_3_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_3_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_4_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_4_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_5_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 448 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_5_0_1);
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw1(yt, 1, 28, 28, 16, y, bo_n, bo_h, bo_w, bo_k, 128, 28, 28, ep, 0);
+        }
+    }
+}

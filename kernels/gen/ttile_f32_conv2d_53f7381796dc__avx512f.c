@@ -201,3 +201,93 @@ void ttile_f32_conv2d_53f7381796dc__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_53f7381796dc_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n0 = 0;
+    const int k10 = 0;
+    const int c8 = 0;
+    const int h16 = 0;
+    const int w14 = 0;
+    const int r5 = 0;
+    const int s6 = 0;
+    for (int i15 = 0; i15 < 56; i15++) {
+        const int h3 = h16 + i15 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[8064] __attribute__((aligned(64)));
+            #else
+            float yt[8064] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n0;
+            const int bo_h = h3;
+            const int bo_w = w14;
+            const int bo_k = k10;
+            for (int i13 = 0; i13 < 2; i13++) {
+                const int w12 = w14 + i13 * 28;
+                for (int i11 = 0; i11 < 7; i11++) {
+                    const int w4 = w12 + i11 * 4;
+                    {
+                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 24;
+                        for (int i9 = 0; i9 < 3; i9++) {
+                            const int k1 = k10 + i9 * 48;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                                for (int i7 = 0; i7 < 24; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 16);
+                                        const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 32);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 24]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 48]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 72]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 0 - bo_w) * 144 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 0 - bo_w) * 144 + k1 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 0 - bo_w) * 144 + k1 - bo_k + 32, acc_0_0_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 1 - bo_w) * 144 + k1 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 1 - bo_w) * 144 + k1 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 1 - bo_w) * 144 + k1 - bo_k + 32, acc_0_0_1_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 2 - bo_w) * 144 + k1 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 2 - bo_w) * 144 + k1 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 2 - bo_w) * 144 + k1 - bo_k + 32, acc_0_0_2_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 3 - bo_w) * 144 + k1 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 3 - bo_w) * 144 + k1 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 3 - bo_w) * 144 + k1 - bo_k + 32, acc_0_0_3_2);
+                            }
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 56, 144, y, bo_n, bo_h, bo_w, bo_k, 144, 56, 56, ep, 0);
+        }
+    }
+}

@@ -410,3 +410,243 @@ void ttile_f32_conv2d_5cd41f26d40d__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n38 = 0;
+    const int k46 = 0;
+    const int c40 = 0;
+    const int h41 = 0;
+    const int w42 = 0;
+    const int r43 = 0;
+    const int s44 = 0;
+    #pragma omp parallel for collapse(1) schedule(static) num_threads(nthreads)
+    for (int i45 = 0; i45 < 4; i45++)
+    {
+        const int k39 = k46 + i45 * 16;
+        {
+            const int n0 = n38;
+            const int k1 = k39;
+            const int c8 = c40;
+            const int h18 = h41;
+            const int w14 = w42;
+            const int r12 = r43;
+            const int s10 = s44;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[7168] __attribute__((aligned(64)));
+                #else
+                float yt[7168] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n0;
+                const int bo_h = h18;
+                const int bo_w = w14;
+                const int bo_k = k1;
+                for (int i17 = 0; i17 < 1; i17++) {
+                    const int h16 = h18 + i17 * 8;
+                    for (int i15 = 0; i15 < 2; i15++) {
+                        const int h3 = h16 + i15 * 4;
+                        for (int i13 = 0; i13 < 56; i13++) {
+                            const int w4 = w14 + i13 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                for (int i11 = 0; i11 < 3; i11++) {
+                                    const int r5 = r12 + i11 * 1;
+                                    for (int i9 = 0; i9 < 3; i9++) {
+                                        const int s6 = s10 + i9 * 1;
+                                        if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 3 < 56 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 56) {
+                                            const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 1)) * 56 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                            for (int i7 = 0; i7 < 64; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                }
+                                            }
+                                        } else {
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            for (int i7 = 0; i7 < 64; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_3_0_1);
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw1(yt, 1, 8, 56, 16, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+            }
+        }
+        {
+            const int n19 = n38;
+            const int k20 = k39;
+            const int c27 = c40;
+            const int h37 = h41 + 8;
+            const int w33 = w42;
+            const int r31 = r43;
+            const int s29 = s44;
+            for (int i36 = 0; i36 < 4; i36++) {
+                const int h35 = h37 + i36 * 12;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[10752] __attribute__((aligned(64)));
+                    #else
+                    float yt[10752] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n19;
+                    const int bo_h = h35;
+                    const int bo_w = w33;
+                    const int bo_k = k20;
+                    for (int i34 = 0; i34 < 2; i34++) {
+                        const int h22 = h35 + i34 * 6;
+                        for (int i32 = 0; i32 < 56; i32++) {
+                            const int w23 = w33 + i32 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                                for (int i30 = 0; i30 < 3; i30++) {
+                                    const int r24 = r31 + i30 * 1;
+                                    for (int i28 = 0; i28 < 3; i28++) {
+                                        const int s25 = s29 + i28 * 1;
+                                        if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 5 < 56 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 56) {
+                                            const float *restrict xb = x + (((int64_t)n19 * 56 + (h22 * 1 + r24 * 1 - 1)) * 56 + (w23 * 1 + s25 * 1 - 1)) * 64;
+                                            for (int i26 = 0; i26 < 64; i26++) {
+                                                const int c21 = c27 + i26 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c21 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c21 + 3584]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c21 + 7168]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c21 + 10752]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c21 + 14336]);
+                                                    acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c21 + 17920]);
+                                                    acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                    acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                }
+                                            }
+                                        } else {
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n19 + 0) * 56 + ((h22 + 0) * 1 + (r24 + 0) * 1 - 1)) * 56 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n19 + 0) * 56 + ((h22 + 1) * 1 + (r24 + 0) * 1 - 1)) * 56 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n19 + 0) * 56 + ((h22 + 2) * 1 + (r24 + 0) * 1 - 1)) * 56 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n19 + 0) * 56 + ((h22 + 3) * 1 + (r24 + 0) * 1 - 1)) * 56 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n19 + 0) * 56 + ((h22 + 4) * 1 + (r24 + 0) * 1 - 1)) * 56 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n19 + 0) * 56 + ((h22 + 5) * 1 + (r24 + 0) * 1 - 1)) * 56 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_5cd41f26d40d__avx2;
+                                            for (int i26 = 0; i26 < 64; i26++) {
+                                                const int c21 = c27 + i26 * 1;
+                                                {
+                                                    const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 0);
+                                                    const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 8);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c21 + 0]);
+                                                    acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c21 + 0]);
+                                                    acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                    acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c21 + 0]);
+                                                    acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                    acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c21 + 0]);
+                                                    acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c21 + 0]);
+                                                    acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c21 + 0]);
+                                                    acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                    acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 0 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 0 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 1 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 1 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 2 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 2 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 3 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 3 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 8, acc_0_3_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 4 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 0, acc_0_4_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 4 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 8, acc_0_4_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 5 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 0, acc_0_5_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n19 + 0 - bo_n) * 12 + (h22 + 5 - bo_h)) * 896 + (w23 + 0 - bo_w) * 16 + k20 - bo_k + 8, acc_0_5_0_1);
+                            }
+                        }
+                    }
+                    ttile_store_nchw1(yt, 1, 12, 56, 16, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+                }
+            }
+        }
+    }
+}

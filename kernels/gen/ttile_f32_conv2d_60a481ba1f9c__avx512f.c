@@ -342,3 +342,152 @@ void ttile_f32_conv2d_60a481ba1f9c__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n26 = 0;
+    const int k27 = 0;
+    const int c28 = 0;
+    const int h29 = 0;
+    const int w30 = 0;
+    const int r31 = 0;
+    const int s32 = 0;
+    {
+        #ifdef TTILE_CHECK_SPILLS
+        static float yt[25088] __attribute__((aligned(64)));
+        #else
+        float yt[25088] __attribute__((aligned(64)));
+        #endif
+        const int bo_n = n26;
+        const int bo_h = h29;
+        const int bo_w = w30;
+        const int bo_k = k27;
+        {
+            const int n0 = n26;
+            const int k1 = k27;
+            const int c8 = c28;
+            const int h10 = h29;
+            const int w12 = w30;
+            const int r5 = r31;
+            const int s6 = s32;
+            for (int i11 = 0; i11 < 1; i11++) {
+                const int w4 = w12 + i11 * 4;
+                for (int i9 = 0; i9 < 28; i9++) {
+                    const int h3 = h10 + i9 * 1;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 144;
+                            for (int i7 = 0; i7 < 144; i7++) {
+                                const int c2 = c8 + i7 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 144 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 144 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 144]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 288]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 432]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                    }
+                }
+            }
+        }
+        {
+            const int n13 = n26;
+            const int k14 = k27;
+            const int c21 = c28;
+            const int h23 = h29;
+            const int w25 = w30 + 4;
+            const int r18 = r31;
+            const int s19 = s32;
+            for (int i24 = 0; i24 < 4; i24++) {
+                const int w17 = w25 + i24 * 6;
+                for (int i22 = 0; i22 < 28; i22++) {
+                    const int h16 = h23 + i22 * 1;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n13 * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 144;
+                            for (int i20 = 0; i20 < 144; i20++) {
+                                const int c15 = c21 + i20 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 144 * 32 + (int64_t)(c15 + 0) * 32 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 144 * 32 + (int64_t)(c15 + 0) * 32 + 16);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 144]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 288]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 432]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 576]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c15 + 720]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 0 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 0 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 1 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 1 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 2 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 2 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 3 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 3 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 4 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 4 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 5 - bo_w) * 32 + k14 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 28 + (h16 + 0 - bo_h)) * 896 + (w17 + 5 - bo_w) * 32 + k14 - bo_k + 16, acc_0_0_5_1);
+                    }
+                }
+            }
+        }
+        ttile_store_nchw512(yt, 1, 28, 28, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 28, 28, ep, 0);
+    }
+}

@@ -427,3 +427,181 @@ void ttile_f32_conv2d_6aa47c64e5ce__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n26 = 0;
+    const int k34 = 0;
+    const int c28 = 0;
+    const int h36 = 0;
+    const int w30 = 0;
+    const int r31 = 0;
+    const int s32 = 0;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int i35 = 0; i35 < 112; i35++)
+    for (int i33 = 0; i33 < 2; i33++)
+    {
+        const int h29 = h36 + i35 * 1;
+        const int k27 = k34 + i33 * 48;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[5376] __attribute__((aligned(64)));
+            #else
+            float yt[5376] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n26;
+            const int bo_h = h29;
+            const int bo_w = w30;
+            const int bo_k = k27;
+            {
+                const int n0 = n26;
+                const int k1 = k27;
+                const int c8 = c28;
+                const int h3 = h29;
+                const int w12 = w30;
+                const int r5 = r31;
+                const int s6 = s32;
+                for (int i11 = 0; i11 < 1; i11++) {
+                    const int w10 = w12 + i11 * 32;
+                    for (int i9 = 0; i9 < 8; i9++) {
+                        const int w4 = w10 + i9 * 4;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                            {
+                                const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
+                                for (int i7 = 0; i7 < 16; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 16);
+                                        const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 32);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 16]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 32]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 48]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 0 - bo_w) * 48 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 0 - bo_w) * 48 + k1 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 0 - bo_w) * 48 + k1 - bo_k + 32, acc_0_0_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 1 - bo_w) * 48 + k1 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 1 - bo_w) * 48 + k1 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 1 - bo_w) * 48 + k1 - bo_k + 32, acc_0_0_1_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 2 - bo_w) * 48 + k1 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 2 - bo_w) * 48 + k1 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 2 - bo_w) * 48 + k1 - bo_k + 32, acc_0_0_2_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 3 - bo_w) * 48 + k1 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 3 - bo_w) * 48 + k1 - bo_k + 16, acc_0_0_3_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 5376 + (w4 + 3 - bo_w) * 48 + k1 - bo_k + 32, acc_0_0_3_2);
+                        }
+                    }
+                }
+            }
+            {
+                const int n13 = n26;
+                const int k14 = k27;
+                const int c21 = c28;
+                const int h16 = h29;
+                const int w25 = w30 + 32;
+                const int r18 = r31;
+                const int s19 = s32;
+                for (int i24 = 0; i24 < 2; i24++) {
+                    const int w23 = w25 + i24 * 40;
+                    for (int i22 = 0; i22 < 8; i22++) {
+                        const int w17 = w23 + i22 * 5;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_2 = _mm512_setzero_ps();
+                            {
+                                const float *restrict xb = x + (((int64_t)n13 * 112 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0)) * 16;
+                                for (int i20 = 0; i20 < 16; i20++) {
+                                    const int c15 = c21 + i20 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 16);
+                                        const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 32);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 16]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 32]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 48]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 64]);
+                                        acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                        acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                        acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 0 - bo_w) * 48 + k14 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 0 - bo_w) * 48 + k14 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 0 - bo_w) * 48 + k14 - bo_k + 32, acc_0_0_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 1 - bo_w) * 48 + k14 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 1 - bo_w) * 48 + k14 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 1 - bo_w) * 48 + k14 - bo_k + 32, acc_0_0_1_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 2 - bo_w) * 48 + k14 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 2 - bo_w) * 48 + k14 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 2 - bo_w) * 48 + k14 - bo_k + 32, acc_0_0_2_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 3 - bo_w) * 48 + k14 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 3 - bo_w) * 48 + k14 - bo_k + 16, acc_0_0_3_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 3 - bo_w) * 48 + k14 - bo_k + 32, acc_0_0_3_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 4 - bo_w) * 48 + k14 - bo_k + 0, acc_0_0_4_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 4 - bo_w) * 48 + k14 - bo_k + 16, acc_0_0_4_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 5376 + (w17 + 4 - bo_w) * 48 + k14 - bo_k + 32, acc_0_0_4_2);
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 112, 48, y, bo_n, bo_h, bo_w, bo_k, 96, 112, 112, ep, 0);
+        }
+    }
+}

@@ -1358,3 +1358,996 @@ void ttile_f32_conv2d_6f7e7d8cce3d__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k42 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    #pragma omp parallel for collapse(1) schedule(static) num_threads(nthreads)
+    for (int i41 = 0; i41 < 4; i41++)
+    {
+        const int k35 = k42 + i41 * 32;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[25088] __attribute__((aligned(64)));
+            #else
+            float yt[25088] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n34;
+            const int bo_h = h37;
+            const int bo_w = w38;
+            const int bo_k = k35;
+            memset(yt, 0, sizeof(float) * 25088);
+            {
+                const int n0 = n34;
+                const int k10 = k35;
+                const int c14 = c36;
+                const int h16 = h37;
+                const int w12 = w38;
+                const int r5 = r39;
+                const int s6 = s40;
+                for (int i15 = 0; i15 < 1; i15++) {
+                    const int h3 = h16 + i15 * 4;
+                    for (int i13 = 0; i13 < 4; i13++) {
+                        const int c8 = c14 + i13 * 32;
+                        for (int i11 = 0; i11 < 28; i11++) {
+                            const int w4 = w12 + i11 * 1;
+                            if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 5 < 28 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 2 < 28) {
+                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
+                                for (int i9 = 0; i9 < 2; i9++) {
+                                    const int k1 = k10 + i9 * 16;
+                                    {
+                                        __m256 acc_0_0_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_0_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        __m256 acc_0_1_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_1_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        __m256 acc_0_2_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_2_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        __m256 acc_0_3_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_3_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        for (int i7 = 0; i7 < 32; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 128]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3712]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7296]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10880]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 256]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3840]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7424]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 11008]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3712]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7296]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 10880]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14464]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3840]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7424]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 11008]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14592]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 17920]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7296]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 10880]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14464]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 18048]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7424]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 11008]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14592]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 18176]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                        }
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_0_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_1_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_1_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_2_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_2_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_3_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_3_0_1);
+                                    }
+                                }
+                            } else {
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_1_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_1_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_2_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_2_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_0_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_0_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_1_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_1_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_2_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_2_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_0_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_0_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_1_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_1_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_2_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_2_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_0_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_0_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_1_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_1_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_2_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_2_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                for (int i9 = 0; i9 < 2; i9++) {
+                                    const int k1 = k10 + i9 * 16;
+                                    {
+                                        __m256 acc_0_0_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_0_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        __m256 acc_0_1_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_1_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        __m256 acc_0_2_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_2_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        __m256 acc_0_3_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0);
+                                        __m256 acc_0_3_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
+                                        for (int i7 = 0; i7 < 32; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_1[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_1[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_1[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_2[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_2[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_2[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_1[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_1[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_1[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_1[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_2[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_2[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_2[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_2[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_1[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_1[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_1[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_1[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_2[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_2[c2 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_2[c2 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_2[c2 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                        }
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_0_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_1_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 1 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_1_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_2_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 2 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_2_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_3_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_3_0_1);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            {
+                const int n17 = n34;
+                const int k27 = k35;
+                const int c31 = c36;
+                const int h33 = h37 + 4;
+                const int w29 = w38;
+                const int r22 = r39;
+                const int s23 = s40;
+                for (int i32 = 0; i32 < 4; i32++) {
+                    const int h20 = h33 + i32 * 6;
+                    for (int i30 = 0; i30 < 4; i30++) {
+                        const int c25 = c31 + i30 * 32;
+                        for (int i28 = 0; i28 < 28; i28++) {
+                            const int w21 = w29 + i28 * 1;
+                            if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 28 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 2 < 28) {
+                                const float *restrict xb = x + (((int64_t)n17 * 28 + (h20 * 1 + r22 * 1 - 1)) * 28 + (w21 * 1 + s23 * 1 - 1)) * 128;
+                                for (int i26 = 0; i26 < 2; i26++) {
+                                    const int k18 = k27 + i26 * 16;
+                                    {
+                                        __m256 acc_0_0_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_0_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_1_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_1_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_2_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_2_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_3_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_3_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_4_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_4_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_5_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_5_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        for (int i24 = 0; i24 < 32; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3584]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 128]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3712]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7296]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 10880]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14464]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 18048]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 256]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3840]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7424]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 11008]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14592]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 18176]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3584]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3712]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7296]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 10880]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14464]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 18048]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21632]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3840]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7424]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 11008]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14592]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 18176]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21760]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25088]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7296]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 10880]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14464]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 18048]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21632]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25216]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7424]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 11008]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14592]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 18176]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21760]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25344]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_0_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_1_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_1_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_2_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_2_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_3_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_3_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_4_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_4_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_5_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_5_0_1);
+                                    }
+                                }
+                            } else {
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_1_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_1_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_2_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_2_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_0_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_0_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_1_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_1_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_2_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_1_0_2_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_0_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_0_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_1_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_1_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_2_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_2_0_2_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_0_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_0_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_1_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_1_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_2_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_3_0_2_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_0_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_0_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_1_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_1_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_2_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_4_0_2_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_0_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_0_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_1_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_1_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_2_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_5_0_2_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                for (int i26 = 0; i26 < 2; i26++) {
+                                    const int k18 = k27 + i26 * 16;
+                                    {
+                                        __m256 acc_0_0_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_0_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_1_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_1_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_2_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_2_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_3_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_3_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_4_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_4_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        __m256 acc_0_5_0_0 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0);
+                                        __m256 acc_0_5_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
+                                        for (int i24 = 0; i24 < 32; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_1[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_1[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_1[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_1[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_1[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_2[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_2[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_2[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_2[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_2[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_1[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_1[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_1[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_1[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_1[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_1[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_2[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_2[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_2[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_2[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_2[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_2[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_1[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_1[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_1[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_1[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_1[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_1[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_2[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_2[c19 + 0]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_2[c19 + 0]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_2[c19 + 0]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_2[c19 + 0]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_2[c19 + 0]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 0 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_0_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_1_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 1 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_1_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_2_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 2 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_2_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_3_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 3 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_3_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_4_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 4 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_4_0_1);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_5_0_0);
+                                        _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8, acc_0_5_0_1);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw1(yt, 1, 28, 28, 32, y, bo_n, bo_h, bo_w, bo_k, 128, 28, 28, ep, 0);
+        }
+    }
+}

@@ -346,3 +346,181 @@ void ttile_f32_conv2d_80fbdaa6c963__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k42 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    #pragma omp parallel for collapse(1) schedule(static) num_threads(nthreads)
+    for (int i41 = 0; i41 < 2; i41++)
+    {
+        const int k35 = k42 + i41 * 64;
+        {
+            const int n0 = n34;
+            const int k12 = k35;
+            const int c8 = c36;
+            const int h16 = h37;
+            const int w10 = w38;
+            const int r5 = r39;
+            const int s6 = s40;
+            for (int i15 = 0; i15 < 1; i15++) {
+                const int h14 = h16 + i15 * 8;
+                for (int i13 = 0; i13 < 2; i13++) {
+                    const int h3 = h14 + i13 * 4;
+                    {
+                        #ifdef TTILE_CHECK_SPILLS
+                        static float yt[17408] __attribute__((aligned(64)));
+                        #else
+                        float yt[17408] __attribute__((aligned(64)));
+                        #endif
+                        const int bo_n = n0;
+                        const int bo_h = h3;
+                        const int bo_w = w10;
+                        const int bo_k = k12;
+                        for (int i11 = 0; i11 < 4; i11++) {
+                            const int k1 = k12 + i11 * 16;
+                            for (int i9 = 0; i9 < 68; i9++) {
+                                const int w4 = w10 + i9 * 1;
+                                {
+                                    __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                    {
+                                        const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                        for (int i7 = 0; i7 < 256; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            }
+                                        }
+                                    }
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 8, acc_0_0_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_1_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 8, acc_0_1_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_2_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 8, acc_0_2_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_3_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 8, acc_0_3_0_1);
+                                }
+                            }
+                        }
+                        ttile_store_nchw1(yt, 1, 4, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 128, 68, 68, ep, 0);
+                    }
+                }
+            }
+        }
+        {
+            const int n17 = n34;
+            const int k29 = k35;
+            const int c25 = c36;
+            const int h33 = h37 + 8;
+            const int w27 = w38;
+            const int r22 = r39;
+            const int s23 = s40;
+            for (int i32 = 0; i32 < 5; i32++) {
+                const int h31 = h33 + i32 * 12;
+                for (int i30 = 0; i30 < 2; i30++) {
+                    const int h20 = h31 + i30 * 6;
+                    {
+                        #ifdef TTILE_CHECK_SPILLS
+                        static float yt[26112] __attribute__((aligned(64)));
+                        #else
+                        float yt[26112] __attribute__((aligned(64)));
+                        #endif
+                        const int bo_n = n17;
+                        const int bo_h = h20;
+                        const int bo_w = w27;
+                        const int bo_k = k29;
+                        for (int i28 = 0; i28 < 4; i28++) {
+                            const int k18 = k29 + i28 * 16;
+                            for (int i26 = 0; i26 < 68; i26++) {
+                                const int w21 = w27 + i26 * 1;
+                                {
+                                    __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                    __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                                    __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                                    {
+                                        const float *restrict xb = x + (((int64_t)n17 * 68 + (h20 * 1 + r22 * 1 - 0)) * 68 + (w21 * 1 + s23 * 1 - 0)) * 256;
+                                        for (int i24 = 0; i24 < 256; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 256 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                                const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 256 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                                acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                                acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 52224]);
+                                                acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 69632]);
+                                                acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 87040]);
+                                                acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                                acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            }
+                                        }
+                                    }
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 0, acc_0_0_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 8, acc_0_0_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 0, acc_0_1_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 8, acc_0_1_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 0, acc_0_2_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 8, acc_0_2_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 0, acc_0_3_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 8, acc_0_3_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 0, acc_0_4_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 8, acc_0_4_0_1);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 0, acc_0_5_0_0);
+                                    _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 4352 + (w21 + 0 - bo_w) * 64 + k18 - bo_k + 8, acc_0_5_0_1);
+                                }
+                            }
+                        }
+                        ttile_store_nchw1(yt, 1, 6, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 128, 68, 68, ep, 0);
+                    }
+                }
+            }
+        }
+    }
+}

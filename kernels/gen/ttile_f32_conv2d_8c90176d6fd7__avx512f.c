@@ -563,3 +563,213 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n22 = 0;
+    const int k23 = 0;
+    const int c24 = 0;
+    const int h30 = 0;
+    const int w26 = 0;
+    const int r27 = 0;
+    const int s28 = 0;
+    for (int i29 = 0; i29 < 136; i29++) {
+        const int h25 = h30 + i29 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[8704] __attribute__((aligned(64)));
+            #else
+            float yt[8704] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n22;
+            const int bo_h = h25;
+            const int bo_w = w26;
+            const int bo_k = k23;
+            {
+                const int n0 = n22;
+                const int k1 = k23;
+                const int c8 = c24;
+                const int h3 = h25;
+                const int w10 = w26;
+                const int r5 = r27;
+                const int s6 = s28;
+                for (int i9 = 0; i9 < 31; i9++) {
+                    const int w4 = w10 + i9 * 4;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_3 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                            for (int i7 = 0; i7 < 128; i7++) {
+                                const int c2 = c8 + i7 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 16);
+                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 32);
+                                    const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 48);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                    acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 128]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                    acc_0_0_1_3 = _mm512_fmadd_ps(b0_0_1, wv3, acc_0_0_1_3);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 256]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                    acc_0_0_2_3 = _mm512_fmadd_ps(b0_0_2, wv3, acc_0_0_2_3);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 384]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                    acc_0_0_3_3 = _mm512_fmadd_ps(b0_0_3, wv3, acc_0_0_3_3);
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_0_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_0_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 1 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 1 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 1 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_1_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 1 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_1_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 2 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 2 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 2 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_2_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 2 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_2_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 3 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 3 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 3 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_3_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8704 + (w4 + 3 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_3_3);
+                    }
+                }
+            }
+            {
+                const int n11 = n22;
+                const int k12 = k23;
+                const int c19 = c24;
+                const int h14 = h25;
+                const int w21 = w26 + 124;
+                const int r16 = r27;
+                const int s17 = s28;
+                for (int i20 = 0; i20 < 2; i20++) {
+                    const int w15 = w21 + i20 * 6;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_3 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_3 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n11 * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
+                            for (int i18 = 0; i18 < 128; i18++) {
+                                const int c13 = c19 + i18 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 16);
+                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 32);
+                                    const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 48);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                    acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 128]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                    acc_0_0_1_3 = _mm512_fmadd_ps(b0_0_1, wv3, acc_0_0_1_3);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 256]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                    acc_0_0_2_3 = _mm512_fmadd_ps(b0_0_2, wv3, acc_0_0_2_3);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 384]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                    acc_0_0_3_3 = _mm512_fmadd_ps(b0_0_3, wv3, acc_0_0_3_3);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 512]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
+                                    acc_0_0_4_3 = _mm512_fmadd_ps(b0_0_4, wv3, acc_0_0_4_3);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c13 + 640]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    acc_0_0_5_2 = _mm512_fmadd_ps(b0_0_5, wv2, acc_0_0_5_2);
+                                    acc_0_0_5_3 = _mm512_fmadd_ps(b0_0_5, wv3, acc_0_0_5_3);
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 0 - bo_w) * 64 + k12 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 0 - bo_w) * 64 + k12 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 0 - bo_w) * 64 + k12 - bo_k + 32, acc_0_0_0_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 0 - bo_w) * 64 + k12 - bo_k + 48, acc_0_0_0_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 1 - bo_w) * 64 + k12 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 1 - bo_w) * 64 + k12 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 1 - bo_w) * 64 + k12 - bo_k + 32, acc_0_0_1_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 1 - bo_w) * 64 + k12 - bo_k + 48, acc_0_0_1_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 2 - bo_w) * 64 + k12 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 2 - bo_w) * 64 + k12 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 2 - bo_w) * 64 + k12 - bo_k + 32, acc_0_0_2_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 2 - bo_w) * 64 + k12 - bo_k + 48, acc_0_0_2_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 3 - bo_w) * 64 + k12 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 3 - bo_w) * 64 + k12 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 3 - bo_w) * 64 + k12 - bo_k + 32, acc_0_0_3_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 3 - bo_w) * 64 + k12 - bo_k + 48, acc_0_0_3_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 4 - bo_w) * 64 + k12 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 4 - bo_w) * 64 + k12 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 4 - bo_w) * 64 + k12 - bo_k + 32, acc_0_0_4_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 4 - bo_w) * 64 + k12 - bo_k + 48, acc_0_0_4_3);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 5 - bo_w) * 64 + k12 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 5 - bo_w) * 64 + k12 - bo_k + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 5 - bo_w) * 64 + k12 - bo_k + 32, acc_0_0_5_2);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 8704 + (w15 + 5 - bo_w) * 64 + k12 - bo_k + 48, acc_0_0_5_3);
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 136, 64, y, bo_n, bo_h, bo_w, bo_k, 64, 136, 136, ep, 0);
+        }
+    }
+}

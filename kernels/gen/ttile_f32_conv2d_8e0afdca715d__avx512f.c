@@ -523,3 +523,267 @@ void ttile_f32_conv2d_8e0afdca715d__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_8e0afdca715d_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n30 = 0;
+    const int k42 = 0;
+    const int c32 = 0;
+    const int h40 = 0;
+    const int w34 = 0;
+    const int r35 = 0;
+    const int s36 = 0;
+    for (int i41 = 0; i41 < 2; i41++) {
+        const int k38 = k42 + i41 * 128;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[25088] __attribute__((aligned(64)));
+            #else
+            float yt[25088] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n30;
+            const int bo_h = h40;
+            const int bo_w = w34;
+            const int bo_k = k38;
+            for (int i39 = 0; i39 < 14; i39++) {
+                const int h33 = h40 + i39 * 1;
+                for (int i37 = 0; i37 < 4; i37++) {
+                    const int k31 = k38 + i37 * 32;
+                    {
+                        const int n0 = n30;
+                        const int k1 = k31;
+                        const int c8 = c32;
+                        const int h3 = h33;
+                        const int w14 = w34;
+                        const int r12 = r35;
+                        const int s10 = s36;
+                        for (int i13 = 0; i13 < 1; i13++) {
+                            const int w4 = w14 + i13 * 6;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                                for (int i11 = 0; i11 < 3; i11++) {
+                                    const int r5 = r12 + i11 * 1;
+                                    for (int i9 = 0; i9 < 3; i9++) {
+                                        const int s6 = s10 + i9 * 1;
+                                        if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 0 < 28 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 10 < 28) {
+                                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 2 + r5 * 1 - 1)) * 28 + (w4 * 2 + s6 * 1 - 1)) * 128;
+                                            for (int i7 = 0; i7 < 128; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 256]);
+                                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 512]);
+                                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 768]);
+                                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 1024]);
+                                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 1280]);
+                                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                }
+                                            }
+                                        } else {
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 1) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 2) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 3) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 4) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 4) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 5) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 5) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            for (int i7 = 0; i7 < 128; i7++) {
+                                                const int c2 = c8 + i7 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                    const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                    const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                    const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                    const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 1 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 1 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 2 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 2 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 3 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 3 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 4 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_4_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 4 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_4_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 5 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_5_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1792 + (w4 + 5 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_5_1);
+                            }
+                        }
+                    }
+                    {
+                        const int n15 = n30;
+                        const int k16 = k31;
+                        const int c23 = c32;
+                        const int h18 = h33;
+                        const int w29 = w34 + 6;
+                        const int r27 = r35;
+                        const int s25 = s36;
+                        for (int i28 = 0; i28 < 1; i28++) {
+                            const int w19 = w29 + i28 * 8;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                                for (int i26 = 0; i26 < 3; i26++) {
+                                    const int r20 = r27 + i26 * 1;
+                                    for (int i24 = 0; i24 < 3; i24++) {
+                                        const int s21 = s25 + i24 * 1;
+                                        if (h18 * 2 + r20 * 1 - 1 >= 0 && h18 * 2 + r20 * 1 - 1 + 0 < 28 && w19 * 2 + s21 * 1 - 1 >= 0 && w19 * 2 + s21 * 1 - 1 + 14 < 28) {
+                                            const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 2 + r20 * 1 - 1)) * 28 + (w19 * 2 + s21 * 1 - 1)) * 128;
+                                            for (int i22 = 0; i22 < 128; i22++) {
+                                                const int c17 = c23 + i22 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 128 * 32 + (int64_t)(c17 + 0) * 32 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 128 * 32 + (int64_t)(c17 + 0) * 32 + 16);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c17 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c17 + 256]);
+                                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c17 + 512]);
+                                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c17 + 768]);
+                                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c17 + 1024]);
+                                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c17 + 1280]);
+                                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c17 + 1536]);
+                                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[c17 + 1792]);
+                                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                }
+                                            }
+                                        } else {
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 0) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 0) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_1_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 1) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 1) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_2_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 2) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 2) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_3_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 3) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 3) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_4_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 4) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 4) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_5_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 5) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 5) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_6_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 6) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 6) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            const float *restrict xp_0_0_7_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 28u && (unsigned)((w19 + 7) * 2 + (s21 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n15 + 0) * 28 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 28 + ((w19 + 7) * 2 + (s21 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_8e0afdca715d__avx512f;
+                                            for (int i22 = 0; i22 < 128; i22++) {
+                                                const int c17 = c23 + i22 * 1;
+                                                {
+                                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 128 * 32 + (int64_t)(c17 + 0) * 32 + 0);
+                                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 128 * 32 + (int64_t)(c17 + 0) * 32 + 16);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c17 + 0]);
+                                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                    const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c17 + 0]);
+                                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                    const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c17 + 0]);
+                                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                    const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c17 + 0]);
+                                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                    const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c17 + 0]);
+                                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                    const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c17 + 0]);
+                                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                    const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c17 + 0]);
+                                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                    const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c17 + 0]);
+                                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 1 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 1 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 2 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 2 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 3 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 3 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 4 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_4_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 4 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_4_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 5 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_5_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 5 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_5_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 6 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_6_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 6 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_6_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 7 - bo_w) * 128 + k16 - bo_k + 0, acc_0_0_7_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 14 + (h18 + 0 - bo_h)) * 1792 + (w19 + 7 - bo_w) * 128 + k16 - bo_k + 16, acc_0_0_7_1);
+                            }
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 14, 14, 128, y, bo_n, bo_h, bo_w, bo_k, 256, 14, 14, ep, 0);
+        }
+    }
+}

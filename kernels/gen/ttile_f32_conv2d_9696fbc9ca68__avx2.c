@@ -338,3 +338,173 @@ void ttile_f32_conv2d_9696fbc9ca68__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_9696fbc9ca68_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n30 = 0;
+    const int k38 = 0;
+    const int c32 = 0;
+    const int h33 = 0;
+    const int w34 = 0;
+    const int r35 = 0;
+    const int s36 = 0;
+    for (int i37 = 0; i37 < 2; i37++) {
+        const int k31 = k38 + i37 * 32;
+        {
+            const int n0 = n30;
+            const int k12 = k31;
+            const int c8 = c32;
+            const int h14 = h33;
+            const int w10 = w34;
+            const int r5 = r35;
+            const int s6 = s36;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[14336] __attribute__((aligned(64)));
+                #else
+                float yt[14336] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n0;
+                const int bo_h = h14;
+                const int bo_w = w10;
+                const int bo_k = k12;
+                for (int i13 = 0; i13 < 2; i13++) {
+                    const int h3 = h14 + i13 * 4;
+                    for (int i11 = 0; i11 < 2; i11++) {
+                        const int k1 = k12 + i11 * 16;
+                        for (int i9 = 0; i9 < 56; i9++) {
+                            const int w4 = w10 + i9 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                {
+                                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                                    for (int i7 = 0; i7 < 64; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 0 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 0 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 1 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 1 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 2 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 2 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 3 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 8 + (h3 + 3 - bo_h)) * 1792 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8, acc_0_3_0_1);
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw1(yt, 1, 8, 56, 32, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+            }
+        }
+        {
+            const int n15 = n30;
+            const int k27 = k31;
+            const int c23 = c32;
+            const int h29 = h33 + 8;
+            const int w25 = w34;
+            const int r20 = r35;
+            const int s21 = s36;
+            for (int i28 = 0; i28 < 8; i28++) {
+                const int h18 = h29 + i28 * 6;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[10752] __attribute__((aligned(64)));
+                    #else
+                    float yt[10752] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n15;
+                    const int bo_h = h18;
+                    const int bo_w = w25;
+                    const int bo_k = k27;
+                    for (int i26 = 0; i26 < 2; i26++) {
+                        const int k16 = k27 + i26 * 16;
+                        for (int i24 = 0; i24 < 56; i24++) {
+                            const int w19 = w25 + i24 * 1;
+                            {
+                                __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                                __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                                {
+                                    const float *restrict xb = x + (((int64_t)n15 * 56 + (h18 * 1 + r20 * 1 - 0)) * 56 + (w19 * 1 + s21 * 1 - 0)) * 64;
+                                    for (int i22 = 0; i22 < 64; i22++) {
+                                        const int c17 = c23 + i22 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 64 * 16 + (int64_t)(c17 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 64 * 16 + (int64_t)(c17 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c17 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c17 + 3584]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c17 + 7168]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c17 + 10752]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c17 + 14336]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c17 + 17920]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                    }
+                                }
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 0 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 0 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 8, acc_0_0_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 1 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_1_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 1 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 8, acc_0_1_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 2 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_2_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 2 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 8, acc_0_2_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 3 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_3_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 3 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 8, acc_0_3_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 4 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_4_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 4 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 8, acc_0_4_0_1);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 5 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_5_0_0);
+                                _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 6 + (h18 + 5 - bo_h)) * 1792 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 8, acc_0_5_0_1);
+                            }
+                        }
+                    }
+                    ttile_store_nchw1(yt, 1, 6, 56, 32, y, bo_n, bo_h, bo_w, bo_k, 64, 56, 56, ep, 0);
+                }
+            }
+        }
+    }
+}

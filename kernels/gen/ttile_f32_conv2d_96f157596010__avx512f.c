@@ -303,3 +303,123 @@ void ttile_f32_conv2d_96f157596010__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_96f157596010_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n0 = 0;
+    const int k16 = 0;
+    const int c8 = 0;
+    const int h14 = 0;
+    const int w10 = 0;
+    const int r5 = 0;
+    const int s6 = 0;
+    for (int i15 = 0; i15 < 4; i15++) {
+        const int k12 = k16 + i15 * 96;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[18816] __attribute__((aligned(64)));
+            #else
+            float yt[18816] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n0;
+            const int bo_h = h14;
+            const int bo_w = w10;
+            const int bo_k = k12;
+            for (int i13 = 0; i13 < 2; i13++) {
+                const int h3 = h14 + i13 * 7;
+                for (int i11 = 0; i11 < 2; i11++) {
+                    const int k1 = k12 + i11 * 48;
+                    for (int i9 = 0; i9 < 14; i9++) {
+                        const int w4 = w10 + i9 * 1;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_1_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_2_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_3_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_4_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_5_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_5_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_5_0_2 = _mm512_setzero_ps();
+                            __m512 acc_0_6_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_6_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_6_0_2 = _mm512_setzero_ps();
+                            {
+                                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                                for (int i7 = 0; i7 < 64; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 48 + (int64_t)(c2 + 0) * 48 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 48 + (int64_t)(c2 + 0) * 48 + 16);
+                                        const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 48 + (int64_t)(c2 + 0) * 48 + 32);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 896]);
+                                        acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                        acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                        acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 1792]);
+                                        acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                        acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                        acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 2688]);
+                                        acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                        acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                        acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                        const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 3584]);
+                                        acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                        acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                        const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 4480]);
+                                        acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                        acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
+                                        const __m512 b0_6_0 = _mm512_set1_ps(xb[c2 + 5376]);
+                                        acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                        acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                        acc_0_6_0_2 = _mm512_fmadd_ps(b0_6_0, wv2, acc_0_6_0_2);
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 0 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_0_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 1 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_1_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 1 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_1_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 1 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_1_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 2 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_2_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 2 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_2_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 2 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_2_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 3 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_3_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 3 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_3_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 3 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_3_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 4 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_4_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 4 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_4_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 4 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_4_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 5 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_5_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 5 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_5_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 5 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_5_0_2);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 6 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 0, acc_0_6_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 6 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 16, acc_0_6_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 14 + (h3 + 6 - bo_h)) * 1344 + (w4 + 0 - bo_w) * 96 + k1 - bo_k + 32, acc_0_6_0_2);
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 14, 14, 96, y, bo_n, bo_h, bo_w, bo_k, 384, 14, 14, ep, 0);
+        }
+    }
+}

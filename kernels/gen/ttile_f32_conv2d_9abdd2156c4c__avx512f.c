@@ -623,3 +623,253 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k35 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    {
+        const int n0 = n34;
+        const int k10 = k35;
+        const int c8 = c36;
+        const int h16 = h37;
+        const int w14 = w38;
+        const int r5 = r39;
+        const int s6 = s40;
+        for (int i15 = 0; i15 < 2; i15++) {
+            const int h3 = h16 + i15 * 5;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[17920] __attribute__((aligned(64)));
+                #else
+                float yt[17920] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n0;
+                const int bo_h = h3;
+                const int bo_w = w14;
+                const int bo_k = k10;
+                for (int i13 = 0; i13 < 2; i13++) {
+                    const int w12 = w14 + i13 * 14;
+                    for (int i11 = 0; i11 < 14; i11++) {
+                        const int w4 = w12 + i11 * 1;
+                        {
+                            const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
+                            for (int i9 = 0; i9 < 2; i9++) {
+                                const int k1 = k10 + i9 * 64;
+                                {
+                                    __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_3 = _mm512_setzero_ps();
+                                    for (int i7 = 0; i7 < 64; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
+                                            const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 32);
+                                            const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 48);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                            acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 7168]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                            acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 14336]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                            acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 21504]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                            acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 28672]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                            acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                        }
+                                    }
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_1_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_1_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 32, acc_0_1_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 48, acc_0_1_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_2_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_2_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 32, acc_0_2_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 48, acc_0_2_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_3_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_3_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 32, acc_0_3_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 48, acc_0_3_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 0, acc_0_4_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 16, acc_0_4_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 32, acc_0_4_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 128 + k1 - bo_k + 48, acc_0_4_0_3);
+                                }
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw512(yt, 1, 5, 28, 128, y, bo_n, bo_h, bo_w, bo_k, 128, 28, 28, ep, 0);
+            }
+        }
+    }
+    {
+        const int n17 = n34;
+        const int k27 = k35;
+        const int c25 = c36;
+        const int h33 = h37 + 10;
+        const int w31 = w38;
+        const int r22 = r39;
+        const int s23 = s40;
+        for (int i32 = 0; i32 < 3; i32++) {
+            const int h20 = h33 + i32 * 6;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[21504] __attribute__((aligned(64)));
+                #else
+                float yt[21504] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n17;
+                const int bo_h = h20;
+                const int bo_w = w31;
+                const int bo_k = k27;
+                for (int i30 = 0; i30 < 2; i30++) {
+                    const int w29 = w31 + i30 * 14;
+                    for (int i28 = 0; i28 < 14; i28++) {
+                        const int w21 = w29 + i28 * 1;
+                        {
+                            const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 0)) * 56 + (w21 * 2 + s23 * 1 - 0)) * 64;
+                            for (int i26 = 0; i26 < 2; i26++) {
+                                const int k18 = k27 + i26 * 64;
+                                {
+                                    __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_0_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_1_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_2_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_3_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_4_0_3 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_0 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_1 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_2 = _mm512_setzero_ps();
+                                    __m512 acc_0_5_0_3 = _mm512_setzero_ps();
+                                    for (int i24 = 0; i24 < 64; i24++) {
+                                        const int c19 = c25 + i24 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 16);
+                                            const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 32);
+                                            const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 48);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                            acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 7168]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                            acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 14336]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                            acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 21504]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                            acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 28672]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                            acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 35840]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
+                                            acc_0_5_0_3 = _mm512_fmadd_ps(b0_5_0, wv3, acc_0_5_0_3);
+                                        }
+                                    }
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_0_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_0_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 32, acc_0_0_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 48, acc_0_0_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_1_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_1_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 32, acc_0_1_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 48, acc_0_1_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_2_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_2_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 32, acc_0_2_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 48, acc_0_2_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_3_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_3_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 32, acc_0_3_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 48, acc_0_3_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_4_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_4_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 32, acc_0_4_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 48, acc_0_4_0_3);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 0, acc_0_5_0_0);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 16, acc_0_5_0_1);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 32, acc_0_5_0_2);
+                                    _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 128 + k18 - bo_k + 48, acc_0_5_0_3);
+                                }
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw512(yt, 1, 6, 28, 128, y, bo_n, bo_h, bo_w, bo_k, 128, 28, 28, ep, 0);
+            }
+        }
+    }
+}

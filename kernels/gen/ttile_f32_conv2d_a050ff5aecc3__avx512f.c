@@ -710,3 +710,263 @@ void ttile_f32_conv2d_a050ff5aecc3__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_a050ff5aecc3_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n22 = 0;
+    const int k34 = 0;
+    const int c24 = 0;
+    const int h32 = 0;
+    const int w26 = 0;
+    const int r27 = 0;
+    const int s28 = 0;
+    #pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads)
+    for (int i33 = 0; i33 < 31; i33++)
+    for (int i31 = 0; i31 < 17; i31++)
+    for (int i29 = 0; i29 < 19; i29++)
+    {
+        const int k30 = k34 + i33 * 912;
+        const int h25 = h32 + i31 * 1;
+        const int k23 = k30 + i29 * 48;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[816] __attribute__((aligned(64)));
+            #else
+            float yt[816] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n22;
+            const int bo_h = h25;
+            const int bo_w = w26;
+            const int bo_k = k23;
+            {
+                const int n0 = n22;
+                const int k1 = k23;
+                const int c8 = c24;
+                const int h3 = h25;
+                const int w10 = w26;
+                const int r5 = r27;
+                const int s6 = s28;
+                for (int i9 = 0; i9 < 1; i9++) {
+                    const int w4 = w10 + i9 * 8;
+                    {
+                        const __mmask16 m0 = ttile_tail_mask(28269 - (k1 + 0));
+                        const __mmask16 m1 = ttile_tail_mask(28269 - (k1 + 16));
+                        const __mmask16 m2 = ttile_tail_mask(28269 - (k1 + 32));
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_2 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n0 * 17 + (h3 * 1 + r5 * 1 - 0)) * 17 + (w4 * 1 + s6 * 1 - 0)) * 1024;
+                            for (int i7 = 0; i7 < 1024; i7++) {
+                                const int c2 = c8 + i7 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 1024 * 48 + (int64_t)(c2 + 0) * 48 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 1024 * 48 + (int64_t)(c2 + 0) * 48 + 16);
+                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 1024 * 48 + (int64_t)(c2 + 0) * 48 + 32);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 1024]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 2048]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 3072]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 4096]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 5120]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    acc_0_0_5_2 = _mm512_fmadd_ps(b0_0_5, wv2, acc_0_0_5_2);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 6144]);
+                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                    acc_0_0_6_2 = _mm512_fmadd_ps(b0_0_6, wv2, acc_0_0_6_2);
+                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 7168]);
+                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                    acc_0_0_7_2 = _mm512_fmadd_ps(b0_0_7, wv2, acc_0_0_7_2);
+                                }
+                            }
+                        }
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 0 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_0_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 0 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_0_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 0 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_0_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 1 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_1_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 1 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_1_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 1 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_1_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 2 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_2_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 2 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_2_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 2 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_2_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 3 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_3_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 3 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_3_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 3 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_3_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 4 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_4_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 4 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_4_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 4 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_4_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 5 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_5_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 5 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_5_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 5 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_5_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 6 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_6_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 6 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_6_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 6 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_6_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 7 - bo_w) * 48 + k1 - bo_k + 0, m0, acc_0_0_7_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 7 - bo_w) * 48 + k1 - bo_k + 16, m1, acc_0_0_7_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 816 + (w4 + 7 - bo_w) * 48 + k1 - bo_k + 32, m2, acc_0_0_7_2);
+                    }
+                }
+            }
+            {
+                const int n11 = n22;
+                const int k12 = k23;
+                const int c19 = c24;
+                const int h14 = h25;
+                const int w21 = w26 + 8;
+                const int r16 = r27;
+                const int s17 = s28;
+                for (int i20 = 0; i20 < 1; i20++) {
+                    const int w15 = w21 + i20 * 9;
+                    {
+                        const __mmask16 m0 = ttile_tail_mask(28269 - (k12 + 0));
+                        const __mmask16 m1 = ttile_tail_mask(28269 - (k12 + 16));
+                        const __mmask16 m2 = ttile_tail_mask(28269 - (k12 + 32));
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_2 = _mm512_setzero_ps();
+                        __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_8_2 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n11 * 17 + (h14 * 1 + r16 * 1 - 0)) * 17 + (w15 * 1 + s17 * 1 - 0)) * 1024;
+                            for (int i18 = 0; i18 < 1024; i18++) {
+                                const int c13 = c19 + i18 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 1024 * 48 + (int64_t)(c13 + 0) * 48 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 1024 * 48 + (int64_t)(c13 + 0) * 48 + 16);
+                                    const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 1024 * 48 + (int64_t)(c13 + 0) * 48 + 32);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 1024]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 2048]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 3072]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 4096]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c13 + 5120]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    acc_0_0_5_2 = _mm512_fmadd_ps(b0_0_5, wv2, acc_0_0_5_2);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c13 + 6144]);
+                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                    acc_0_0_6_2 = _mm512_fmadd_ps(b0_0_6, wv2, acc_0_0_6_2);
+                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[c13 + 7168]);
+                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                    acc_0_0_7_2 = _mm512_fmadd_ps(b0_0_7, wv2, acc_0_0_7_2);
+                                    const __m512 b0_0_8 = _mm512_set1_ps(xb[c13 + 8192]);
+                                    acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                    acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                    acc_0_0_8_2 = _mm512_fmadd_ps(b0_0_8, wv2, acc_0_0_8_2);
+                                }
+                            }
+                        }
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 0 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_0_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 0 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_0_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 0 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_0_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 1 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_1_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 1 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_1_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 1 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_1_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 2 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_2_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 2 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_2_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 2 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_2_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 3 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_3_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 3 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_3_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 3 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_3_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 4 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_4_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 4 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_4_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 4 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_4_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 5 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_5_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 5 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_5_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 5 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_5_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 6 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_6_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 6 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_6_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 6 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_6_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 7 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_7_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 7 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_7_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 7 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_7_2);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 8 - bo_w) * 48 + k12 - bo_k + 0, m0, acc_0_0_8_0);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 8 - bo_w) * 48 + k12 - bo_k + 16, m1, acc_0_0_8_1);
+                        _mm512_mask_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 816 + (w15 + 8 - bo_w) * 48 + k12 - bo_k + 32, m2, acc_0_0_8_2);
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 17, 48, y, bo_n, bo_h, bo_w, bo_k, 28269, 17, 17, ep, 1);
+        }
+    }
+}

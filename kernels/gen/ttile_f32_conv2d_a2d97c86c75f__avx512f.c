@@ -624,3 +624,242 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n26 = 0;
+    const int k36 = 0;
+    const int c34 = 0;
+    const int h40 = 0;
+    const int w38 = 0;
+    const int r31 = 0;
+    const int s32 = 0;
+    #pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads)
+    for (int i39 = 0; i39 < 2; i39++)
+    for (int i37 = 0; i37 < 2; i37++)
+    for (int i35 = 0; i35 < 4; i35++)
+    {
+        const int h29 = h40 + i39 * 17;
+        const int w30 = w38 + i37 * 17;
+        const int k27 = k36 + i35 * 64;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[18496] __attribute__((aligned(64)));
+            #else
+            float yt[18496] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n26;
+            const int bo_h = h29;
+            const int bo_w = w30;
+            const int bo_k = k27;
+            memset(yt, 0, sizeof(float) * 18496);
+            for (int i33 = 0; i33 < 4; i33++) {
+                const int c28 = c34 + i33 * 128;
+                {
+                    const int n0 = n26;
+                    const int k1 = k27;
+                    const int c8 = c28;
+                    const int h12 = h29;
+                    const int w10 = w30;
+                    const int r5 = r31;
+                    const int s6 = s32;
+                    for (int i11 = 0; i11 < 1; i11++) {
+                        const int h3 = h12 + i11 * 5;
+                        for (int i9 = 0; i9 < 17; i9++) {
+                            const int w4 = w10 + i9 * 1;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                __m512 acc_0_0_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                __m512 acc_0_0_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                __m512 acc_0_1_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                __m512 acc_0_1_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                __m512 acc_0_1_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                __m512 acc_0_1_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                __m512 acc_0_2_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                __m512 acc_0_2_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                __m512 acc_0_2_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                __m512 acc_0_2_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                __m512 acc_0_3_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                __m512 acc_0_3_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                __m512 acc_0_3_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                __m512 acc_0_3_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                __m512 acc_0_4_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0);
+                                __m512 acc_0_4_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16);
+                                __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
+                                __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
+                                {
+                                    const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
+                                    for (int i7 = 0; i7 < 128; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 16);
+                                            const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 32);
+                                            const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 48);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                            acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                            acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                            acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                            acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 69632]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                            acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_0_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 0 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_0_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_1_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 1 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_1_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_2_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 2 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_2_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_3_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 3 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_3_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32, acc_0_4_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48, acc_0_4_0_3);
+                            }
+                        }
+                    }
+                }
+                {
+                    const int n13 = n26;
+                    const int k14 = k27;
+                    const int c21 = c28;
+                    const int h25 = h29 + 5;
+                    const int w23 = w30;
+                    const int r18 = r31;
+                    const int s19 = s32;
+                    for (int i24 = 0; i24 < 2; i24++) {
+                        const int h16 = h25 + i24 * 6;
+                        for (int i22 = 0; i22 < 17; i22++) {
+                            const int w17 = w23 + i22 * 1;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0);
+                                __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16);
+                                __m512 acc_0_0_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
+                                __m512 acc_0_0_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
+                                __m512 acc_0_1_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0);
+                                __m512 acc_0_1_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16);
+                                __m512 acc_0_1_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
+                                __m512 acc_0_1_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
+                                __m512 acc_0_2_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0);
+                                __m512 acc_0_2_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16);
+                                __m512 acc_0_2_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
+                                __m512 acc_0_2_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
+                                __m512 acc_0_3_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0);
+                                __m512 acc_0_3_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16);
+                                __m512 acc_0_3_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
+                                __m512 acc_0_3_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
+                                __m512 acc_0_4_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0);
+                                __m512 acc_0_4_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16);
+                                __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
+                                __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
+                                __m512 acc_0_5_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0);
+                                __m512 acc_0_5_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16);
+                                __m512 acc_0_5_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
+                                __m512 acc_0_5_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
+                                {
+                                    const float *restrict xb = x + (((int64_t)n13 * 34 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0)) * 512;
+                                    for (int i20 = 0; i20 < 128; i20++) {
+                                        const int c15 = c21 + i20 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 16);
+                                            const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 32);
+                                            const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 48);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
+                                            acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c15 + 17408]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
+                                            acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c15 + 34816]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
+                                            acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c15 + 52224]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
+                                            acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c15 + 69632]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
+                                            acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c15 + 87040]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
+                                            acc_0_5_0_3 = _mm512_fmadd_ps(b0_5_0, wv3, acc_0_5_0_3);
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32, acc_0_0_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 0 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48, acc_0_0_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32, acc_0_1_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 1 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48, acc_0_1_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32, acc_0_2_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 2 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48, acc_0_2_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32, acc_0_3_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 3 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48, acc_0_3_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32, acc_0_4_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 4 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48, acc_0_4_0_3);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 16, acc_0_5_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32, acc_0_5_0_2);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48, acc_0_5_0_3);
+                            }
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 17, 17, 64, y, bo_n, bo_h, bo_w, bo_k, 256, 34, 34, ep, 0);
+        }
+    }
+}

@@ -667,3 +667,475 @@ void ttile_f32_conv2d_a6748d0c2169__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n30 = 0;
+    const int k31 = 0;
+    const int c32 = 0;
+    const int h38 = 0;
+    const int w34 = 0;
+    const int r35 = 0;
+    const int s36 = 0;
+    for (int i37 = 0; i37 < 544; i37++) {
+        const int h33 = h38 + i37 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[17408] __attribute__((aligned(64)));
+            #else
+            float yt[17408] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n30;
+            const int bo_h = h33;
+            const int bo_w = w34;
+            const int bo_k = k31;
+            {
+                const int n0 = n30;
+                const int k12 = k31;
+                const int c8 = c32;
+                const int h3 = h33;
+                const int w14 = w34;
+                const int r10 = r35;
+                const int s6 = s36;
+                for (int i13 = 0; i13 < 14; i13++) {
+                    const int w4 = w14 + i13 * 9;
+                    for (int i11 = 0; i11 < 4; i11++) {
+                        const int k1 = k12 + i11 * 8;
+                        {
+                            __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_1_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_2_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_3_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_4_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_5_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_6_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_7_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_8_0 = _mm256_setzero_ps();
+                            for (int i9 = 0; i9 < 3; i9++) {
+                                const int r5 = r10 + i9 * 1;
+                                if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 544 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 10 < 544) {
+                                    const float *restrict xb = x + (((int64_t)n0 * 544 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1)) * 3;
+                                    for (int i7 = 0; i7 < 3; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xb[c2 + 3]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xb[c2 + 6]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xb[c2 + 9]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xb[c2 + 12]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xb[c2 + 15]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xb[c2 + 18]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xb[c2 + 21]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xb[c2 + 24]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xb[c2 + 6]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xb[c2 + 9]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xb[c2 + 12]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xb[c2 + 15]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xb[c2 + 18]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xb[c2 + 21]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xb[c2 + 24]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xb[c2 + 27]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 6]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xb[c2 + 9]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xb[c2 + 12]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xb[c2 + 15]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xb[c2 + 18]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xb[c2 + 21]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xb[c2 + 24]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xb[c2 + 27]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xb[c2 + 30]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_0_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_0_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_1_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_1_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_2_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_2_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_3_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_3_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 4) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 4) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_4_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 4) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 4) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_4_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 4) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 4) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 5) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 5) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_5_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 5) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 5) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_5_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 5) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 5) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 6) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_6_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 6) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_6_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 6) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_7_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 7) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 7) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_7_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 7) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 7) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_7_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 7) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 7) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_8_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 8) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_8_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 8) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_8_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 8) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    for (int i7 = 0; i7 < 3; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xp_0_0_6_0_0[c2 + 0]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xp_0_0_7_0_0[c2 + 0]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xp_0_0_8_0_0[c2 + 0]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xp_0_0_1_0_1[c2 + 0]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xp_0_0_2_0_1[c2 + 0]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xp_0_0_3_0_1[c2 + 0]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xp_0_0_4_0_1[c2 + 0]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xp_0_0_5_0_1[c2 + 0]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xp_0_0_6_0_1[c2 + 0]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xp_0_0_7_0_1[c2 + 0]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xp_0_0_8_0_1[c2 + 0]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xp_0_0_1_0_2[c2 + 0]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xp_0_0_2_0_2[c2 + 0]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xp_0_0_3_0_2[c2 + 0]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xp_0_0_4_0_2[c2 + 0]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xp_0_0_5_0_2[c2 + 0]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xp_0_0_6_0_2[c2 + 0]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xp_0_0_7_0_2[c2 + 0]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xp_0_0_8_0_2[c2 + 0]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                        }
+                                    }
+                                }
+                            }
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_4_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_5_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 6 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_6_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 7 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_7_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 17408 + (w4 + 8 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_8_0);
+                        }
+                    }
+                }
+            }
+            {
+                const int n15 = n30;
+                const int k27 = k31;
+                const int c23 = c32;
+                const int h18 = h33;
+                const int w29 = w34 + 126;
+                const int r25 = r35;
+                const int s21 = s36;
+                for (int i28 = 0; i28 < 38; i28++) {
+                    const int w19 = w29 + i28 * 11;
+                    for (int i26 = 0; i26 < 4; i26++) {
+                        const int k16 = k27 + i26 * 8;
+                        {
+                            __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_1_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_2_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_3_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_4_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_5_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_6_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_7_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_8_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_9_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_10_0 = _mm256_setzero_ps();
+                            for (int i24 = 0; i24 < 3; i24++) {
+                                const int r20 = r25 + i24 * 1;
+                                if (h18 * 1 + r20 * 1 - 1 >= 0 && h18 * 1 + r20 * 1 - 1 + 0 < 544 && w19 * 1 + s21 * 1 - 1 >= 0 && w19 * 1 + s21 * 1 - 1 + 12 < 544) {
+                                    const float *restrict xb = x + (((int64_t)n15 * 544 + (h18 * 1 + r20 * 1 - 1)) * 544 + (w19 * 1 + s21 * 1 - 1)) * 3;
+                                    for (int i22 = 0; i22 < 3; i22++) {
+                                        const int c17 = c23 + i22 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c17 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xb[c17 + 3]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xb[c17 + 6]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xb[c17 + 9]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xb[c17 + 12]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xb[c17 + 15]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xb[c17 + 18]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xb[c17 + 21]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xb[c17 + 24]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                            const __m256 b0_0_9 = _mm256_set1_ps(xb[c17 + 27]);
+                                            acc_0_0_9_0 = _mm256_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                            const __m256 b0_0_10 = _mm256_set1_ps(xb[c17 + 30]);
+                                            acc_0_0_10_0 = _mm256_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 1)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c17 + 3]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xb[c17 + 6]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xb[c17 + 9]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xb[c17 + 12]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xb[c17 + 15]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xb[c17 + 18]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xb[c17 + 21]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xb[c17 + 24]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xb[c17 + 27]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                            const __m256 b0_0_9 = _mm256_set1_ps(xb[c17 + 30]);
+                                            acc_0_0_9_0 = _mm256_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                            const __m256 b0_0_10 = _mm256_set1_ps(xb[c17 + 33]);
+                                            acc_0_0_10_0 = _mm256_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 2)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c17 + 6]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xb[c17 + 9]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xb[c17 + 12]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xb[c17 + 15]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xb[c17 + 18]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xb[c17 + 21]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xb[c17 + 24]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xb[c17 + 27]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xb[c17 + 30]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                            const __m256 b0_0_9 = _mm256_set1_ps(xb[c17 + 33]);
+                                            acc_0_0_9_0 = _mm256_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                            const __m256 b0_0_10 = _mm256_set1_ps(xb[c17 + 36]);
+                                            acc_0_0_10_0 = _mm256_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 0) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 0) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_0_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 0) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 0) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_0_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 0) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 0) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 1) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 1) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_1_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 1) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 1) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_1_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 1) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 1) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 2) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 2) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_2_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 2) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 2) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_2_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 2) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 2) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 3) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 3) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_3_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 3) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 3) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_3_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 3) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 3) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 4) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 4) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_4_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 4) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 4) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_4_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 4) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 4) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 5) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 5) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_5_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 5) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 5) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_5_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 5) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 5) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 6) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 6) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_6_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 6) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 6) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_6_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 6) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 6) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_7_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 7) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 7) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_7_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 7) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 7) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_7_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 7) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 7) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_8_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 8) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 8) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_8_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 8) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 8) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_8_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 8) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 8) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_9_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 9) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 9) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_9_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 9) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 9) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_9_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 9) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 9) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_10_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 10) * 1 + (s21 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 10) * 1 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_10_0_1 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 10) * 1 + (s21 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 10) * 1 + (s21 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    const float *restrict xp_0_0_10_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 10) * 1 + (s21 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n15 + 0) * 544 + ((h18 + 0) * 1 + (r20 + 0) * 1 - 1)) * 544 + ((w19 + 10) * 1 + (s21 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_a6748d0c2169__avx2;
+                                    for (int i22 = 0; i22 < 3; i22++) {
+                                        const int c17 = c23 + i22 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c17 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xp_0_0_1_0_0[c17 + 0]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xp_0_0_2_0_0[c17 + 0]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xp_0_0_3_0_0[c17 + 0]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xp_0_0_4_0_0[c17 + 0]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xp_0_0_5_0_0[c17 + 0]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xp_0_0_6_0_0[c17 + 0]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xp_0_0_7_0_0[c17 + 0]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xp_0_0_8_0_0[c17 + 0]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                            const __m256 b0_0_9 = _mm256_set1_ps(xp_0_0_9_0_0[c17 + 0]);
+                                            acc_0_0_9_0 = _mm256_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                            const __m256 b0_0_10 = _mm256_set1_ps(xp_0_0_10_0_0[c17 + 0]);
+                                            acc_0_0_10_0 = _mm256_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 1)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[c17 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xp_0_0_1_0_1[c17 + 0]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xp_0_0_2_0_1[c17 + 0]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xp_0_0_3_0_1[c17 + 0]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xp_0_0_4_0_1[c17 + 0]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xp_0_0_5_0_1[c17 + 0]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xp_0_0_6_0_1[c17 + 0]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xp_0_0_7_0_1[c17 + 0]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xp_0_0_8_0_1[c17 + 0]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                            const __m256 b0_0_9 = _mm256_set1_ps(xp_0_0_9_0_1[c17 + 0]);
+                                            acc_0_0_9_0 = _mm256_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                            const __m256 b0_0_10 = _mm256_set1_ps(xp_0_0_10_0_1[c17 + 0]);
+                                            acc_0_0_10_0 = _mm256_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 2)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[c17 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            const __m256 b0_0_1 = _mm256_set1_ps(xp_0_0_1_0_2[c17 + 0]);
+                                            acc_0_0_1_0 = _mm256_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            const __m256 b0_0_2 = _mm256_set1_ps(xp_0_0_2_0_2[c17 + 0]);
+                                            acc_0_0_2_0 = _mm256_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            const __m256 b0_0_3 = _mm256_set1_ps(xp_0_0_3_0_2[c17 + 0]);
+                                            acc_0_0_3_0 = _mm256_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            const __m256 b0_0_4 = _mm256_set1_ps(xp_0_0_4_0_2[c17 + 0]);
+                                            acc_0_0_4_0 = _mm256_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            const __m256 b0_0_5 = _mm256_set1_ps(xp_0_0_5_0_2[c17 + 0]);
+                                            acc_0_0_5_0 = _mm256_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            const __m256 b0_0_6 = _mm256_set1_ps(xp_0_0_6_0_2[c17 + 0]);
+                                            acc_0_0_6_0 = _mm256_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            const __m256 b0_0_7 = _mm256_set1_ps(xp_0_0_7_0_2[c17 + 0]);
+                                            acc_0_0_7_0 = _mm256_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            const __m256 b0_0_8 = _mm256_set1_ps(xp_0_0_8_0_2[c17 + 0]);
+                                            acc_0_0_8_0 = _mm256_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                            const __m256 b0_0_9 = _mm256_set1_ps(xp_0_0_9_0_2[c17 + 0]);
+                                            acc_0_0_9_0 = _mm256_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                            const __m256 b0_0_10 = _mm256_set1_ps(xp_0_0_10_0_2[c17 + 0]);
+                                            acc_0_0_10_0 = _mm256_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                        }
+                                    }
+                                }
+                            }
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 1 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_1_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 2 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_2_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 3 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_3_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 4 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_4_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 5 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_5_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 6 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_6_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 7 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_7_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 8 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_8_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 9 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_9_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 17408 + (w19 + 10 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_10_0);
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw1(yt, 1, 1, 544, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 544, 544, ep, 1);
+        }
+    }
+}

@@ -521,3 +521,265 @@ void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n30 = 0;
+    const int k40 = 0;
+    const int c32 = 0;
+    const int h38 = 0;
+    const int w34 = 0;
+    const int r35 = 0;
+    const int s36 = 0;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int i39 = 0; i39 < 2; i39++)
+    for (int i37 = 0; i37 < 112; i37++)
+    {
+        const int k31 = k40 + i39 * 32;
+        const int h33 = h38 + i37 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[3584] __attribute__((aligned(64)));
+            #else
+            float yt[3584] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n30;
+            const int bo_h = h33;
+            const int bo_w = w34;
+            const int bo_k = k31;
+            {
+                const int n0 = n30;
+                const int k1 = k31;
+                const int c8 = c32;
+                const int h3 = h33;
+                const int w14 = w34;
+                const int r12 = r35;
+                const int s10 = s36;
+                for (int i13 = 0; i13 < 16; i13++) {
+                    const int w4 = w14 + i13 * 6;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        for (int i11 = 0; i11 < 7; i11++) {
+                            const int r5 = r12 + i11 * 1;
+                            for (int i9 = 0; i9 < 7; i9++) {
+                                const int s6 = s10 + i9 * 1;
+                                if (h3 * 2 + r5 * 1 - 3 >= 0 && h3 * 2 + r5 * 1 - 3 + 0 < 224 && w4 * 2 + s6 * 1 - 3 >= 0 && w4 * 2 + s6 * 1 - 3 + 10 < 224) {
+                                    const float *restrict xb = x + (((int64_t)n0 * 224 + (h3 * 2 + r5 * 1 - 3)) * 224 + (w4 * 2 + s6 * 1 - 3)) * 3;
+                                    for (int i7 = 0; i7 < 3; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 6]);
+                                            acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 12]);
+                                            acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 18]);
+                                            acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 24]);
+                                            acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 30]);
+                                            acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 3)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 3)) * 224 + ((w4 + 1) * 2 + (s6 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 3)) * 224 + ((w4 + 2) * 2 + (s6 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 3)) * 224 + ((w4 + 3) * 2 + (s6 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 4) * 2 + (s6 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 3)) * 224 + ((w4 + 4) * 2 + (s6 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 5) * 2 + (s6 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 3)) * 224 + ((w4 + 5) * 2 + (s6 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    for (int i7 = 0; i7 < 3; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                            acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                            acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                            acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                            acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                            acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 3584 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_5_1);
+                    }
+                }
+            }
+            {
+                const int n15 = n30;
+                const int k16 = k31;
+                const int c23 = c32;
+                const int h18 = h33;
+                const int w29 = w34 + 96;
+                const int r27 = r35;
+                const int s25 = s36;
+                for (int i28 = 0; i28 < 2; i28++) {
+                    const int w19 = w29 + i28 * 8;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                        for (int i26 = 0; i26 < 7; i26++) {
+                            const int r20 = r27 + i26 * 1;
+                            for (int i24 = 0; i24 < 7; i24++) {
+                                const int s21 = s25 + i24 * 1;
+                                if (h18 * 2 + r20 * 1 - 3 >= 0 && h18 * 2 + r20 * 1 - 3 + 0 < 224 && w19 * 2 + s21 * 1 - 3 >= 0 && w19 * 2 + s21 * 1 - 3 + 14 < 224) {
+                                    const float *restrict xb = x + (((int64_t)n15 * 224 + (h18 * 2 + r20 * 1 - 3)) * 224 + (w19 * 2 + s21 * 1 - 3)) * 3;
+                                    for (int i22 = 0; i22 < 3; i22++) {
+                                        const int c17 = c23 + i22 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c17 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c17 + 6]);
+                                            acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c17 + 12]);
+                                            acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c17 + 18]);
+                                            acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c17 + 24]);
+                                            acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c17 + 30]);
+                                            acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[c17 + 36]);
+                                            acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                            const __m512 b0_0_7 = _mm512_set1_ps(xb[c17 + 42]);
+                                            acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 0) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 0) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 1) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 1) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 2) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 2) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 3) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 3) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 4) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 4) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 5) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 5) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 6) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 6) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    const float *restrict xp_0_0_7_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 7) * 2 + (s21 + 0) * 1 - 3) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 3)) * 224 + ((w19 + 7) * 2 + (s21 + 0) * 1 - 3)) * 3 : zeros_ttile_f32_conv2d_b218b033715f__avx512f;
+                                    for (int i22 = 0; i22 < 3; i22++) {
+                                        const int c17 = c23 + i22 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c17 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c17 + 0]);
+                                            acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                            acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c17 + 0]);
+                                            acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                            acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c17 + 0]);
+                                            acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                            acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c17 + 0]);
+                                            acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                            acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c17 + 0]);
+                                            acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                            acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c17 + 0]);
+                                            acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                            acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                            const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c17 + 0]);
+                                            acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                            acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 1 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 1 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 2 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 2 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 3 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 3 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 4 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 4 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 5 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 5 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 6 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 6 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_6_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 7 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_7_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 1 + (h18 + 0 - bo_h)) * 3584 + (w19 + 7 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_7_1);
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 112, 32, y, bo_n, bo_h, bo_w, bo_k, 64, 112, 112, ep, 0);
+        }
+    }
+}

@@ -966,3 +966,642 @@ void ttile_f32_conv2d_b262b1b2c1c9__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k35 = 0;
+    const int c36 = 0;
+    const int h42 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    #pragma omp parallel for collapse(1) schedule(static) num_threads(nthreads)
+    for (int i41 = 0; i41 < 136; i41++)
+    {
+        const int h37 = h42 + i41 * 4;
+        {
+            const int n0 = n34;
+            const int k1 = k35;
+            const int c8 = c36;
+            const int h14 = h37;
+            const int w16 = w38;
+            const int r10 = r39;
+            const int s6 = s40;
+            {
+                #ifdef TTILE_CHECK_SPILLS
+                static float yt[18432] __attribute__((aligned(64)));
+                #else
+                float yt[18432] __attribute__((aligned(64)));
+                #endif
+                const int bo_n = n0;
+                const int bo_h = h14;
+                const int bo_w = w16;
+                const int bo_k = k1;
+                for (int i15 = 0; i15 < 8; i15++) {
+                    const int w12 = w16 + i15 * 18;
+                    for (int i13 = 0; i13 < 4; i13++) {
+                        const int h3 = h14 + i13 * 1;
+                        for (int i11 = 0; i11 < 2; i11++) {
+                            const int w4 = w12 + i11 * 9;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                                for (int i9 = 0; i9 < 3; i9++) {
+                                    const int r5 = r10 + i9 * 1;
+                                    if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 544 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 10 < 544) {
+                                        const float *restrict xb = x + (((int64_t)n0 * 544 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1)) * 3;
+                                        for (int i7 = 0; i7 < 3; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 3]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 6]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 9]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 12]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 15]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 18]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 21]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c2 + 24]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 3]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 6]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 9]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 12]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 15]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 18]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 21]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 24]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c2 + 27]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 6]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 9]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 12]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 15]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 18]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 21]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 24]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 27]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c2 + 30]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_0_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_0_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_1_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_1_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_2_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_2_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_3_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_3_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 4) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 4) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_4_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 4) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 4) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_4_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 4) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 4) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 5) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 5) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_5_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 5) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 5) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_5_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 5) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 5) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 6) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_6_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 6) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_6_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 6) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_7_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 7) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 7) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_7_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 7) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 7) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_7_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 7) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 7) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_8_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 8) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_8_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 8) * 1 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_8_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 8) * 1 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        for (int i7 = 0; i7 < 3; i7++) {
+                                            const int c2 = c8 + i7 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c2 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c2 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_0[c2 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_1[c2 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_1[c2 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_1[c2 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_1[c2 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_1[c2 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_1[c2 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_1[c2 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_1[c2 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_1[c2 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_2[c2 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_2[c2 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_2[c2 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_2[c2 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_2[c2 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_2[c2 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_2[c2 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_2[c2 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_2[c2 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_4_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_4_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_5_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_5_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 6 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_6_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 6 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_6_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 7 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_7_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 7 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_7_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 8 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_8_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4608 + (w4 + 8 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_8_1);
+                            }
+                        }
+                    }
+                }
+                ttile_store_nchw512(yt, 1, 4, 144, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 544, 544, ep, 1);
+            }
+        }
+        {
+            const int n17 = n34;
+            const int k18 = k35;
+            const int c25 = c36;
+            const int h31 = h37;
+            const int w33 = w38 + 144;
+            const int r27 = r39;
+            const int s23 = s40;
+            for (int i32 = 0; i32 < 20; i32++) {
+                const int w29 = w33 + i32 * 20;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[2560] __attribute__((aligned(64)));
+                    #else
+                    float yt[2560] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n17;
+                    const int bo_h = h31;
+                    const int bo_w = w29;
+                    const int bo_k = k18;
+                    for (int i30 = 0; i30 < 4; i30++) {
+                        const int h20 = h31 + i30 * 1;
+                        for (int i28 = 0; i28 < 2; i28++) {
+                            const int w21 = w29 + i28 * 10;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_9_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_9_1 = _mm512_setzero_ps();
+                                for (int i26 = 0; i26 < 3; i26++) {
+                                    const int r22 = r27 + i26 * 1;
+                                    if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 0 < 544 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 11 < 544) {
+                                        const float *restrict xb = x + (((int64_t)n17 * 544 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1)) * 3;
+                                        for (int i24 = 0; i24 < 3; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c19 + 3]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c19 + 6]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c19 + 9]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c19 + 12]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c19 + 15]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c19 + 18]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c19 + 21]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c19 + 24]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xb[c19 + 27]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 3]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c19 + 6]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c19 + 9]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c19 + 12]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c19 + 15]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c19 + 18]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c19 + 21]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c19 + 24]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c19 + 27]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xb[c19 + 30]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 6]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c19 + 9]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c19 + 12]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c19 + 15]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c19 + 18]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c19 + 21]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c19 + 24]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xb[c19 + 27]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xb[c19 + 30]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xb[c19 + 33]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                            }
+                                        }
+                                    } else {
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_0_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_0_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 1) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_1_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 1) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_1_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 1) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 2) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_2_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 2) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_2_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 2) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 3) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_3_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 3) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_3_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 3) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 4) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_4_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 4) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_4_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 4) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 5) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_5_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 5) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_5_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 5) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 6) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_6_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 6) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_6_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 6) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_7_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 7) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 7) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_7_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 7) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 7) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_7_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 7) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 7) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_8_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 8) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 8) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_8_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 8) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 8) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_8_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 8) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 8) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_9_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 9) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 9) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_9_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 9) * 1 + (s23 + 1) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 9) * 1 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        const float *restrict xp_0_0_9_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 9) * 1 + (s23 + 2) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 9) * 1 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_b262b1b2c1c9__avx512f;
+                                        for (int i24 = 0; i24 < 3; i24++) {
+                                            const int c19 = c25 + i24 * 1;
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c19 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c19 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c19 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c19 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c19 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c19 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c19 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_0[c19 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xp_0_0_9_0_0[c19 + 0]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_1[c19 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_1[c19 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_1[c19 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_1[c19 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_1[c19 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_1[c19 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_1[c19 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_1[c19 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_1[c19 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xp_0_0_9_0_1[c19 + 0]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                            }
+                                            __asm__ volatile("" ::: "memory");
+                                            {
+                                                const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                                const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_2[c19 + 0]);
+                                                acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_2[c19 + 0]);
+                                                acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                                acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_2[c19 + 0]);
+                                                acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                                acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_2[c19 + 0]);
+                                                acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                                acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_2[c19 + 0]);
+                                                acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                                acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_2[c19 + 0]);
+                                                acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                                acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_2[c19 + 0]);
+                                                acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                                acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                                const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_2[c19 + 0]);
+                                                acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                                acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                                const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_2[c19 + 0]);
+                                                acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                                acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                                const __m512 b0_0_9 = _mm512_set1_ps(xp_0_0_9_0_2[c19 + 0]);
+                                                acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                                acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                            }
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 1 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 1 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 2 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 2 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 3 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 3 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 4 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_4_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 4 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_4_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 5 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_5_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 5 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_5_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 6 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_6_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 6 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_6_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 7 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_7_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 7 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_7_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 8 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_8_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 8 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_8_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 9 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_9_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 4 + (h20 + 0 - bo_h)) * 640 + (w21 + 9 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_9_1);
+                            }
+                        }
+                    }
+                    ttile_store_nchw512(yt, 1, 4, 20, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 544, 544, ep, 1);
+                }
+            }
+        }
+    }
+}

@@ -248,3 +248,158 @@ void ttile_f32_conv2d_c6f83920cc68__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_c6f83920cc68_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n46 = 0;
+    const int k47 = 0;
+    const int c48 = 0;
+    const int h49 = 0;
+    const int w50 = 0;
+    const int r51 = 0;
+    const int s52 = 0;
+    {
+        const int n0 = n46;
+        const int k14 = k47;
+        const int c8 = c48;
+        const int h22 = h49;
+        const int w18 = w50;
+        const int r5 = r51;
+        const int s6 = s52;
+        for (int i21 = 0; i21 < 1; i21++) {
+            const int h20 = h22 + i21 * 16;
+            for (int i19 = 0; i19 < 4; i19++) {
+                const int h3 = h20 + i19 * 4;
+                for (int i17 = 0; i17 < 2; i17++) {
+                    const int w16 = w18 + i17 * 68;
+                    {
+                        #ifdef TTILE_CHECK_SPILLS
+                        static float yt[17408] __attribute__((aligned(64)));
+                        #else
+                        float yt[17408] __attribute__((aligned(64)));
+                        #endif
+                        const int bo_n = n0;
+                        const int bo_h = h3;
+                        const int bo_w = w16;
+                        const int bo_k = k14;
+                        for (int i15 = 0; i15 < 2; i15++) {
+                            const int w12 = w16 + i15 * 34;
+                            for (int i13 = 0; i13 < 2; i13++) {
+                                const int k10 = k14 + i13 * 32;
+                                for (int i11 = 0; i11 < 34; i11++) {
+                                    const int w4 = w12 + i11 * 1;
+                                    {
+                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                                        for (int i9 = 0; i9 < 2; i9++) {
+                                            const int k1 = k10 + i9 * 16;
+                                            {
+                                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                                for (int i7 = 0; i7 < 128; i7++) {
+                                                    const int c2 = c8 + i7 * 1;
+                                                    {
+                                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                                        acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                                        acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                                        acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                    }
+                                                }
+                                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 0 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_0_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 1 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_1_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 2 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_2_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 4 + (h3 + 3 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 0, acc_0_3_0_0);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        ttile_store_nchw512(yt, 1, 4, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 64, 136, 136, ep, 0);
+                    }
+                }
+            }
+        }
+    }
+    {
+        const int n23 = n46;
+        const int k37 = k47;
+        const int c31 = c48;
+        const int h45 = h49 + 16;
+        const int w41 = w50;
+        const int r28 = r51;
+        const int s29 = s52;
+        for (int i44 = 0; i44 < 6; i44++) {
+            const int h43 = h45 + i44 * 20;
+            for (int i42 = 0; i42 < 4; i42++) {
+                const int h26 = h43 + i42 * 5;
+                for (int i40 = 0; i40 < 2; i40++) {
+                    const int w39 = w41 + i40 * 68;
+                    {
+                        #ifdef TTILE_CHECK_SPILLS
+                        static float yt[21760] __attribute__((aligned(64)));
+                        #else
+                        float yt[21760] __attribute__((aligned(64)));
+                        #endif
+                        const int bo_n = n23;
+                        const int bo_h = h26;
+                        const int bo_w = w39;
+                        const int bo_k = k37;
+                        for (int i38 = 0; i38 < 2; i38++) {
+                            const int w35 = w39 + i38 * 34;
+                            for (int i36 = 0; i36 < 2; i36++) {
+                                const int k33 = k37 + i36 * 32;
+                                for (int i34 = 0; i34 < 34; i34++) {
+                                    const int w27 = w35 + i34 * 1;
+                                    {
+                                        const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
+                                        for (int i32 = 0; i32 < 2; i32++) {
+                                            const int k24 = k33 + i32 * 16;
+                                            {
+                                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                                __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                                for (int i30 = 0; i30 < 128; i30++) {
+                                                    const int c25 = c31 + i30 * 1;
+                                                    {
+                                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k24 / 16) * 1 + (r28 + 0)) * 1 + (s29 + 0)) * 128 * 16 + (int64_t)(c25 + 0) * 16 + 0);
+                                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c25 + 0]);
+                                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[c25 + 17408]);
+                                                        acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[c25 + 34816]);
+                                                        acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[c25 + 52224]);
+                                                        acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                                        const __m512 b0_4_0 = _mm512_set1_ps(xb[c25 + 69632]);
+                                                        acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                                    }
+                                                }
+                                                _mm512_storeu_ps(yt + ((int64_t)(n23 + 0 - bo_n) * 5 + (h26 + 0 - bo_h)) * 4352 + (w27 + 0 - bo_w) * 64 + k24 - bo_k + 0, acc_0_0_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n23 + 0 - bo_n) * 5 + (h26 + 1 - bo_h)) * 4352 + (w27 + 0 - bo_w) * 64 + k24 - bo_k + 0, acc_0_1_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n23 + 0 - bo_n) * 5 + (h26 + 2 - bo_h)) * 4352 + (w27 + 0 - bo_w) * 64 + k24 - bo_k + 0, acc_0_2_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n23 + 0 - bo_n) * 5 + (h26 + 3 - bo_h)) * 4352 + (w27 + 0 - bo_w) * 64 + k24 - bo_k + 0, acc_0_3_0_0);
+                                                _mm512_storeu_ps(yt + ((int64_t)(n23 + 0 - bo_n) * 5 + (h26 + 4 - bo_h)) * 4352 + (w27 + 0 - bo_w) * 64 + k24 - bo_k + 0, acc_0_4_0_0);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        ttile_store_nchw512(yt, 1, 5, 68, 64, y, bo_n, bo_h, bo_w, bo_k, 64, 136, 136, ep, 0);
+                    }
+                }
+            }
+        }
+    }
+}

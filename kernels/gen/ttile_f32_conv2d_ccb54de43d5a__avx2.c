@@ -620,3 +620,437 @@ void ttile_f32_conv2d_ccb54de43d5a__avx2(const float *restrict x, const float *r
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k35 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    {
+        const int n0 = n34;
+        const int k14 = k35;
+        const int c8 = c36;
+        const int h16 = h37;
+        const int w12 = w38;
+        const int r5 = r39;
+        const int s10 = s40;
+        for (int i15 = 0; i15 < 2; i15++) {
+            const int h3 = h16 + i15 * 5;
+            for (int i13 = 0; i13 < 8; i13++) {
+                const int k1 = k14 + i13 * 16;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[10880] __attribute__((aligned(64)));
+                    #else
+                    float yt[10880] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n0;
+                    const int bo_h = h3;
+                    const int bo_w = w12;
+                    const int bo_k = k1;
+                    for (int i11 = 0; i11 < 136; i11++) {
+                        const int w4 = w12 + i11 * 1;
+                        {
+                            __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                            for (int i9 = 0; i9 < 3; i9++) {
+                                const int s6 = s10 + i9 * 1;
+                                if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 136 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 136) {
+                                    const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                    for (int i7 = 0; i7 < 64; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 43520]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 43520]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    for (int i7 = 0; i7 < 64; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c2 + 0]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c2 + 0]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                        }
+                                    }
+                                }
+                            }
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 0 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_0_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_1_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 1 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_1_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_2_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 2 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_2_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_3_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 3 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_3_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 0, acc_0_4_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 2176 + (w4 + 0 - bo_w) * 16 + k1 - bo_k + 8, acc_0_4_0_1);
+                        }
+                    }
+                    ttile_store_nchw1(yt, 1, 5, 136, 16, y, bo_n, bo_h, bo_w, bo_k, 128, 136, 136, ep, 1);
+                }
+            }
+        }
+    }
+    {
+        const int n17 = n34;
+        const int k31 = k35;
+        const int c25 = c36;
+        const int h33 = h37 + 10;
+        const int w29 = w38;
+        const int r22 = r39;
+        const int s27 = s40;
+        for (int i32 = 0; i32 < 21; i32++) {
+            const int h20 = h33 + i32 * 6;
+            for (int i30 = 0; i30 < 8; i30++) {
+                const int k18 = k31 + i30 * 16;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[13056] __attribute__((aligned(64)));
+                    #else
+                    float yt[13056] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n17;
+                    const int bo_h = h20;
+                    const int bo_w = w29;
+                    const int bo_k = k18;
+                    for (int i28 = 0; i28 < 136; i28++) {
+                        const int w21 = w29 + i28 * 1;
+                        {
+                            __m256 acc_0_0_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_0_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_1_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_2_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_3_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_4_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_4_0_1 = _mm256_setzero_ps();
+                            __m256 acc_0_5_0_0 = _mm256_setzero_ps();
+                            __m256 acc_0_5_0_1 = _mm256_setzero_ps();
+                            for (int i26 = 0; i26 < 3; i26++) {
+                                const int s23 = s27 + i26 * 1;
+                                if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 136 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 0 < 136) {
+                                    const float *restrict xb = x + (((int64_t)n17 * 136 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1)) * 64;
+                                    for (int i24 = 0; i24 < 64; i24++) {
+                                        const int c19 = c25 + i24 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 8704]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 26112]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 43520]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 8704]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 26112]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 43520]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 52224]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 26112]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 43520]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 52224]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 60928]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    for (int i24 = 0; i24 < 64; i24++) {
+                                        const int c19 = c25 + i24 * 1;
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c19 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c19 + 0]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c19 + 0]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c19 + 0]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c19 + 0]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[c19 + 0]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
+                                            const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c19 + 0]);
+                                            acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c19 + 0]);
+                                            acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c19 + 0]);
+                                            acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c19 + 0]);
+                                            acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c19 + 0]);
+                                            acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[c19 + 0]);
+                                            acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                    }
+                                }
+                            }
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_0_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 0 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_0_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_1_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 1 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_1_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_2_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 2 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_2_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_3_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 3 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_3_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_4_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 4 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_4_0_1);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 0, acc_0_5_0_0);
+                            _mm256_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 6 + (h20 + 5 - bo_h)) * 2176 + (w21 + 0 - bo_w) * 16 + k18 - bo_k + 8, acc_0_5_0_1);
+                        }
+                    }
+                    ttile_store_nchw1(yt, 1, 6, 136, 16, y, bo_n, bo_h, bo_w, bo_k, 128, 136, 136, ep, 1);
+                }
+            }
+        }
+    }
+}

@@ -226,3 +226,102 @@ void ttile_f32_conv2d_d8e5de6a099f__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_d8e5de6a099f_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n0 = 0;
+    const int k16 = 0;
+    const int c14 = 0;
+    const int h10 = 0;
+    const int w4 = 0;
+    const int r5 = 0;
+    const int s6 = 0;
+    {
+        #ifdef TTILE_CHECK_SPILLS
+        static float yt[15680] __attribute__((aligned(64)));
+        #else
+        float yt[15680] __attribute__((aligned(64)));
+        #endif
+        const int bo_n = n0;
+        const int bo_h = h10;
+        const int bo_w = w4;
+        const int bo_k = k16;
+        memset(yt, 0, sizeof(float) * 15680);
+        for (int i15 = 0; i15 < 10; i15++) {
+            const int k1 = k16 + i15 * 32;
+            for (int i13 = 0; i13 < 2; i13++) {
+                const int c12 = c14 + i13 * 480;
+                for (int i11 = 0; i11 < 2; i11++) {
+                    const int c8 = c12 + i11 * 240;
+                    for (int i9 = 0; i9 < 7; i9++) {
+                        const int h3 = h10 + i9 * 1;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 0 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_0_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 0 - bo_w) * 320 + k1 - bo_k + 16);
+                            __m512 acc_0_0_1_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 1 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_1_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 1 - bo_w) * 320 + k1 - bo_k + 16);
+                            __m512 acc_0_0_2_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 2 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_2_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 2 - bo_w) * 320 + k1 - bo_k + 16);
+                            __m512 acc_0_0_3_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 3 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_3_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 3 - bo_w) * 320 + k1 - bo_k + 16);
+                            __m512 acc_0_0_4_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 4 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_4_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 4 - bo_w) * 320 + k1 - bo_k + 16);
+                            __m512 acc_0_0_5_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 5 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_5_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 5 - bo_w) * 320 + k1 - bo_k + 16);
+                            __m512 acc_0_0_6_0 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 6 - bo_w) * 320 + k1 - bo_k + 0);
+                            __m512 acc_0_0_6_1 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 6 - bo_w) * 320 + k1 - bo_k + 16);
+                            {
+                                const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0)) * 960;
+                                for (int i7 = 0; i7 < 240; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 960 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 960 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 960]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 1920]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 2880]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 3840]);
+                                        acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                        acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 4800]);
+                                        acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                        acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 5760]);
+                                        acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                        acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 0 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 0 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 1 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 1 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 2 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 2 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 3 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 3 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_3_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 4 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_4_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 4 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_4_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 5 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_5_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 5 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_5_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 6 - bo_w) * 320 + k1 - bo_k + 0, acc_0_0_6_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 7 + (h3 + 0 - bo_h)) * 2240 + (w4 + 6 - bo_w) * 320 + k1 - bo_k + 16, acc_0_0_6_1);
+                        }
+                    }
+                }
+            }
+        }
+        ttile_store_nchw512(yt, 1, 7, 7, 320, y, bo_n, bo_h, bo_w, bo_k, 320, 7, 7, ep, 0);
+    }
+}

@@ -435,3 +435,181 @@ void ttile_f32_conv2d_e72c31711e3f__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_e72c31711e3f_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n22 = 0;
+    const int k32 = 0;
+    const int c24 = 0;
+    const int h30 = 0;
+    const int w26 = 0;
+    const int r27 = 0;
+    const int s28 = 0;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int i31 = 0; i31 < 12; i31++)
+    for (int i29 = 0; i29 < 14; i29++)
+    {
+        const int k23 = k32 + i31 * 32;
+        const int h25 = h30 + i29 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[448] __attribute__((aligned(64)));
+            #else
+            float yt[448] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n22;
+            const int bo_h = h25;
+            const int bo_w = w26;
+            const int bo_k = k23;
+            {
+                const int n0 = n22;
+                const int k1 = k23;
+                const int c8 = c24;
+                const int h3 = h25;
+                const int w10 = w26;
+                const int r5 = r27;
+                const int s6 = s28;
+                for (int i9 = 0; i9 < 1; i9++) {
+                    const int w4 = w10 + i9 * 6;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                            for (int i7 = 0; i7 < 64; i7++) {
+                                const int c2 = c8 + i7 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 64]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 128]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 192]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 256]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 320]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_5_1);
+                    }
+                }
+            }
+            {
+                const int n11 = n22;
+                const int k12 = k23;
+                const int c19 = c24;
+                const int h14 = h25;
+                const int w21 = w26 + 6;
+                const int r16 = r27;
+                const int s17 = s28;
+                for (int i20 = 0; i20 < 1; i20++) {
+                    const int w15 = w21 + i20 * 8;
+                    {
+                        __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                        __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                        {
+                            const float *restrict xb = x + (((int64_t)n11 * 14 + (h14 * 1 + r16 * 1 - 0)) * 14 + (w15 * 1 + s17 * 1 - 0)) * 64;
+                            for (int i18 = 0; i18 < 64; i18++) {
+                                const int c13 = c19 + i18 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 32) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 64 * 32 + (int64_t)(c13 + 0) * 32 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 32) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 64 * 32 + (int64_t)(c13 + 0) * 32 + 16);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 64]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 128]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 192]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 256]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c13 + 320]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c13 + 384]);
+                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[c13 + 448]);
+                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                }
+                            }
+                        }
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 0 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_0_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 0 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_0_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 1 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_1_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 1 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_1_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 2 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_2_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 2 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_2_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 3 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_3_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 3 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_3_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 4 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_4_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 4 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_4_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 5 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_5_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 5 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_5_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 6 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_6_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 6 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_6_1);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 7 - bo_w) * 32 + k12 - bo_k + 0, acc_0_0_7_0);
+                        _mm512_storeu_ps(yt + ((int64_t)(n11 + 0 - bo_n) * 1 + (h14 + 0 - bo_h)) * 448 + (w15 + 7 - bo_w) * 32 + k12 - bo_k + 16, acc_0_0_7_1);
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 14, 32, y, bo_n, bo_h, bo_w, bo_k, 384, 14, 14, ep, 0);
+        }
+    }
+}

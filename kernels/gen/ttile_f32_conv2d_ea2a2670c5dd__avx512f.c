@@ -455,3 +455,217 @@ void ttile_f32_conv2d_ea2a2670c5dd__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_ea2a2670c5dd_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n0 = 0;
+    const int k18 = 0;
+    const int c8 = 0;
+    const int h16 = 0;
+    const int w4 = 0;
+    const int r12 = 0;
+    const int s10 = 0;
+    #pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads)
+    for (int i17 = 0; i17 < 2; i17++)
+    for (int i15 = 0; i15 < 14; i15++)
+    for (int i13 = 0; i13 < 4; i13++)
+    {
+        const int k14 = k18 + i17 * 128;
+        const int h3 = h16 + i15 * 1;
+        const int k1 = k14 + i13 * 32;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[448] __attribute__((aligned(64)));
+            #else
+            float yt[448] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n0;
+            const int bo_h = h3;
+            const int bo_w = w4;
+            const int bo_k = k1;
+            {
+                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_8_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_8_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_9_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_9_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_10_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_10_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_11_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_11_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_12_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_12_1 = _mm512_setzero_ps();
+                __m512 acc_0_0_13_0 = _mm512_setzero_ps();
+                __m512 acc_0_0_13_1 = _mm512_setzero_ps();
+                for (int i11 = 0; i11 < 3; i11++) {
+                    const int r5 = r12 + i11 * 1;
+                    for (int i9 = 0; i9 < 3; i9++) {
+                        const int s6 = s10 + i9 * 1;
+                        if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 0 < 28 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 26 < 28) {
+                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 2 + r5 * 1 - 1)) * 28 + (w4 * 2 + s6 * 1 - 1)) * 128;
+                            for (int i7 = 0; i7 < 128; i7++) {
+                                const int c2 = c8 + i7 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 256]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 512]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 768]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 1024]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 1280]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 1536]);
+                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 1792]);
+                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                    const __m512 b0_0_8 = _mm512_set1_ps(xb[c2 + 2048]);
+                                    acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                    acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                    const __m512 b0_0_9 = _mm512_set1_ps(xb[c2 + 2304]);
+                                    acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                    acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                    const __m512 b0_0_10 = _mm512_set1_ps(xb[c2 + 2560]);
+                                    acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                    acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                    const __m512 b0_0_11 = _mm512_set1_ps(xb[c2 + 2816]);
+                                    acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                    acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                    const __m512 b0_0_12 = _mm512_set1_ps(xb[c2 + 3072]);
+                                    acc_0_0_12_0 = _mm512_fmadd_ps(b0_0_12, wv0, acc_0_0_12_0);
+                                    acc_0_0_12_1 = _mm512_fmadd_ps(b0_0_12, wv1, acc_0_0_12_1);
+                                    const __m512 b0_0_13 = _mm512_set1_ps(xb[c2 + 3328]);
+                                    acc_0_0_13_0 = _mm512_fmadd_ps(b0_0_13, wv0, acc_0_0_13_0);
+                                    acc_0_0_13_1 = _mm512_fmadd_ps(b0_0_13, wv1, acc_0_0_13_1);
+                                }
+                            }
+                        } else {
+                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 1) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 2) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 3) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 4) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 4) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 5) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 5) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 6) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 6) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_7_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 7) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 7) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_8_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 8) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 8) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_9_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 9) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 9) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_10_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 10) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 10) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_11_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 11) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 11) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_12_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 12) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 12) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            const float *restrict xp_0_0_13_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 13) * 2 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 13) * 2 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_ea2a2670c5dd__avx512f;
+                            for (int i7 = 0; i7 < 128; i7++) {
+                                const int c2 = c8 + i7 * 1;
+                                {
+                                    const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                    const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                    acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                    acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                    acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                    acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                    acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                    acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                    acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                    acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                    acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                    acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                    acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                    acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c2 + 0]);
+                                    acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                    acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                    const __m512 b0_0_7 = _mm512_set1_ps(xp_0_0_7_0_0[c2 + 0]);
+                                    acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                    acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                    const __m512 b0_0_8 = _mm512_set1_ps(xp_0_0_8_0_0[c2 + 0]);
+                                    acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
+                                    acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
+                                    const __m512 b0_0_9 = _mm512_set1_ps(xp_0_0_9_0_0[c2 + 0]);
+                                    acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
+                                    acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
+                                    const __m512 b0_0_10 = _mm512_set1_ps(xp_0_0_10_0_0[c2 + 0]);
+                                    acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
+                                    acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
+                                    const __m512 b0_0_11 = _mm512_set1_ps(xp_0_0_11_0_0[c2 + 0]);
+                                    acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
+                                    acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
+                                    const __m512 b0_0_12 = _mm512_set1_ps(xp_0_0_12_0_0[c2 + 0]);
+                                    acc_0_0_12_0 = _mm512_fmadd_ps(b0_0_12, wv0, acc_0_0_12_0);
+                                    acc_0_0_12_1 = _mm512_fmadd_ps(b0_0_12, wv1, acc_0_0_12_1);
+                                    const __m512 b0_0_13 = _mm512_set1_ps(xp_0_0_13_0_0[c2 + 0]);
+                                    acc_0_0_13_0 = _mm512_fmadd_ps(b0_0_13, wv0, acc_0_0_13_0);
+                                    acc_0_0_13_1 = _mm512_fmadd_ps(b0_0_13, wv1, acc_0_0_13_1);
+                                }
+                            }
+                        }
+                    }
+                }
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_4_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 4 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_4_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_5_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 5 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_5_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 6 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_6_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 6 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_6_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 7 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_7_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 7 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_7_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 8 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_8_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 8 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_8_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 9 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_9_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 9 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_9_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 10 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_10_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 10 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_10_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 11 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_11_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 11 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_11_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 12 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_12_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 12 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_12_1);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 13 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_13_0);
+                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 448 + (w4 + 13 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_13_1);
+            }
+            ttile_store_nchw512(yt, 1, 1, 14, 32, y, bo_n, bo_h, bo_w, bo_k, 256, 14, 14, ep, 0);
+        }
+    }
+}

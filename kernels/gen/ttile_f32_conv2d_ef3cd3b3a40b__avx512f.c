@@ -1464,3 +1464,1220 @@ void ttile_f32_conv2d_ef3cd3b3a40b__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n34 = 0;
+    const int k35 = 0;
+    const int c36 = 0;
+    const int h37 = 0;
+    const int w38 = 0;
+    const int r39 = 0;
+    const int s40 = 0;
+    {
+        const int n0 = n34;
+        const int k1 = k35;
+        const int c8 = c36;
+        const int h16 = h37;
+        const int w12 = w38;
+        const int r5 = r39;
+        const int s6 = s40;
+        for (int i15 = 0; i15 < 1; i15++) {
+            const int h14 = h16 + i15 * 48;
+            for (int i13 = 0; i13 < 8; i13++) {
+                const int h3 = h14 + i13 * 6;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[21504] __attribute__((aligned(64)));
+                    #else
+                    float yt[21504] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n0;
+                    const int bo_h = h3;
+                    const int bo_w = w12;
+                    const int bo_k = k1;
+                    for (int i11 = 0; i11 < 14; i11++) {
+                        const int w10 = w12 + i11 * 8;
+                        for (int i9 = 0; i9 < 8; i9++) {
+                            const int w4 = w10 + i9 * 1;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_5_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_5_0_1 = _mm512_setzero_ps();
+                                if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 12 < 224 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 2 < 224) {
+                                    const float *restrict xb = x + (((int64_t)n0 * 224 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1)) * 3;
+                                    for (int i7 = 0; i7 < 3; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 1344]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 2688]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 4032]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 5376]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 6720]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 3]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 1347]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 2691]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 4035]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 5379]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 6723]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 6]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 1350]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 2694]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 4038]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 5382]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 6726]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 672]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 2016]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 3360]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 4704]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 6048]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 7392]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 675]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 2019]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 3363]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 4707]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 6051]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 7395]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 678]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 2022]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 3366]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 4710]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 6054]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 7398]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 1344]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 2688]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 4032]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 5376]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 6720]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 8064]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 1347]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 2691]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 4035]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 5379]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 6723]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 8067]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 1350]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 2694]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 4038]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 5382]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 6726]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 8070]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_0_1 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_0_2 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_1_1 = ((unsigned)((h3 + 0) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_1_2 = ((unsigned)((h3 + 0) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_2_1 = ((unsigned)((h3 + 0) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_2_2 = ((unsigned)((h3 + 0) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_0_1 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_0_2 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_1_1 = ((unsigned)((h3 + 1) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_1_2 = ((unsigned)((h3 + 1) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_2_1 = ((unsigned)((h3 + 1) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_2_2 = ((unsigned)((h3 + 1) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 1) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_0_1 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_0_2 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_1_1 = ((unsigned)((h3 + 2) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_1_2 = ((unsigned)((h3 + 2) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_2_1 = ((unsigned)((h3 + 2) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_2_2 = ((unsigned)((h3 + 2) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 2) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_0_1 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_0_2 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_1_1 = ((unsigned)((h3 + 3) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_1_2 = ((unsigned)((h3 + 3) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_2_1 = ((unsigned)((h3 + 3) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_2_2 = ((unsigned)((h3 + 3) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 3) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_0_1 = ((unsigned)((h3 + 4) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_0_2 = ((unsigned)((h3 + 4) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_1_1 = ((unsigned)((h3 + 4) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_1_2 = ((unsigned)((h3 + 4) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_2_1 = ((unsigned)((h3 + 4) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_2_2 = ((unsigned)((h3 + 4) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 4) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h3 + 5) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_0_1 = ((unsigned)((h3 + 5) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_0_2 = ((unsigned)((h3 + 5) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_1_0 = ((unsigned)((h3 + 5) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_1_1 = ((unsigned)((h3 + 5) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_1_2 = ((unsigned)((h3 + 5) * 2 + (r5 + 1) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 1) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_2_0 = ((unsigned)((h3 + 5) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_2_1 = ((unsigned)((h3 + 5) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_2_2 = ((unsigned)((h3 + 5) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 5) * 2 + (r5 + 2) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    for (int i7 = 0; i7 < 3; i7++) {
+                                        const int c2 = c8 + i7 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_0_0[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_1[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_0_1[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_0_1[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_0_1[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_0_1[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_0_1[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_2[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_0_2[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_0_2[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_0_2[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_0_2[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_0_2[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_1_0[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_1_0[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_1_1[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_1_1[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_1_1[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_1_1[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_1_1[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_1_1[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_1_2[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_1_2[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_1_2[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_1_2[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_1_2[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_1_2[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_2_0[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_2_0[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_2_1[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_2_1[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_2_1[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_2_1[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_2_1[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_2_1[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_2_2[c2 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_2_2[c2 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_2_2[c2 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_2_2[c2 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_2_2[c2 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_2_2[c2 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 0 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 1 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 2 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 3 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 4 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 5 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 6 + (h3 + 5 - bo_h)) * 3584 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_5_0_1);
+                            }
+                        }
+                    }
+                    ttile_store_nchw512(yt, 1, 6, 112, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 112, 112, ep, 0);
+                }
+            }
+        }
+    }
+    {
+        const int n17 = n34;
+        const int k18 = k35;
+        const int c25 = c36;
+        const int h33 = h37 + 48;
+        const int w29 = w38;
+        const int r22 = r39;
+        const int s23 = s40;
+        for (int i32 = 0; i32 < 1; i32++) {
+            const int h31 = h33 + i32 * 64;
+            for (int i30 = 0; i30 < 8; i30++) {
+                const int h20 = h31 + i30 * 8;
+                {
+                    #ifdef TTILE_CHECK_SPILLS
+                    static float yt[28672] __attribute__((aligned(64)));
+                    #else
+                    float yt[28672] __attribute__((aligned(64)));
+                    #endif
+                    const int bo_n = n17;
+                    const int bo_h = h20;
+                    const int bo_w = w29;
+                    const int bo_k = k18;
+                    for (int i28 = 0; i28 < 14; i28++) {
+                        const int w27 = w29 + i28 * 8;
+                        for (int i26 = 0; i26 < 8; i26++) {
+                            const int w21 = w27 + i26 * 1;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_1_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_1_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_2_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_2_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_3_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_3_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_4_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_4_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_5_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_5_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_6_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_6_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_7_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_7_0_1 = _mm512_setzero_ps();
+                                if (h20 * 2 + r22 * 1 - 1 >= 0 && h20 * 2 + r22 * 1 - 1 + 16 < 224 && w21 * 2 + s23 * 1 - 1 >= 0 && w21 * 2 + s23 * 1 - 1 + 2 < 224) {
+                                    const float *restrict xb = x + (((int64_t)n17 * 224 + (h20 * 2 + r22 * 1 - 1)) * 224 + (w21 * 2 + s23 * 1 - 1)) * 3;
+                                    for (int i24 = 0; i24 < 3; i24++) {
+                                        const int c19 = c25 + i24 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 1344]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 2688]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 4032]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 5376]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 6720]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 8064]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 9408]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 3]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 1347]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 2691]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 4035]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 5379]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 6723]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 8067]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 9411]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 6]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 1350]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 2694]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 4038]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 5382]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 6726]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 8070]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 9414]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 672]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 2016]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 3360]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 4704]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 6048]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 7392]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 8736]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 10080]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 675]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 2019]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 3363]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 4707]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 6051]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 7395]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 8739]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 10083]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 678]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 2022]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 3366]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 4710]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 6054]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 7398]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 8742]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 10086]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 1344]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 2688]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 4032]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 5376]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 6720]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 8064]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 9408]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 10752]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 1347]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 2691]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 4035]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 5379]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 6723]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 8067]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 9411]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 10755]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 1350]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 2694]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 4038]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 5382]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 6726]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 8070]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xb[c19 + 9414]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xb[c19 + 10758]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                    }
+                                } else {
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_0_1 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_0_2 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_1_1 = ((unsigned)((h20 + 0) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_1_2 = ((unsigned)((h20 + 0) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_2_1 = ((unsigned)((h20 + 0) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_0_0_2_2 = ((unsigned)((h20 + 0) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 0) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_0_1 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_0_2 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_1_1 = ((unsigned)((h20 + 1) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_1_2 = ((unsigned)((h20 + 1) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_2_1 = ((unsigned)((h20 + 1) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_1_0_2_2 = ((unsigned)((h20 + 1) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 1) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_0_1 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_0_2 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_1_1 = ((unsigned)((h20 + 2) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_1_2 = ((unsigned)((h20 + 2) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_2_1 = ((unsigned)((h20 + 2) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_2_0_2_2 = ((unsigned)((h20 + 2) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 2) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_0_1 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_0_2 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_1_1 = ((unsigned)((h20 + 3) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_1_2 = ((unsigned)((h20 + 3) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_2_1 = ((unsigned)((h20 + 3) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_3_0_2_2 = ((unsigned)((h20 + 3) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 3) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_0_1 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_0_2 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_1_1 = ((unsigned)((h20 + 4) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_1_2 = ((unsigned)((h20 + 4) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_2_1 = ((unsigned)((h20 + 4) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_4_0_2_2 = ((unsigned)((h20 + 4) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 4) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_0_1 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_0_2 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_1_1 = ((unsigned)((h20 + 5) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_1_2 = ((unsigned)((h20 + 5) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_2_1 = ((unsigned)((h20 + 5) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_5_0_2_2 = ((unsigned)((h20 + 5) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 5) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_0_0 = ((unsigned)((h20 + 6) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_0_1 = ((unsigned)((h20 + 6) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_0_2 = ((unsigned)((h20 + 6) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_1_0 = ((unsigned)((h20 + 6) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_1_1 = ((unsigned)((h20 + 6) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_1_2 = ((unsigned)((h20 + 6) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_2_0 = ((unsigned)((h20 + 6) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_2_1 = ((unsigned)((h20 + 6) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_6_0_2_2 = ((unsigned)((h20 + 6) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 6) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_0_0 = ((unsigned)((h20 + 7) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_0_1 = ((unsigned)((h20 + 7) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_0_2 = ((unsigned)((h20 + 7) * 2 + (r22 + 0) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 0) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_1_0 = ((unsigned)((h20 + 7) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_1_1 = ((unsigned)((h20 + 7) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_1_2 = ((unsigned)((h20 + 7) * 2 + (r22 + 1) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 1) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_2_0 = ((unsigned)((h20 + 7) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_2_1 = ((unsigned)((h20 + 7) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 1) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 1) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    const float *restrict xp_0_7_0_2_2 = ((unsigned)((h20 + 7) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? x + (((int64_t)(n17 + 0) * 224 + ((h20 + 7) * 2 + (r22 + 2) * 1 - 1)) * 224 + ((w21 + 0) * 2 + (s23 + 2) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ef3cd3b3a40b__avx512f;
+                                    for (int i24 = 0; i24 < 3; i24++) {
+                                        const int c19 = c25 + i24 * 1;
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_0_0[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_0_0[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_1[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_0_1[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_0_1[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_0_1[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_0_1[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_0_1[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_0_1[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_0_1[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_2[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_0_2[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_0_2[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_0_2[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_0_2[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_0_2[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_0_2[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_0_2[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_1_0[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_1_0[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_1_0[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_1_0[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_1_0[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_1_0[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_1_0[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_1_0[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_1_1[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_1_1[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_1_1[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_1_1[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_1_1[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_1_1[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_1_1[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_1_1[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_1_2[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_1_2[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_1_2[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_1_2[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_1_2[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_1_2[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_1_2[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_1_2[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_2_0[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_2_0[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_2_0[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_2_0[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_2_0[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_2_0[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_2_0[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_2_0[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_2_1[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_2_1[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_2_1[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_2_1[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_2_1[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_2_1[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_2_1[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_2_1[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                        __asm__ volatile("" ::: "memory");
+                                        {
+                                            const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
+                                            const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_2_2[c19 + 0]);
+                                            acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                            acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xp_0_1_0_2_2[c19 + 0]);
+                                            acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
+                                            acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xp_0_2_0_2_2[c19 + 0]);
+                                            acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
+                                            acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xp_0_3_0_2_2[c19 + 0]);
+                                            acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
+                                            acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xp_0_4_0_2_2[c19 + 0]);
+                                            acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
+                                            acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xp_0_5_0_2_2[c19 + 0]);
+                                            acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
+                                            acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
+                                            const __m512 b0_6_0 = _mm512_set1_ps(xp_0_6_0_2_2[c19 + 0]);
+                                            acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
+                                            acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
+                                            const __m512 b0_7_0 = _mm512_set1_ps(xp_0_7_0_2_2[c19 + 0]);
+                                            acc_0_7_0_0 = _mm512_fmadd_ps(b0_7_0, wv0, acc_0_7_0_0);
+                                            acc_0_7_0_1 = _mm512_fmadd_ps(b0_7_0, wv1, acc_0_7_0_1);
+                                        }
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 0 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 0 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 1 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_1_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 1 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_1_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 2 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_2_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 2 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_2_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 3 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_3_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 3 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_3_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 4 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_4_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 4 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_4_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 5 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_5_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 5 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_5_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 6 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_6_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 6 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_6_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 7 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 0, acc_0_7_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 8 + (h20 + 7 - bo_h)) * 3584 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 16, acc_0_7_0_1);
+                            }
+                        }
+                    }
+                    ttile_store_nchw512(yt, 1, 8, 112, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 112, 112, ep, 0);
+                }
+            }
+        }
+    }
+}

@@ -437,3 +437,183 @@ void ttile_f32_conv2d_f1540144d806__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n26 = 0;
+    const int k27 = 0;
+    const int c28 = 0;
+    const int h34 = 0;
+    const int w30 = 0;
+    const int r31 = 0;
+    const int s32 = 0;
+    for (int i33 = 0; i33 < 14; i33++) {
+        const int h29 = h34 + i33 * 1;
+        {
+            #ifdef TTILE_CHECK_SPILLS
+            static float yt[8064] __attribute__((aligned(64)));
+            #else
+            float yt[8064] __attribute__((aligned(64)));
+            #endif
+            const int bo_n = n26;
+            const int bo_h = h29;
+            const int bo_w = w30;
+            const int bo_k = k27;
+            {
+                const int n0 = n26;
+                const int k10 = k27;
+                const int c8 = c28;
+                const int h3 = h29;
+                const int w12 = w30;
+                const int r5 = r31;
+                const int s6 = s32;
+                for (int i11 = 0; i11 < 1; i11++) {
+                    const int w4 = w12 + i11 * 6;
+                    {
+                        const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 96;
+                        for (int i9 = 0; i9 < 18; i9++) {
+                            const int k1 = k10 + i9 * 32;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                                for (int i7 = 0; i7 < 96; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 96 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 96 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 96]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 192]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 288]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 384]);
+                                        acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                        acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 480]);
+                                        acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                        acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 0 - bo_w) * 576 + k1 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 0 - bo_w) * 576 + k1 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 1 - bo_w) * 576 + k1 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 1 - bo_w) * 576 + k1 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 2 - bo_w) * 576 + k1 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 2 - bo_w) * 576 + k1 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 3 - bo_w) * 576 + k1 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 3 - bo_w) * 576 + k1 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 4 - bo_w) * 576 + k1 - bo_k + 0, acc_0_0_4_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 4 - bo_w) * 576 + k1 - bo_k + 16, acc_0_0_4_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 5 - bo_w) * 576 + k1 - bo_k + 0, acc_0_0_5_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 1 + (h3 + 0 - bo_h)) * 8064 + (w4 + 5 - bo_w) * 576 + k1 - bo_k + 16, acc_0_0_5_1);
+                            }
+                        }
+                    }
+                }
+            }
+            {
+                const int n13 = n26;
+                const int k23 = k27;
+                const int c21 = c28;
+                const int h16 = h29;
+                const int w25 = w30 + 6;
+                const int r18 = r31;
+                const int s19 = s32;
+                for (int i24 = 0; i24 < 1; i24++) {
+                    const int w17 = w25 + i24 * 8;
+                    {
+                        const float *restrict xb = x + (((int64_t)n13 * 14 + (h16 * 1 + r18 * 1 - 0)) * 14 + (w17 * 1 + s19 * 1 - 0)) * 96;
+                        for (int i22 = 0; i22 < 18; i22++) {
+                            const int k14 = k23 + i22 * 32;
+                            {
+                                __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                                __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                                for (int i20 = 0; i20 < 96; i20++) {
+                                    const int c15 = c21 + i20 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 96 * 32 + (int64_t)(c15 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 96 * 32 + (int64_t)(c15 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 96]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 192]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 288]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 384]);
+                                        acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                        acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c15 + 480]);
+                                        acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                        acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c15 + 576]);
+                                        acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                        acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[c15 + 672]);
+                                        acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                        acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                    }
+                                }
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 0 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_0_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 0 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_0_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 1 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_1_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 1 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_1_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 2 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_2_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 2 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_2_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 3 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_3_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 3 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_3_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 4 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_4_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 4 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_4_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 5 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_5_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 5 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_5_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 6 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_6_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 6 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_6_1);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 7 - bo_w) * 576 + k14 - bo_k + 0, acc_0_0_7_0);
+                                _mm512_storeu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 1 + (h16 + 0 - bo_h)) * 8064 + (w17 + 7 - bo_w) * 576 + k14 - bo_k + 16, acc_0_0_7_1);
+                            }
+                        }
+                    }
+                }
+            }
+            ttile_store_nchw512(yt, 1, 1, 14, 576, y, bo_n, bo_h, bo_w, bo_k, 576, 14, 14, ep, 0);
+        }
+    }
+}

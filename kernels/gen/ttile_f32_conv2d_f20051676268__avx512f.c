@@ -394,3 +394,172 @@ void ttile_f32_conv2d_f20051676268__avx512f(const float *restrict x, const float
         }
     }
 }
+
+/* NCHW output, tile by tile (see ttile_store_nchw*). */
+void ttile_f32_conv2d_f20051676268_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
+{
+    (void)nthreads;
+    const int n30 = 0;
+    const int k31 = 0;
+    const int c32 = 0;
+    const int h33 = 0;
+    const int w34 = 0;
+    const int r35 = 0;
+    const int s36 = 0;
+    {
+        #ifdef TTILE_CHECK_SPILLS
+        static float yt[25088] __attribute__((aligned(64)));
+        #else
+        float yt[25088] __attribute__((aligned(64)));
+        #endif
+        const int bo_n = n30;
+        const int bo_h = h33;
+        const int bo_w = w34;
+        const int bo_k = k31;
+        {
+            const int n0 = n30;
+            const int k1 = k31;
+            const int c8 = c32;
+            const int h12 = h33;
+            const int w14 = w34;
+            const int r5 = r35;
+            const int s6 = s36;
+            for (int i13 = 0; i13 < 1; i13++) {
+                const int w4 = w14 + i13 * 4;
+                for (int i11 = 0; i11 < 14; i11++) {
+                    const int h10 = h12 + i11 * 2;
+                    for (int i9 = 0; i9 < 2; i9++) {
+                        const int h3 = h10 + i9 * 1;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                            {
+                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
+                                for (int i7 = 0; i7 < 192; i7++) {
+                                    const int c2 = c8 + i7 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 192]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 384]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 576]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 1 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 2 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 0 - bo_h)) * 896 + (w4 + 3 - bo_w) * 32 + k1 - bo_k + 16, acc_0_0_3_1);
+                        }
+                    }
+                }
+            }
+        }
+        {
+            const int n15 = n30;
+            const int k16 = k31;
+            const int c23 = c32;
+            const int h27 = h33;
+            const int w29 = w34 + 4;
+            const int r20 = r35;
+            const int s21 = s36;
+            for (int i28 = 0; i28 < 3; i28++) {
+                const int w19 = w29 + i28 * 8;
+                for (int i26 = 0; i26 < 14; i26++) {
+                    const int h25 = h27 + i26 * 2;
+                    for (int i24 = 0; i24 < 2; i24++) {
+                        const int h18 = h25 + i24 * 1;
+                        {
+                            __m512 acc_0_0_0_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_0_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_1_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_2_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_3_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_4_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_5_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_5_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_6_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_6_1 = _mm512_setzero_ps();
+                            __m512 acc_0_0_7_0 = _mm512_setzero_ps();
+                            __m512 acc_0_0_7_1 = _mm512_setzero_ps();
+                            {
+                                const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 192;
+                                for (int i22 = 0; i22 < 192; i22++) {
+                                    const int c17 = c23 + i22 * 1;
+                                    {
+                                        const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 192 * 32 + (int64_t)(c17 + 0) * 32 + 0);
+                                        const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 192 * 32 + (int64_t)(c17 + 0) * 32 + 16);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c17 + 0]);
+                                        acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
+                                        acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c17 + 192]);
+                                        acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
+                                        acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c17 + 384]);
+                                        acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
+                                        acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c17 + 576]);
+                                        acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
+                                        acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c17 + 768]);
+                                        acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
+                                        acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c17 + 960]);
+                                        acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
+                                        acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c17 + 1152]);
+                                        acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
+                                        acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
+                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[c17 + 1344]);
+                                        acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
+                                        acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
+                                    }
+                                }
+                            }
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_0_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 0 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_0_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 1 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_1_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 1 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_1_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 2 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_2_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 2 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_2_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 3 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_3_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 3 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_3_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 4 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_4_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 4 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_4_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 5 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_5_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 5 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_5_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 6 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_6_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 6 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_6_1);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 7 - bo_w) * 32 + k16 - bo_k + 0, acc_0_0_7_0);
+                            _mm512_storeu_ps(yt + ((int64_t)(n15 + 0 - bo_n) * 28 + (h18 + 0 - bo_h)) * 896 + (w19 + 7 - bo_w) * 32 + k16 - bo_k + 16, acc_0_0_7_1);
+                        }
+                    }
+                }
+            }
+        }
+        ttile_store_nchw512(yt, 1, 28, 28, 32, y, bo_n, bo_h, bo_w, bo_k, 32, 28, 28, ep, 0);
+    }
+}

@@ -74,6 +74,7 @@ cdef extern from "ttile_registry.h" nogil:
         int isa
         int panel
         ttile_kernel_fn fn
+        ttile_kernel_fn fn_nchw
         const char *layer
         const char *scheme
         double gflops
@@ -413,6 +414,7 @@ def registry_entries():
                     "pad_right": e.pad_right, "dilation_h": e.dilation_h,
                     "dilation_w": e.dilation_w, "isa": e.isa,
                     "panel": e.panel, "has_kernel": e.fn != NULL,
+                    "has_nchw": e.fn_nchw != NULL,
                     "layer": e.layer.decode(), "scheme": e.scheme.decode(),
                     "gflops": e.gflops, "warm_gflops": e.warm_gflops,
                     "generic_gflops": e.generic_gflops})
@@ -538,9 +540,12 @@ cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:
 
 
 def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
-              bias=None, residual=None, int activation=0, float slope=0.01):
+              bias=None, residual=None, int activation=0, float slope=0.01,
+              bint nchw_out=False):
     """Run registry entry ``index`` on x (N,H,W,C), weights packed in panels
-    (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K).
+    (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K), or with
+    ``nchw_out`` into y (N,K,Ho,Wo) through the kernel's NCHW entry point (the residual
+    then NCHW too).
 
     Shapes are checked against the entry; the kernel's own sizes are compile-time
     constants, so a mismatch would otherwise read out of bounds.
@@ -551,6 +556,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
     if e.fn == NULL:
         raise ValueError(f"registry entry {index} is a generic-kernel verdict, not a kernel")
+    if nchw_out and e.fn_nchw == NULL:
+        raise ValueError(f"registry entry {index} has no NCHW entry point")
     _require_isa(e.isa)
     _check_packed(w, e.k, e.panel)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
@@ -563,7 +570,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     if (xs[0], xs[1], xs[2], xs[3]) != (e.n, e.h, e.w, e.c) or \
             (ws[0], ws[1], ws[2], ws[3], ws[4]) != ((e.k + e.panel - 1) // e.panel, e.r, e.s,
                                                     e.c, e.panel) or \
-            (ys[0], ys[1], ys[2], ys[3]) != (e.n, ho, wo, e.k):
+            (ys[0], ys[1], ys[2], ys[3]) != (<object>((e.n, e.k, ho, wo)) if nchw_out
+                                             else <object>((e.n, ho, wo, e.k))):
         raise ValueError("arrays do not match the tuned kernel's problem")
     cdef ttile_epilogue epilogue
     cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
@@ -571,14 +579,15 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    cdef ttile_kernel_fn fn = e.fn_nchw if nchw_out else e.fn
     with nogil:
-        e.fn(xp, wp, yp, nthreads, ep)
+        fn(xp, wp, yp, nthreads, ep)
 
 
 
 def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
                  tuple x_shape, tuple w_shape, tuple y_shape, bias=None, residual=None,
-                 int activation=0, float slope=0.01):
+                 int activation=0, float slope=0.01, bint nchw_out=False):
     """Call a kernel compiled at run time (its address from the loaded library) on x,
     packed weights w and y, after checking them against the shapes it was built for.
 
@@ -590,13 +599,13 @@ def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, in
     _check_run(x, y, nthreads)
     if len(w_shape) != 5:
         raise ValueError("w_shape must have 5 entries")
-    _check_packed(w, cnp.PyArray_DIMS(y)[3], w_shape[4])
+    _check_packed(w, cnp.PyArray_DIMS(y)[1 if nchw_out else 3], w_shape[4])
     if (<object>x).shape != x_shape or (<object>w).shape != w_shape or (<object>y).shape != y_shape:
         raise ValueError("arrays do not match the compiled kernel's problem")
     cdef ttile_kernel_fn fn = <ttile_kernel_fn>address
     cdef ttile_epilogue epilogue
     cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
-                                              y, y_shape[3])
+                                              y, y_shape[1 if nchw_out else 3])
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)

@@ -106,12 +106,16 @@ class BuiltLibrary:
     handle: ctypes.CDLL
 
     def run(self, kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
-            nthreads: int = 1, epilogue: EpilogueArgs | None = None) -> None:
+            nthreads: int = 1, epilogue: EpilogueArgs | None = None,
+            nchw: bool = False) -> None:
         """Run ``kernel`` on x (NHWC), RSCK weights (packed here) and y, checking shapes;
-        ``epilogue`` (its residual shaped as y) is fused into the store."""
-        self._check(kernel, x, w, y)
+        ``epilogue`` (its residual shaped as y) is fused into the store. With ``nchw``,
+        its NCHW entry point writes y as (N, K, Ho, Wo)."""
+        if nchw and kernel.nchw_name is None:
+            raise ValueError(f"{kernel.name} has no NCHW entry point")
+        self._check(kernel, x, w, y, nchw)
         w = packed_weights(kernel, w)
-        fn = getattr(self.handle, kernel.name)
+        fn = getattr(self.handle, kernel.nchw_name if nchw else kernel.name)
         fn.restype = None
         fn.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_int, ctypes.c_void_p]
         fn(x.ctypes.data_as(_FLOAT_P), w.ctypes.data_as(_FLOAT_P), y.ctypes.data_as(_FLOAT_P),
@@ -145,10 +149,12 @@ class BuiltLibrary:
         return list(out)
 
     @staticmethod
-    def _check(kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
+    def _check(kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
+               nchw: bool = False) -> None:
         spec = kernel.spec
         expected = {"x": (spec.n, spec.h, spec.w, spec.c), "w": (spec.r, spec.s, spec.c, spec.k),
-                    "y": (spec.n, spec.ho, spec.wo, spec.k)}
+                    "y": (spec.n, spec.k, spec.ho, spec.wo) if nchw
+                    else (spec.n, spec.ho, spec.wo, spec.k)}
         for label, array in (("x", x), ("w", w), ("y", y)):
             if array.dtype != np.float32 or not array.flags.c_contiguous:
                 raise ValueError(f"{label} must be a C-contiguous float32 array")

@@ -96,6 +96,7 @@ class KernelSource:
     code: str
     panel: int = 0   # k width of the weight panels the kernel reads (see pack_weights)
     isa: Isa = Isa.AVX512F   # its vector family: the flags it is compiled with
+    nchw_name: "str | None" = None   # its NCHW-output entry point (None: the scheme has none)
 
     def weight_shape(self) -> tuple[int, ...]:
         return self.spec.packed_weight_shape(self.panel)
@@ -125,9 +126,12 @@ def _indent(lines: list[str]) -> list[str]:
 
 
 class _Generator:
-    def __init__(self, spec: ConvSpec, name: str, vectors: VectorIsa):
+    def __init__(self, spec: ConvSpec, name: str, vectors: VectorIsa, nchw: bool = False):
         self.spec = spec
         self.name = name
+        self.nchw = nchw            # the NCHW entry point: blocks store into tile buffers
+        self.y = "yt" if nchw else "y"
+        self.region: "TileRegion | None" = None   # the tile buffer being emitted into
         self.v = vectors
         self.lanes = vectors.lanes
         self.counter = itertools.count()
@@ -229,7 +233,39 @@ class _Generator:
             node = node.body
         if isinstance(node, Block):
             return self.emit_tail(chain, node)
+        if isinstance(node, TileRegion):
+            return self.wrap_chain(chain, self.emit_region(node))
         return self.wrap_chain(chain, self.emit_seq(node))
+
+    def emit_region(self, region: "TileRegion") -> _Code:
+        """A tile of the output computed into a buffer on the stack (NHWC order, local
+        coordinates from the tile's origin ``bo_*``), then stored to the NCHW output by
+        ``ttile_store_nchw*`` through the epilogue. The buffer is cleared first when the
+        blocks inside accumulate into it (a reduction split above a block)."""
+        outer_region, outer_clears = self.region, self.clears_output
+        self.region, self.clears_output = region, False
+        body = self.emit(region.body)
+        clears = self.clears_output
+        self.region, self.clears_output = outer_region, outer_clears or clears
+        en, eh, ew, ek = region.extents
+        spec = self.spec
+        store = "ttile_store_nchw512" if self.v.isa is Isa.AVX512F else "ttile_store_nchw1"
+        size = en * eh * ew * ek
+        # TTILE_CHECK_SPILLS (the tests' assembly check) moves the buffer off the stack,
+        # so that any vector store to the stack left is a spill
+        lines = ["#ifdef TTILE_CHECK_SPILLS",
+                 f"static float yt[{size}] __attribute__((aligned(64)));",
+                 "#else",
+                 f"float yt[{size}] __attribute__((aligned(64)));",
+                 "#endif",
+                 *(f"const int bo_{d} = {body.names[d]};" for d in "nhwk")]
+        if clears:
+            lines.append(f"memset(yt, 0, sizeof(float) * {size});")
+        lines += body.lines
+        stream = int(4 * spec.n * spec.k * spec.ho * spec.wo > NCHW_STREAM_BYTES)
+        lines.append(f"{store}(yt, {en}, {eh}, {ew}, {ek}, y, bo_n, bo_h, bo_w, bo_k, "
+                     f"{spec.k}, {spec.ho}, {spec.wo}, ep, {stream});")
+        return _Code(["{", *_indent(lines), "}"], body.names)
 
     def emit_seq(self, seq: Seq) -> _Code:
         branches = [self.emit(branch) for branch in seq.branches]
@@ -305,7 +341,7 @@ class _Generator:
             for kv in kvs:
                 acc = _acc(out, kv)
                 offset = self.y_offset(names, out, kv)
-                addr = f"y + {offset}"
+                addr = f"{self.y} + {offset}"
                 mask = self.mask(kv, names["k"]) if self.k_tail else self.full_mask()
                 k = f"{names['k']} + {kv * lanes}"
                 fused.append(f"ttile_epilogue_apply{self.bits}(ep, y, {offset}, {k}, {mask});")
@@ -323,6 +359,8 @@ class _Generator:
                 else:
                     lines.append(f"{vt} {acc} = {load(addr)};")
                 stores.append(store(addr, acc))
+        if self.nchw:   # the epilogue is applied by the tile's NCHW store
+            return _Code(["{", *_indent(lines + inner.lines + stores), "}"], inner.names)
         if complete:
             kind = "epk"
         else:
@@ -389,9 +427,15 @@ class _Generator:
     # -- the unrolled block --------------------------------------------------------
 
     def y_offset(self, names: dict[str, str], out: tuple[int, int, int], kv: int) -> str:
-        """Offset from y of accumulator ``out``, vector ``kv`` (NHWC)."""
+        """Offset from y of accumulator ``out``, vector ``kv`` (NHWC); in the NCHW entry
+        point, from the tile buffer, in the tile's coordinates."""
         spec = self.spec
         n_u, h_u, w_u = out
+        if self.nchw:
+            _, eh, ew, ek = self.region.extents
+            return (f"((int64_t)({names['n']} + {n_u} - bo_n) * {eh} + ({names['h']} + {h_u} "
+                    f"- bo_h)) * {ew * ek} + ({names['w']} + {w_u} - bo_w) * {ek} + "
+                    f"{names['k']} - bo_k + {kv * self.lanes}")
         return (f"(((int64_t)({names['n']} + {n_u}) * {spec.ho} + ({names['h']} + {h_u})) "
                 f"* {spec.wo} + ({names['w']} + {w_u})) * {spec.k} + {names['k']} + "
                 f"{kv * self.lanes}")
@@ -494,16 +538,102 @@ def _xp(pix: tuple[int, ...]) -> str:
     return f"xp_{'_'.join(map(str, pix))}"
 
 
+#: Largest tile buffer of an NCHW entry point: on the stack of each thread, and kept in
+#: L2 between the blocks that fill it and the transposing store (1-2 MB L2 per core on
+#: the CPUs seen; 128 KB holds a 544-wide row of 32 channels).
+NCHW_TILE_BYTES = 128 * 1024
+
+#: Outputs larger than this are stored with non-temporal stores where whole aligned
+#: lines allow (ttile_store_nchw512): they would leave the caches before being read.
+NCHW_STREAM_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TileRegion:
+    """Where an NCHW entry point buffers its output: ``body`` covers a tile of
+    ``extents`` (n, h, w, k; k in whole vectors) holding the whole reduction."""
+
+    extents: tuple[int, int, int, int]
+    body: Node
+
+
+def _has_parallel(node: Node) -> bool:
+    if isinstance(node, Loop):
+        return node.parallel or _has_parallel(node.body)
+    if isinstance(node, Seq):
+        return any(_has_parallel(b) for b in node.branches)
+    return False
+
+
+def tile_regions(node: Node, extents: dict[str, int], budget: int = NCHW_TILE_BYTES
+                 ) -> "Node | None":
+    """``node`` with a :class:`TileRegion` around the outermost sub-trees whose output
+    tile fits ``budget`` bytes, hold the whole reduction (no c/r/s loop above them) and
+    run on one thread (no parallel loop inside); None when some block has no such
+    region above it (the scheme then has no NCHW entry point). ``extents`` is what
+    ``node`` covers along n, h, w and k."""
+    size = 4 * extents["n"] * extents["h"] * extents["w"] * extents["k"]
+    if size <= budget and not _has_parallel(node):
+        return TileRegion(tuple(extents[d] for d in "nhwk"), node)
+    if isinstance(node, Loop):
+        if node.dim in REDUCTION_DIMS:
+            return None
+        body = tile_regions(node.body, {**extents, node.dim: node.step}, budget)
+        return None if body is None else Loop(node.dim, node.count, node.step, node.parallel,
+                                              body)
+    if isinstance(node, Seq):
+        branches = []
+        for branch in node.branches:   # each a loop along node.dim (see scheme.lower)
+            covered = branch.count * branch.step if isinstance(branch, Loop) else extents[node.dim]
+            marked = tile_regions(branch, {**extents, node.dim: covered}, budget)
+            if marked is None:
+                return None
+            branches.append(marked)
+        return Seq(node.dim, node.offsets, tuple(branches))
+    return None
+
+
+def _regions(node) -> list[TileRegion]:
+    if isinstance(node, TileRegion):
+        return [node]
+    if isinstance(node, Loop):
+        return _regions(node.body)
+    if isinstance(node, Seq):
+        return [r for b in node.branches for r in _regions(b)]
+    return []
+
+
+def nchw_name(name: str) -> str:
+    """The NCHW entry point of kernel ``name``: ``..._<hash>_nchw`` before the family
+    suffix."""
+    stem, sep, family = name.rpartition("__")
+    return f"{stem}_nchw__{family}" if sep else f"{name}_nchw"
+
+
 def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.generate",
              isa: Isa = Isa.AVX512F) -> KernelSource:
     """Generate the C source of ``scheme`` applied to ``spec`` in the vector family
-    ``isa`` (the scheme is validated against that family's lanes and registers first)."""
+    ``isa`` (the scheme is validated against that family's lanes and registers first).
+
+    The unit defines the kernel (NHWC in, NHWC out) and, where the scheme allows
+    (:func:`tile_regions`), its NCHW entry point ``nchw_name(name)``: the same loops and
+    blocks, NHWC input, the output stored to NCHW tile by tile through the epilogue."""
     vectors = vector_isa(isa)
     tree = lower(scheme, spec, vectors.isa)
     name = kernel_name(scheme, spec, vectors.isa)
     gen = _Generator(spec, name, vectors)
     body = gen.emit(tree)
-    entry = [f"const int {body.names[d]} = 0;" for d in DIMS]
+    totals = spec.iteration_extents(vectors.lanes)
+    regions = tile_regions(tree, {d: totals[d] for d in "nhwk"}, NCHW_TILE_BYTES)
+    if regions is not None and any(r.extents[2] < min(16, spec.wo) for r in _regions(regions)):
+        # tiles narrower than a vector along w (blocks unrolled along h): their NCHW rows
+        # are a few floats long, and storing them cost twice the transposing second pass
+        # (Yolo9000-2, 11 x 1 x 32 tiles: 22 ms against 12)
+        regions = None
+    nchw = None
+    if regions is not None:
+        nchw = _Generator(spec, name, vectors, nchw=True)
+        nchw_body = nchw.emit(regions)
 
     out: list[str] = [
         "/* Generated by ttile, do not edit.",
@@ -533,8 +663,10 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
                 ""]
     if gen.uses_zeros:
         out += [f"static const float {gen.zeros}[{spec.c}] __attribute__((aligned(64)));", ""]
-    out += [f"void {name}(const float *restrict x, const float *restrict w, "
-            f"float *restrict y, int nthreads, const ttile_epilogue *restrict ep)",
+    signature = ("(const float *restrict x, const float *restrict w, float *restrict y, "
+                 "int nthreads, const ttile_epilogue *restrict ep)")
+    entry = [f"const int {body.names[d]} = 0;" for d in DIMS]
+    out += [f"void {name}{signature}",
             "{",
             "    (void)nthreads;",
             "    const int epk = ttile_epilogue_kind(ep);"]
@@ -542,9 +674,16 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         size = spec.n * spec.ho * spec.wo * spec.k
         out.append(f"    memset(y, 0, sizeof(float) * (size_t){size});")
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
+    if nchw is not None:
+        entry = [f"const int {nchw_body.names[d]} = 0;" for d in DIMS]
+        out += [f"/* NCHW output, tile by tile (see ttile_store_nchw*). */",
+                f"void {nchw_name(name)}{signature}",
+                "{",
+                "    (void)nthreads;",
+                *_indent(entry), *_indent(nchw_body.lines), "}", ""]
     panel = vectors.lanes * _block_of(tree).count("k")
     return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out), panel=panel,
-                        isa=vectors.isa)
+                        isa=vectors.isa, nchw_name=None if nchw is None else nchw_name(name))
 
 
 def _block_of(node: Node) -> Block:

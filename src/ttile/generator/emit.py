@@ -69,7 +69,7 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
                    f"{s.stride_w}, {s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}, "
                    f"{s.dilation_h}, {s.dilation_w}, {_ISA_CONSTANTS[entry.isa]}")
         if entry.scheme is None:
-            rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, 0, NULL,\n"
+            rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, 0, NULL, NULL,\n"
                         f"     {_c_string(entry.layer)}, \"\", {entry.gflops:.1f}, 0.0, "
                         f"{entry.generic_gflops:.1f}}},")
             continue
@@ -79,10 +79,11 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
             write_if_changed(path, f"/* layer: {entry.layer} */\n" + source.code)
             written.append(path)
             names.add(source.name)
-            declarations.append(f"void {source.name}(const float *, const float *, float *, int, "
-                                f"const ttile_epilogue *);")
+            declarations += [f"void {name}(const float *, const float *, float *, int, "
+                             f"const ttile_epilogue *);"
+                             for name in (source.name, source.nchw_name) if name]
         rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, {source.panel}, "
-                    f"{source.name},\n     {_c_string(entry.layer)}, "
+                    f"{source.name}, {source.nchw_name or 'NULL'},\n     {_c_string(entry.layer)}, "
                     f"{_c_string(str(entry.scheme))}, {entry.gflops:.1f}, "
                     f"{entry.warm_gflops:.1f}, {entry.generic_gflops:.1f}}},")
     for stale in directory.glob("ttile_f32_conv2d_*.c"):

@@ -27,7 +27,7 @@ from ..core.kinds import Activation, Isa, KernelKind
 from ..core.vectors import extension_code
 from ..core.spec import MIN_FLOPS_PER_THREAD, ConvSpec  # noqa: F401 (re-exported)
 from . import dispatch, registry
-from .scratch import scratch
+from .scratch import aligned_empty, scratch
 
 IntPair = Union[int, tuple[int, int]]
 
@@ -500,17 +500,21 @@ def _generic_args(spec: ConvSpec) -> tuple:
 
 
 def _run_searched(choice: dispatch.KernelChoice, x: np.ndarray, weights: np.ndarray,
-                  y: np.ndarray, nthreads: int, fused: dict) -> None:
-    """A tuned or JIT kernel on arrays of exactly its problem's shapes."""
+                  y: np.ndarray, nthreads: int, fused: dict, nchw_out: bool = False) -> None:
+    """A tuned or JIT kernel on arrays of exactly its problem's shapes (``nchw_out``: its
+    NCHW entry point, y and the residual in NCHW)."""
     if choice.kind is KernelKind.TUNED:
-        _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused)
+        _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused, nchw_out=nchw_out)
     else:
         # The kernel's sizes are those of the problem it was compiled for: the arrays
         # are checked against that problem, not against themselves.
         problem = choice.problem
-        _kernels.run_compiled(choice.address, x, weights, y, nthreads, problem.input_shape(),
+        n, ho, wo, k = problem.output_shape()
+        _kernels.run_compiled(choice.address_nchw if nchw_out else choice.address, x,
+                              weights, y, nthreads, problem.input_shape(),
                               problem.packed_weight_shape(choice.panel),
-                              problem.output_shape(), **fused)
+                              (n, k, ho, wo) if nchw_out else (n, ho, wo, k), **fused,
+                              nchw_out=nchw_out)
 
 
 def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights: np.ndarray,
@@ -552,12 +556,14 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     kernel's format, the epilogue fused; returns the output (``out`` when given).
 
     An NCHW input is converted to NHWC by one blocked, parallel pass into a per-thread
-    scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes the NCHW output
-    directly (and takes the NCHW residual as it is), other kernels' NHWC output is converted back by a second
-    pass (and an NCHW residual converted for them first)."""
+    scratch buffer; the vector generic kernel (AVX-512F or AVX2) and the searched kernels
+    with an NCHW entry point (``choice.nchw``: tiles buffered and transposed in cache)
+    write the NCHW output directly and take the NCHW residual as it is; other kernels'
+    NHWC output is converted back by a second pass (and an NCHW residual converted for
+    them first)."""
     spec = plan.spec
     if plan.layout == "NHWC":
-        y = out if out is not None else np.empty(plan.out_shape, dtype=_FLOAT32)
+        y = out if out is not None else aligned_empty(plan.out_shape)
         _run(choice, plan, x, weights, y, nthreads, fused.kwargs())
         return y
     isa = _layout_isa()
@@ -566,11 +572,15 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     if choice.kind is KernelKind.GENERIC and choice.panel:
         # the vector generic kernel writes NCHW from its tiles: no second pass; it
         # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
-        y = out if out is not None else np.empty(plan.out_shape, dtype=_FLOAT32)
+        y = out if out is not None else aligned_empty(plan.out_shape)
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
                                        weights.ndim == 4, groups=plan.groups,
                                        dil_h=spec.dilation_h, dil_w=spec.dilation_w,
                                        **fused.kwargs(), isa=extension_code(choice.isa))
+        return y
+    if choice.nchw and choice.problem.n == spec.n:
+        y = out if out is not None else aligned_empty(plan.out_shape)
+        _run_searched(choice, x, weights, y, nthreads, fused.kwargs(), nchw_out=True)
         return y
     nhwc = _nhwc_shape(plan)
     residual = None

@@ -54,6 +54,8 @@ class KernelChoice:
     warm_gflops: float = 0.0            # a tuned kernel's warm rate, and the generic
     generic_gflops: float = 0.0         # kernel's beside it (0: not compared)
     isa: Isa = Isa.AVX512F              # the vector family (or portable) it runs
+    address_nchw: int = 0               # a JIT kernel's NCHW-output entry point (0: none)
+    nchw: bool = False                  # the kernel can store an NCHW output itself
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
                         microkernels=entry.microkernels, gflops=entry.gflops,
                         note=f"compiled into ttile ({where})", tuned_cpu=entry.cpu,
                         tuned_threads=entry.threads, warm_gflops=entry.warm_gflops,
-                        generic_gflops=entry.generic_gflops, isa=entry.isa)
+                        generic_gflops=entry.generic_gflops, isa=entry.isa,
+                        nchw=entry.nchw)
 
 
 #: Data rates that weigh what packing weights costs a per-call conv2d, measured on the
@@ -285,9 +288,15 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
         with contextlib.suppress(OSError):
             os.unlink(private)
     from ..core.cbuild import symbol_address
+    from ..core.codegen import nchw_name
     address = symbol_address(handle, entry.function)
+    try:   # libraries built before kernels had NCHW entry points have none
+        address_nchw = symbol_address(handle, nchw_name(entry.function))
+    except AttributeError:
+        address_nchw = 0
     return KernelChoice(kind=KernelKind.JIT, problem=entry.problem, panel=entry.panel,
-                        address=address, scheme=entry.scheme,
+                        address=address, address_nchw=address_nchw,
+                        nchw=address_nchw != 0, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,
                         tuned_cpu=entry.key.cpu, tuned_threads=entry.key.threads,
                         note=f"tuned here in {entry.search_seconds:.1f} s "

@@ -43,6 +43,7 @@ class TunedEntry:
     gflops: float        # measured when it was tuned (cold protocol)
     warm_gflops: float   # the kernel beside the generic kernel, warm (0: never compared)
     generic_gflops: float  # the generic kernel there, warm when compared (0: unknown)
+    nchw: bool = False   # the kernel has an NCHW-output entry point (run_tuned nchw_out)
 
     @cached_property
     def microkernels(self) -> str:
@@ -66,7 +67,7 @@ def _read() -> tuple[TunedEntry, ...]:
                             kind=KernelKind.TUNED if e["has_kernel"] else KernelKind.GENERIC,
                             panel=e["panel"], layer=e["layer"], scheme=e["scheme"],
                             gflops=e["gflops"], warm_gflops=e["warm_gflops"],
-                            generic_gflops=e["generic_gflops"])
+                            generic_gflops=e["generic_gflops"], nchw=e["has_nchw"])
                  for e in _kernels.registry_entries())
 
 

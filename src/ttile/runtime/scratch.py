@@ -40,6 +40,16 @@ def scratch(slot: str, shape: tuple[int, ...]) -> Optional[np.ndarray]:
     return buffer[:size].reshape(shape)
 
 
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """A new float32 array of ``shape`` starting on a 64-byte line (numpy gives large
+    arrays 16-byte alignment): kernels that stream whole lines of a large output past
+    the caches (non-temporal stores) can do so only on aligned lines."""
+    size = math.prod(shape)
+    buffer = np.empty(size + 16, np.float32)
+    start = (-buffer.ctypes.data % 64) // 4
+    return buffer[start:start + size].reshape(shape)
+
+
 def release() -> None:
     """Drop this thread's buffers (tests, or a thread done with large layers)."""
     _local.slots.clear()
