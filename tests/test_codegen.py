@@ -282,8 +282,8 @@ def _nchw_case(case, threads, small_tiles, monkeypatch):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_nchw_entry_point_stores_the_kernels_sums_in_nchw(case, threads, small_tiles,
                                                            monkeypatch):
-    """The same sums, bit for bit, stored tile by tile into NCHW; the epilogue (bias,
-    an NCHW residual, activation) applied at that store."""
+    """The same sums, bit for bit, from an NCHW input stored tile by tile into NCHW; the
+    epilogue (bias, an NCHW residual, activation) applied at that store."""
     found = _nchw_case(case, threads, small_tiles, monkeypatch)
     if found is None:
         return
@@ -292,11 +292,12 @@ def test_nchw_entry_point_stores_the_kernels_sums_in_nchw(case, threads, small_t
     shape = (spec.n, spec.k, spec.ho, spec.wo)
     y_nchw = aligned_empty(shape)
     y_nchw.fill(np.nan)
-    library.run(kernel, x, w, y_nchw, nthreads=threads, nchw=True)
+    x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    library.run(kernel, x_nchw, w, y_nchw, nthreads=threads, nchw=True)
     np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))
     bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
     residual = rng.uniform(-1, 1, shape).astype(np.float32)
-    library.run(kernel, x, w, y_nchw, nthreads=threads, nchw=True,
+    library.run(kernel, x_nchw, w, y_nchw, nthreads=threads, nchw=True,
                 epilogue=EpilogueArgs.of(bias, residual, 2, 0.0))   # relu6
     expected = np.clip(y.transpose(0, 3, 1, 2) + bias[:, None, None] + residual, 0, 6)
     np.testing.assert_allclose(y_nchw, expected, rtol=1e-6, atol=1e-6)

@@ -54,16 +54,18 @@ def _pads(spec: ConvSpec):
 def _run_guarded(spec: ConvSpec, side: str, weights: np.ndarray, launch,
                  nchw_out: bool = False) -> None:
     """Place x, weights and y against guard pages on ``side``, launch, check the output
-    (NHWC, or NCHW with ``nchw_out``) against float64 and the canaries around y."""
+    (NHWC; x and y NCHW with ``nchw_out``) against float64 and the canaries around y."""
     x, w = _tensors(spec)
-    gx, gw = guarded_copy(x, side), guarded_copy(weights, side)
+    gx = guarded_copy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if nchw_out else x, side)
+    gw = guarded_copy(weights, side)
     shape = (spec.n, spec.k, spec.ho, spec.wo) if nchw_out else (spec.n, spec.ho, spec.wo, spec.k)
     gy = guarded_copy(np.zeros(shape, np.float32), side)
     gy.array.view(np.uint32)[...] = 0xA5A5A5A5  # a kernel must overwrite every output
     launch(gx.array, gw.array, gy.array)
     assert gy.canary_intact(), "the kernel wrote outside its output"
     assert gx.canary_intact() and gw.canary_intact(), "the kernel wrote into its inputs' fences"
-    np.testing.assert_array_equal(gx.array, x)  # inputs untouched
+    # inputs untouched
+    np.testing.assert_array_equal(gx.array.transpose(0, 2, 3, 1) if nchw_out else gx.array, x)
     y = gy.array.transpose(0, 2, 3, 1) if nchw_out else gy.array
     assert_conv_close(np.ascontiguousarray(y), x, w, (spec.stride_h, spec.stride_w),
                       _pads(spec), layout="NHWC")

@@ -81,12 +81,13 @@ def test_every_shipped_tuned_kernel_matches_the_reference(entry):
 
 
 def _check_nchw_entry_point(entry, x, packed, y, rng):
-    """Its NCHW entry point: the same sums stored tile by tile into NCHW, bit for bit,
-    and the epilogue applied at that store."""
+    """Its NCHW entry point: the same sums from the NCHW input, stored tile by tile into
+    NCHW, bit for bit, and the epilogue applied at that store."""
     spec = entry.spec
     n, ho, wo, k = spec.output_shape()
     y_nchw = aligned_empty((n, k, ho, wo))   # aligned: large outputs take streamed stores
     y_nchw.fill(np.nan)
+    x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     _kernels.run_tuned(entry.index, x, packed, y_nchw, entry.threads, nchw_out=True)
     np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))
     bias = rng.uniform(-1, 1, k).astype(np.float32)

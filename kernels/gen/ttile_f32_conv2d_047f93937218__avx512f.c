@@ -49,7 +49,7 @@ void ttile_f32_conv2d_047f93937218__avx512f(const float *restrict x, const float
                         __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                         __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
+                            const float *restrict xb = x + (((int64_t)(n0) * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
                             for (int i7 = 0; i7 < 16; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
@@ -231,7 +231,7 @@ void ttile_f32_conv2d_047f93937218__avx512f(const float *restrict x, const float
                         __m512 acc_0_0_4_1 = _mm512_setzero_ps();
                         __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n11 * 112 + (h14 * 1 + r16 * 1 - 0)) * 112 + (w15 * 1 + s17 * 1 - 0)) * 16;
+                            const float *restrict xb = x + (((int64_t)(n11) * 112 + (h14 * 1 + r16 * 1 - 0)) * 112 + (w15 * 1 + s17 * 1 - 0)) * 16;
                             for (int i18 = 0; i18 < 16; i18++) {
                                 const int c13 = c19 + i18 * 1;
                                 {
@@ -470,26 +470,26 @@ void ttile_f32_conv2d_047f93937218_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
+                                const float *restrict xb = x + ((int64_t)(n0) * 1792 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 16; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 16);
                                         const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 32);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                         acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 16]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                         acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 32]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                         acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 48]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
@@ -538,30 +538,30 @@ void ttile_f32_conv2d_047f93937218_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_4_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n11 * 112 + (h14 * 1 + r16 * 1 - 0)) * 112 + (w15 * 1 + s17 * 1 - 0)) * 16;
+                                const float *restrict xb = x + ((int64_t)(n11) * 1792 + (h14 * 1 + r16 * 1 - 0)) * 112 + (w15 * 1 + s17 * 1 - 0);
                                 for (int i18 = 0; i18 < 16; i18++) {
                                     const int c13 = c19 + i18 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 16 * 48 + (int64_t)(c13 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 16 * 48 + (int64_t)(c13 + 0) * 48 + 16);
                                         const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 16 * 48 + (int64_t)(c13 + 0) * 48 + 32);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c13 * 12544 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                         acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 16]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c13 * 12544 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                         acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 32]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c13 * 12544 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                         acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 48]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c13 * 12544 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
-                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 64]);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c13 * 12544 + 4]);
                                         acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                         acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
                                         acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);

@@ -47,7 +47,7 @@ void ttile_f32_conv2d_058170ffe05b__avx512f(const float *restrict x, const float
             __m512 acc_0_0_6_0 = _mm512_setzero_ps();
             __m512 acc_0_0_6_1 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 96;
+                const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 96;
                 for (int i7 = 0; i7 < 96; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {

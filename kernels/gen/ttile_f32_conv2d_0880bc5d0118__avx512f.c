@@ -63,7 +63,7 @@ void ttile_f32_conv2d_0880bc5d0118__avx512f(const float *restrict x, const float
                             for (int i9 = 0; i9 < 7; i9++) {
                                 const int r5 = r10 + i9 * 1;
                                 if (h3 * 2 + r5 * 1 - 3 >= 0 && h3 * 2 + r5 * 1 - 3 + 0 < 224 && w4 * 2 + s6 * 1 - 3 >= 0 && w4 * 2 + s6 * 1 - 3 + 14 < 224) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 224 + (h3 * 2 + r5 * 1 - 3)) * 224 + (w4 * 2 + s6 * 1 - 3)) * 3;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 224 + (h3 * 2 + r5 * 1 - 3)) * 224 + (w4 * 2 + s6 * 1 - 3)) * 3;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -802,7 +802,7 @@ void ttile_f32_conv2d_0880bc5d0118__avx512f(const float *restrict x, const float
                             for (int i28 = 0; i28 < 7; i28++) {
                                 const int r24 = r29 + i28 * 1;
                                 if (h22 * 2 + r24 * 1 - 3 >= 0 && h22 * 2 + r24 * 1 - 3 + 0 < 224 && w23 * 2 + s25 * 1 - 3 >= 0 && w23 * 2 + s25 * 1 - 3 + 16 < 224) {
-                                    const float *restrict xb = x + (((int64_t)n19 * 224 + (h22 * 2 + r24 * 1 - 3)) * 224 + (w23 * 2 + s25 * 1 - 3)) * 3;
+                                    const float *restrict xb = x + (((int64_t)(n19) * 224 + (h22 * 2 + r24 * 1 - 3)) * 224 + (w23 * 2 + s25 * 1 - 3)) * 3;
                                     for (int i26 = 0; i26 < 3; i26++) {
                                         const int c21 = c27 + i26 * 1;
                                         {

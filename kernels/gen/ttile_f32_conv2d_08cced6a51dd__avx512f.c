@@ -63,7 +63,7 @@ void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float
                                     __m512 acc_0_4_0_2 = _mm512_setzero_ps();
                                     __m512 acc_0_4_0_3 = _mm512_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                                         for (int i9 = 0; i9 < 2; i9++) {
                                             const int c8 = c10 + i9 * 64;
                                             for (int i7 = 0; i7 < 64; i7++) {
@@ -354,7 +354,7 @@ void ttile_f32_conv2d_08cced6a51dd__avx512f(const float *restrict x, const float
                                     __m512 acc_0_5_0_2 = _mm512_setzero_ps();
                                     __m512 acc_0_5_0_3 = _mm512_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
+                                        const float *restrict xb = x + (((int64_t)(n23) * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
                                         for (int i32 = 0; i32 < 2; i32++) {
                                             const int c31 = c33 + i32 * 64;
                                             for (int i30 = 0; i30 < 64; i30++) {

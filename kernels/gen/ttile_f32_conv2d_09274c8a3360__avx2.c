@@ -40,7 +40,7 @@ void ttile_f32_conv2d_09274c8a3360__avx2(const float *restrict x, const float *r
                     for (int i15 = 0; i15 < 2; i15++) {
                         const int w4 = w16 + i15 * 1;
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
+                            const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                             for (int i13 = 0; i13 < 2; i13++) {
                                 const int k12 = k14 + i13 * 64;
                                 for (int i11 = 0; i11 < 2; i11++) {
@@ -189,7 +189,7 @@ void ttile_f32_conv2d_09274c8a3360__avx2(const float *restrict x, const float *r
                     for (int i36 = 0; i36 < 2; i36++) {
                         const int w25 = w37 + i36 * 1;
                         {
-                            const float *restrict xb = x + (((int64_t)n21 * 56 + (h24 * 2 + r26 * 1 - 0)) * 56 + (w25 * 2 + s27 * 1 - 0)) * 64;
+                            const float *restrict xb = x + (((int64_t)(n21) * 56 + (h24 * 2 + r26 * 1 - 0)) * 56 + (w25 * 2 + s27 * 1 - 0)) * 64;
                             for (int i34 = 0; i34 < 2; i34++) {
                                 const int k33 = k35 + i34 * 64;
                                 for (int i32 = 0; i32 < 2; i32++) {

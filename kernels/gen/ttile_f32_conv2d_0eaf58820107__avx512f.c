@@ -45,7 +45,7 @@ void ttile_f32_conv2d_0eaf58820107__avx512f(const float *restrict x, const float
             __m512 acc_0_0_3_1 = _mm512_setzero_ps();
             __m512 acc_0_0_3_2 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 24;
+                const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 24;
                 for (int i7 = 0; i7 < 24; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {

@@ -64,7 +64,7 @@ void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *restrict x, const float
                                     __m512 acc_0_4_0_2 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 32);
                                     __m512 acc_0_4_0_3 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 68 + (h3 + 4)) * 68 + (w4 + 0)) * 128 + k1 + 48);
                                     {
-                                        const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                                         for (int i7 = 0; i7 < 128; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -352,7 +352,7 @@ void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *restrict x, const float
                                     __m512 acc_0_5_0_2 = _mm512_loadu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 32);
                                     __m512 acc_0_5_0_3 = _mm512_loadu_ps(y + (((int64_t)(n21 + 0) * 68 + (h24 + 5)) * 68 + (w25 + 0)) * 128 + k22 + 48);
                                     {
-                                        const float *restrict xb = x + (((int64_t)n21 * 68 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0)) * 256;
+                                        const float *restrict xb = x + (((int64_t)(n21) * 68 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0)) * 256;
                                         for (int i28 = 0; i28 < 128; i28++) {
                                             const int c23 = c29 + i28 * 1;
                                             {
@@ -701,7 +701,7 @@ void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const 
                                         __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
                                         __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 5 + (h3 + 4 - bo_h)) * 4352 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
                                         {
-                                            const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                            const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0);
                                             for (int i7 = 0; i7 < 128; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
@@ -709,27 +709,27 @@ void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const 
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 16);
                                                     const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 32);
                                                     const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 48);
-                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 4624 + 0]);
                                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                                     acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                                     acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c2 * 4624 + 68]);
                                                     acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                                     acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                                     acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c2 * 4624 + 136]);
                                                     acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                                     acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                                     acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c2 * 4624 + 204]);
                                                     acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                                     acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                                     acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 69632]);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c2 * 4624 + 272]);
                                                     acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                     acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
@@ -824,7 +824,7 @@ void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const 
                                         __m512 acc_0_5_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 32);
                                         __m512 acc_0_5_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n21 + 0 - bo_n) * 6 + (h24 + 5 - bo_h)) * 4352 + (w25 + 0 - bo_w) * 64 + k22 - bo_k + 48);
                                         {
-                                            const float *restrict xb = x + (((int64_t)n21 * 68 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0)) * 256;
+                                            const float *restrict xb = x + ((int64_t)(n21) * 17408 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0);
                                             for (int i28 = 0; i28 < 128; i28++) {
                                                 const int c23 = c29 + i28 * 1;
                                                 {
@@ -832,32 +832,32 @@ void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const 
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 16);
                                                     const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 32);
                                                     const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 48);
-                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c23 + 0]);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c23 * 4624 + 0]);
                                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                                     acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                                     acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c23 + 17408]);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c23 * 4624 + 68]);
                                                     acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                                     acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                                     acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c23 + 34816]);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c23 * 4624 + 136]);
                                                     acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                                     acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                                     acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c23 + 52224]);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c23 * 4624 + 204]);
                                                     acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                                     acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                                     acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c23 + 69632]);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c23 * 4624 + 272]);
                                                     acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                     acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
                                                     acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
-                                                    const __m512 b0_5_0 = _mm512_set1_ps(xb[c23 + 87040]);
+                                                    const __m512 b0_5_0 = _mm512_set1_ps(xb[(int64_t)c23 * 4624 + 340]);
                                                     acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                     acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);

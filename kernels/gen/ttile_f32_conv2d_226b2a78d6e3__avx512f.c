@@ -61,7 +61,7 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
                                 __m512 acc_0_4_0_2 = _mm512_setzero_ps();
                                 __m512 acc_0_4_0_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 64;
                                     for (int i9 = 0; i9 < 4; i9++) {
                                         const int c8 = c10 + i9 * 16;
                                         for (int i7 = 0; i7 < 16; i7++) {
@@ -349,7 +349,7 @@ void ttile_f32_conv2d_226b2a78d6e3__avx512f(const float *restrict x, const float
                                 __m512 acc_0_5_0_2 = _mm512_setzero_ps();
                                 __m512 acc_0_5_0_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n21 * 56 + (h24 * 1 + r26 * 1 - 0)) * 56 + (w25 * 1 + s27 * 1 - 0)) * 64;
+                                    const float *restrict xb = x + (((int64_t)(n21) * 56 + (h24 * 1 + r26 * 1 - 0)) * 56 + (w25 * 1 + s27 * 1 - 0)) * 64;
                                     for (int i30 = 0; i30 < 4; i30++) {
                                         const int c29 = c31 + i30 * 16;
                                         for (int i28 = 0; i28 < 16; i28++) {
@@ -697,7 +697,7 @@ void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const 
                                     __m512 acc_0_4_0_2 = _mm512_setzero_ps();
                                     __m512 acc_0_4_0_3 = _mm512_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                                        const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0);
                                         for (int i9 = 0; i9 < 4; i9++) {
                                             const int c8 = c10 + i9 * 16;
                                             for (int i7 = 0; i7 < 16; i7++) {
@@ -707,27 +707,27 @@ void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const 
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
                                                     const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 32);
                                                     const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 48);
-                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 0]);
                                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                                     acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                                     acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 3584]);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 56]);
                                                     acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                                     acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                                     acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 7168]);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 112]);
                                                     acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                                     acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                                     acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 10752]);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 168]);
                                                     acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                                     acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                                     acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 14336]);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 224]);
                                                     acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                     acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
@@ -819,7 +819,7 @@ void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const 
                                     __m512 acc_0_5_0_2 = _mm512_setzero_ps();
                                     __m512 acc_0_5_0_3 = _mm512_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n21 * 56 + (h24 * 1 + r26 * 1 - 0)) * 56 + (w25 * 1 + s27 * 1 - 0)) * 64;
+                                        const float *restrict xb = x + ((int64_t)(n21) * 3584 + (h24 * 1 + r26 * 1 - 0)) * 56 + (w25 * 1 + s27 * 1 - 0);
                                         for (int i30 = 0; i30 < 4; i30++) {
                                             const int c29 = c31 + i30 * 16;
                                             for (int i28 = 0; i28 < 16; i28++) {
@@ -829,32 +829,32 @@ void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const 
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 16);
                                                     const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 32);
                                                     const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 48);
-                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c23 + 0]);
+                                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c23 * 3136 + 0]);
                                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                                     acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                                     acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[c23 + 3584]);
+                                                    const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c23 * 3136 + 56]);
                                                     acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                                     acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                                     acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[c23 + 7168]);
+                                                    const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c23 * 3136 + 112]);
                                                     acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                                     acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                                     acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[c23 + 10752]);
+                                                    const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c23 * 3136 + 168]);
                                                     acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                                     acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                                     acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[c23 + 14336]);
+                                                    const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c23 * 3136 + 224]);
                                                     acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                     acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
                                                     acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
-                                                    const __m512 b0_5_0 = _mm512_set1_ps(xb[c23 + 17920]);
+                                                    const __m512 b0_5_0 = _mm512_set1_ps(xb[(int64_t)c23 * 3136 + 280]);
                                                     acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                     acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);

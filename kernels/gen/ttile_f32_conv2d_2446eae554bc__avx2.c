@@ -55,7 +55,7 @@ void ttile_f32_conv2d_2446eae554bc__avx2(const float *restrict x, const float *r
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 4 < 272 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 272) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
                                         for (int i7 = 0; i7 < 32; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -257,7 +257,7 @@ void ttile_f32_conv2d_2446eae554bc__avx2(const float *restrict x, const float *r
                                 for (int i30 = 0; i30 < 3; i30++) {
                                     const int s27 = s31 + i30 * 1;
                                     if (h24 * 1 + r26 * 1 - 1 >= 0 && h24 * 1 + r26 * 1 - 1 + 5 < 272 && w25 * 1 + s27 * 1 - 1 >= 0 && w25 * 1 + s27 * 1 - 1 + 0 < 272) {
-                                        const float *restrict xb = x + (((int64_t)n21 * 272 + (h24 * 1 + r26 * 1 - 1)) * 272 + (w25 * 1 + s27 * 1 - 1)) * 32;
+                                        const float *restrict xb = x + (((int64_t)(n21) * 272 + (h24 * 1 + r26 * 1 - 1)) * 272 + (w25 * 1 + s27 * 1 - 1)) * 32;
                                         for (int i28 = 0; i28 < 32; i28++) {
                                             const int c23 = c29 + i28 * 1;
                                             {
@@ -492,53 +492,58 @@ void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const flo
                                     for (int i9 = 0; i9 < 3; i9++) {
                                         const int s6 = s10 + i9 * 1;
                                         if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 4 < 272 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 272) {
-                                            const float *restrict xb = x + (((int64_t)n0 * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
+                                            const float *restrict xb = x + ((int64_t)(n0) * 8704 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1);
                                             for (int i7 = 0; i7 < 32; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 73984 + 0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 73984 + 272]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 73984 + 544]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 73984 + 816]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 73984 + 1088]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
                                             }
                                         } else {
-                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n0 + 0) * 272 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 272 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? 73984 : 0;
                                             for (int i7 = 0; i7 < 32; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c2 + 0) * xs_0_1_0_0_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c2 + 0) * xs_0_2_0_0_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c2 + 0) * xs_0_3_0_0_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c2 + 0) * xs_0_4_0_0_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
@@ -608,60 +613,66 @@ void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const flo
                                     for (int i30 = 0; i30 < 3; i30++) {
                                         const int s27 = s31 + i30 * 1;
                                         if (h24 * 1 + r26 * 1 - 1 >= 0 && h24 * 1 + r26 * 1 - 1 + 5 < 272 && w25 * 1 + s27 * 1 - 1 >= 0 && w25 * 1 + s27 * 1 - 1 + 0 < 272) {
-                                            const float *restrict xb = x + (((int64_t)n21 * 272 + (h24 * 1 + r26 * 1 - 1)) * 272 + (w25 * 1 + s27 * 1 - 1)) * 32;
+                                            const float *restrict xb = x + ((int64_t)(n21) * 8704 + (h24 * 1 + r26 * 1 - 1)) * 272 + (w25 * 1 + s27 * 1 - 1);
                                             for (int i28 = 0; i28 < 32; i28++) {
                                                 const int c23 = c29 + i28 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c23 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c23 * 73984 + 0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c23 + 8704]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c23 * 73984 + 272]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c23 + 17408]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c23 * 73984 + 544]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c23 + 26112]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c23 * 73984 + 816]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c23 + 34816]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c23 * 73984 + 1088]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c23 + 43520]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c23 * 73984 + 1360]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
                                             }
                                         } else {
-                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h24 + 0) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 0) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h24 + 1) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 1) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h24 + 2) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 2) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h24 + 3) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 3) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h24 + 4) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 4) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
-                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + (((int64_t)(n21 + 0) * 272 + ((h24 + 5) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1)) * 32 : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h24 + 0) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n21 + 0) * 8704 + ((h24 + 0) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_0_0_0_0 = ((unsigned)((h24 + 0) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h24 + 1) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n21 + 0) * 8704 + ((h24 + 1) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_1_0_0_0 = ((unsigned)((h24 + 1) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h24 + 2) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n21 + 0) * 8704 + ((h24 + 2) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_2_0_0_0 = ((unsigned)((h24 + 2) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h24 + 3) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n21 + 0) * 8704 + ((h24 + 3) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_3_0_0_0 = ((unsigned)((h24 + 3) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h24 + 4) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n21 + 0) * 8704 + ((h24 + 4) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_4_0_0_0 = ((unsigned)((h24 + 4) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
+                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? x + ((int64_t)(n21 + 0) * 8704 + ((h24 + 5) * 1 + (r26 + 0) * 1 - 1)) * 272 + ((w25 + 0) * 1 + (s27 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_2446eae554bc__avx2;
+                                            const int64_t xs_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
                                             for (int i28 = 0; i28 < 32; i28++) {
                                                 const int c23 = c29 + i28 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c23 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c23 + 0) * xs_0_0_0_0_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c23 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c23 + 0) * xs_0_1_0_0_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c23 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c23 + 0) * xs_0_2_0_0_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c23 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c23 + 0) * xs_0_3_0_0_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c23 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c23 + 0) * xs_0_4_0_0_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c23 + 0]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[(int64_t)(c23 + 0) * xs_0_5_0_0_0]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }

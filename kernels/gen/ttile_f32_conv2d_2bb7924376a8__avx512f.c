@@ -49,7 +49,7 @@ void ttile_f32_conv2d_2bb7924376a8__avx512f(const float *restrict x, const float
             __m512 acc_0_6_0_0 = _mm512_setzero_ps();
             __m512 acc_0_6_0_1 = _mm512_setzero_ps();
             if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 8 < 7 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 2 < 7) {
-                const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1)) * 512;
+                const float *restrict xb = x + (((int64_t)(n0) * 7 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1)) * 512;
                 for (int i9 = 0; i9 < 64; i9++) {
                     const int c8 = c10 + i9 * 8;
                     for (int i7 = 0; i7 < 8; i7++) {

@@ -45,7 +45,7 @@ void ttile_f32_conv2d_2fdc6aa32a31__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_3_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
+                        const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
                         for (int i9 = 0; i9 < 2; i9++) {
                             const int c8 = c10 + i9 * 96;
                             for (int i7 = 0; i7 < 96; i7++) {
@@ -198,7 +198,7 @@ void ttile_f32_conv2d_2fdc6aa32a31__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_11_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_11_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n13 * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 192;
+                        const float *restrict xb = x + (((int64_t)(n13) * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 192;
                         for (int i22 = 0; i22 < 2; i22++) {
                             const int c21 = c23 + i22 * 96;
                             for (int i20 = 0; i20 < 96; i20++) {
@@ -531,7 +531,7 @@ void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_3_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
+                            const float *restrict xb = x + ((int64_t)(n0) * 5376 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                             for (int i9 = 0; i9 < 2; i9++) {
                                 const int c8 = c10 + i9 * 96;
                                 for (int i7 = 0; i7 < 96; i7++) {
@@ -539,16 +539,16 @@ void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const 
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 192]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 384]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 576]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                     }
@@ -602,7 +602,7 @@ void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_11_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_11_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n13 * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 192;
+                            const float *restrict xb = x + ((int64_t)(n13) * 5376 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0);
                             for (int i22 = 0; i22 < 2; i22++) {
                                 const int c21 = c23 + i22 * 96;
                                 for (int i20 = 0; i20 < 96; i20++) {
@@ -610,40 +610,40 @@ void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const 
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 192 * 32 + (int64_t)(c15 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 192 * 32 + (int64_t)(c15 + 0) * 32 + 16);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 192]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 384]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 576]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 768]);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 4]);
                                         acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                         acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c15 + 960]);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 5]);
                                         acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                         acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c15 + 1152]);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 6]);
                                         acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                         acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
-                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[c15 + 1344]);
+                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 7]);
                                         acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
                                         acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
-                                        const __m512 b0_0_8 = _mm512_set1_ps(xb[c15 + 1536]);
+                                        const __m512 b0_0_8 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 8]);
                                         acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
                                         acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
-                                        const __m512 b0_0_9 = _mm512_set1_ps(xb[c15 + 1728]);
+                                        const __m512 b0_0_9 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 9]);
                                         acc_0_0_9_0 = _mm512_fmadd_ps(b0_0_9, wv0, acc_0_0_9_0);
                                         acc_0_0_9_1 = _mm512_fmadd_ps(b0_0_9, wv1, acc_0_0_9_1);
-                                        const __m512 b0_0_10 = _mm512_set1_ps(xb[c15 + 1920]);
+                                        const __m512 b0_0_10 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 10]);
                                         acc_0_0_10_0 = _mm512_fmadd_ps(b0_0_10, wv0, acc_0_0_10_0);
                                         acc_0_0_10_1 = _mm512_fmadd_ps(b0_0_10, wv1, acc_0_0_10_1);
-                                        const __m512 b0_0_11 = _mm512_set1_ps(xb[c15 + 2112]);
+                                        const __m512 b0_0_11 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 11]);
                                         acc_0_0_11_0 = _mm512_fmadd_ps(b0_0_11, wv0, acc_0_0_11_0);
                                         acc_0_0_11_1 = _mm512_fmadd_ps(b0_0_11, wv1, acc_0_0_11_1);
                                     }

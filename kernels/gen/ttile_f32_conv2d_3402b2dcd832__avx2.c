@@ -38,7 +38,7 @@ void ttile_f32_conv2d_3402b2dcd832__avx2(const float *restrict x, const float *r
                     for (int i15 = 0; i15 < 2; i15++) {
                         const int w4 = w16 + i15 * 1;
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
+                            const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                             for (int i13 = 0; i13 < 2; i13++) {
                                 const int k12 = k14 + i13 * 64;
                                 for (int i11 = 0; i11 < 2; i11++) {
@@ -190,7 +190,7 @@ void ttile_f32_conv2d_3402b2dcd832__avx2(const float *restrict x, const float *r
                     for (int i38 = 0; i38 < 2; i38++) {
                         const int w27 = w39 + i38 * 1;
                         {
-                            const float *restrict xb = x + (((int64_t)n23 * 56 + (h26 * 2 + r28 * 1 - 0)) * 56 + (w27 * 2 + s29 * 1 - 0)) * 64;
+                            const float *restrict xb = x + (((int64_t)(n23) * 56 + (h26 * 2 + r28 * 1 - 0)) * 56 + (w27 * 2 + s29 * 1 - 0)) * 64;
                             for (int i36 = 0; i36 < 2; i36++) {
                                 const int k35 = k37 + i36 * 64;
                                 for (int i34 = 0; i34 < 2; i34++) {

@@ -47,7 +47,7 @@ void ttile_f32_conv2d_374ee2e77aa5__avx512f(const float *restrict x, const float
             __m512 acc_0_3_0_2 = _mm512_setzero_ps();
             __m512 acc_0_3_0_3 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                const float *restrict xb = x + (((int64_t)(n0) * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                 for (int i7 = 0; i7 < 256; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {

@@ -53,7 +53,7 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
                                 if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 544 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 3 < 544) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 544 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1)) * 3;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 544 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1)) * 3;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -226,7 +226,7 @@ void ttile_f32_conv2d_44ab36cdb458__avx512f(const float *restrict x, const float
                             for (int i26 = 0; i26 < 3; i26++) {
                                 const int s23 = s27 + i26 * 1;
                                 if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 0 < 544 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 6 < 544) {
-                                    const float *restrict xb = x + (((int64_t)n17 * 544 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1)) * 3;
+                                    const float *restrict xb = x + (((int64_t)(n17) * 544 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1)) * 3;
                                     for (int i24 = 0; i24 < 3; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
@@ -496,46 +496,50 @@ void ttile_f32_conv2d_44ab36cdb458_nchw__avx512f(const float *restrict x, const 
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 544 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 3 < 544) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 544 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1)) * 3;
+                                        const float *restrict xb = x + ((int64_t)(n0) * 1632 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 295936 + 0]);
                                                 acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 3]);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 295936 + 1]);
                                                 acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                                 acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 6]);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 295936 + 2]);
                                                 acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                                 acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 9]);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 295936 + 3]);
                                                 acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                                 acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                             }
                                         }
                                     } else {
-                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n0 + 0) * 544 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n0 + 0) * 1632 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n0 + 0) * 1632 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n0 + 0) * 1632 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n0 + 0) * 1632 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 544 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 544u) ? 295936 : 0;
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                                 acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[(int64_t)(c2 + 0) * xs_0_0_1_0_0]);
                                                 acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                                 acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[(int64_t)(c2 + 0) * xs_0_0_2_0_0]);
                                                 acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                                 acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[(int64_t)(c2 + 0) * xs_0_0_3_0_0]);
                                                 acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                                 acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                             }
@@ -587,67 +591,74 @@ void ttile_f32_conv2d_44ab36cdb458_nchw__avx512f(const float *restrict x, const 
                                 for (int i26 = 0; i26 < 3; i26++) {
                                     const int s23 = s27 + i26 * 1;
                                     if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 0 < 544 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 6 < 544) {
-                                        const float *restrict xb = x + (((int64_t)n17 * 544 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1)) * 3;
+                                        const float *restrict xb = x + ((int64_t)(n17) * 1632 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 3; i24++) {
                                             const int c19 = c25 + i24 * 1;
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
-                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 0]);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 0]);
                                                 acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[c19 + 3]);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 1]);
                                                 acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                                 acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[c19 + 6]);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 2]);
                                                 acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                                 acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[c19 + 9]);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 3]);
                                                 acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                                 acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[c19 + 12]);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 4]);
                                                 acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                                 acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[c19 + 15]);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 5]);
                                                 acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                                 acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[c19 + 18]);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c19 * 295936 + 6]);
                                                 acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                                 acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                             }
                                         }
                                     } else {
-                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 1) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 2) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 3) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 4) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 5) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
-                                        const float *restrict xp_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + (((int64_t)(n17 + 0) * 544 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 6) * 1 + (s23 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 1) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_1_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 1) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 2) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_2_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 2) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 3) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_3_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 3) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 4) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_4_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 4) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 5) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_5_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 5) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
+                                        const float *restrict xp_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 0) * 1 - 1) < 544u) ? x + ((int64_t)(n17 + 0) * 1632 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 544 + ((w21 + 6) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_44ab36cdb458__avx512f;
+                                        const int64_t xs_0_0_6_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 6) * 1 + (s23 + 0) * 1 - 1) < 544u) ? 295936 : 0;
                                         for (int i24 = 0; i24 < 3; i24++) {
                                             const int c19 = c25 + i24 * 1;
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
-                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[(int64_t)(c19 + 0) * xs_0_0_0_0_0]);
                                                 acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c19 + 0]);
+                                                const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[(int64_t)(c19 + 0) * xs_0_0_1_0_0]);
                                                 acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                                 acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c19 + 0]);
+                                                const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[(int64_t)(c19 + 0) * xs_0_0_2_0_0]);
                                                 acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                                 acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c19 + 0]);
+                                                const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[(int64_t)(c19 + 0) * xs_0_0_3_0_0]);
                                                 acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                                 acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c19 + 0]);
+                                                const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[(int64_t)(c19 + 0) * xs_0_0_4_0_0]);
                                                 acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                                 acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c19 + 0]);
+                                                const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[(int64_t)(c19 + 0) * xs_0_0_5_0_0]);
                                                 acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                                 acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c19 + 0]);
+                                                const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[(int64_t)(c19 + 0) * xs_0_0_6_0_0]);
                                                 acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                                 acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                             }

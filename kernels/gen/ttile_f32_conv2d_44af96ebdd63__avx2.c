@@ -53,7 +53,7 @@ void ttile_f32_conv2d_44af96ebdd63__avx2(const float *restrict x, const float *r
                                 for (int i9 = 0; i9 < 7; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 2 + r5 * 1 - 3 >= 0 && h3 * 2 + r5 * 1 - 3 + 12 < 224 && w4 * 2 + s6 * 1 - 3 >= 0 && w4 * 2 + s6 * 1 - 3 + 0 < 224) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 224 + (h3 * 2 + r5 * 1 - 3)) * 224 + (w4 * 2 + s6 * 1 - 3)) * 3;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 224 + (h3 * 2 + r5 * 1 - 3)) * 224 + (w4 * 2 + s6 * 1 - 3)) * 3;
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -453,7 +453,7 @@ void ttile_f32_conv2d_44af96ebdd63__avx2(const float *restrict x, const float *r
                                 for (int i28 = 0; i28 < 7; i28++) {
                                     const int s25 = s29 + i28 * 1;
                                     if (h22 * 2 + r24 * 1 - 3 >= 0 && h22 * 2 + r24 * 1 - 3 + 14 < 224 && w23 * 2 + s25 * 1 - 3 >= 0 && w23 * 2 + s25 * 1 - 3 + 0 < 224) {
-                                        const float *restrict xb = x + (((int64_t)n19 * 224 + (h22 * 2 + r24 * 1 - 3)) * 224 + (w23 * 2 + s25 * 1 - 3)) * 3;
+                                        const float *restrict xb = x + (((int64_t)(n19) * 224 + (h22 * 2 + r24 * 1 - 3)) * 224 + (w23 * 2 + s25 * 1 - 3)) * 3;
                                         for (int i26 = 0; i26 < 3; i26++) {
                                             const int c21 = c27 + i26 * 1;
                                             {

@@ -60,7 +60,7 @@ void ttile_f32_conv2d_46d75c88ac43__avx2(const float *restrict x, const float *r
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 68 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 68) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 1)) * 68 + (w4 * 1 + s6 * 1 - 1)) * 128;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 68 + (h3 * 1 + r5 * 1 - 1)) * 68 + (w4 * 1 + s6 * 1 - 1)) * 128;
                                         for (int i7 = 0; i7 < 32; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -349,7 +349,7 @@ void ttile_f32_conv2d_46d75c88ac43__avx2(const float *restrict x, const float *r
                                 for (int i28 = 0; i28 < 3; i28++) {
                                     const int s25 = s29 + i28 * 1;
                                     if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 7 < 68 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 68) {
-                                        const float *restrict xb = x + (((int64_t)n19 * 68 + (h22 * 1 + r24 * 1 - 1)) * 68 + (w23 * 1 + s25 * 1 - 1)) * 128;
+                                        const float *restrict xb = x + (((int64_t)(n19) * 68 + (h22 * 1 + r24 * 1 - 1)) * 68 + (w23 * 1 + s25 * 1 - 1)) * 128;
                                         for (int i26 = 0; i26 < 32; i26++) {
                                             const int c21 = c27 + i26 * 1;
                                             {
@@ -693,25 +693,25 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                     for (int i9 = 0; i9 < 3; i9++) {
                                         const int s6 = s10 + i9 * 1;
                                         if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 68 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 68) {
-                                            const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 1)) * 68 + (w4 * 1 + s6 * 1 - 1)) * 128;
+                                            const float *restrict xb = x + ((int64_t)(n0) * 8704 + (h3 * 1 + r5 * 1 - 1)) * 68 + (w4 * 1 + s6 * 1 - 1);
                                             for (int i7 = 0; i7 < 32; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 68]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 136]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 204]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 272]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
@@ -719,19 +719,19 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 68]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 136]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 204]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 272]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 43520]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 340]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
@@ -739,57 +739,72 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 136]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 204]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 272]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 43520]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 340]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 408]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
                                             }
                                         } else {
-                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 4) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n0 + 0) * 68 + ((h3 + 4) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 1) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 2) * 1 - 1)) * 68 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 68u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 68u) ? 4624 : 0;
                                             for (int i7 = 0; i7 < 32; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c2 + 0) * xs_0_1_0_0_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c2 + 0) * xs_0_2_0_0_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c2 + 0) * xs_0_3_0_0_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c2 + 0) * xs_0_4_0_0_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
@@ -797,19 +812,19 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[(int64_t)(c2 + 0) * xs_0_0_0_1_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[(int64_t)(c2 + 0) * xs_0_1_0_1_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[(int64_t)(c2 + 0) * xs_0_2_0_1_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[(int64_t)(c2 + 0) * xs_0_3_0_1_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c2 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[(int64_t)(c2 + 0) * xs_0_4_0_1_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
@@ -817,19 +832,19 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[(int64_t)(c2 + 0) * xs_0_0_0_2_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[(int64_t)(c2 + 0) * xs_0_1_0_2_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[(int64_t)(c2 + 0) * xs_0_2_0_2_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[(int64_t)(c2 + 0) * xs_0_3_0_2_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c2 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[(int64_t)(c2 + 0) * xs_0_4_0_2_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                                 }
@@ -897,28 +912,28 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                     for (int i28 = 0; i28 < 3; i28++) {
                                         const int s25 = s29 + i28 * 1;
                                         if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 7 < 68 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 68) {
-                                            const float *restrict xb = x + (((int64_t)n19 * 68 + (h22 * 1 + r24 * 1 - 1)) * 68 + (w23 * 1 + s25 * 1 - 1)) * 128;
+                                            const float *restrict xb = x + ((int64_t)(n19) * 8704 + (h22 * 1 + r24 * 1 - 1)) * 68 + (w23 * 1 + s25 * 1 - 1);
                                             for (int i26 = 0; i26 < 32; i26++) {
                                                 const int c21 = c27 + i26 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c21 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c21 + 8704]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 68]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c21 + 17408]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 136]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c21 + 26112]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 204]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c21 + 34816]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 272]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c21 + 43520]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 340]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
@@ -926,22 +941,22 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 1)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 1)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c21 + 8704]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 68]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c21 + 17408]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 136]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c21 + 26112]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 204]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c21 + 34816]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 272]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c21 + 43520]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 340]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c21 + 52224]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 408]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
@@ -949,66 +964,84 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 2)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 2)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c21 + 17408]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 136]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c21 + 26112]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 204]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c21 + 34816]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 272]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c21 + 43520]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 340]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c21 + 52224]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 408]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c21 + 60928]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c21 * 4624 + 476]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
                                             }
                                         } else {
-                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 0) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_0_0_1_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 0) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_0_0_2_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 0) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 1) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_1_0_1_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 1) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_1_0_2_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 1) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 2) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_2_0_1_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 2) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_2_0_2_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 2) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 3) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_3_0_1_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 3) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_3_0_2_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 3) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 4) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_4_0_1_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 4) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_4_0_2_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 4) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 5) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_5_0_1_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 5) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
-                                            const float *restrict xp_0_5_0_2_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + (((int64_t)(n19 + 0) * 68 + ((h22 + 5) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 0) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_0_0_1_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 0) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_0_0_1_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_0_0_2_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 0) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_0_0_2_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 1) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_1_0_1_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 1) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_1_0_1_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_1_0_2_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 1) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_1_0_2_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 2) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_2_0_1_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 2) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_2_0_1_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_2_0_2_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 2) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_2_0_2_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 3) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_3_0_1_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 3) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_3_0_1_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_3_0_2_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 3) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_3_0_2_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 4) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_4_0_1_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 4) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_4_0_1_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_4_0_2_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 4) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_4_0_2_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 5) * 1 + (r24 + 0) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_5_0_1_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 5) * 1 + (r24 + 1) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_5_0_1_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 1) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
+                                            const float *restrict xp_0_5_0_2_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? x + ((int64_t)(n19 + 0) * 8704 + ((h22 + 5) * 1 + (r24 + 2) * 1 - 1)) * 68 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_46d75c88ac43__avx2;
+                                            const int64_t xs_0_5_0_2_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 2) * 1 - 1) < 68u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 68u) ? 4624 : 0;
                                             for (int i26 = 0; i26 < 32; i26++) {
                                                 const int c21 = c27 + i26 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c21 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c21 + 0) * xs_0_0_0_0_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c21 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c21 + 0) * xs_0_1_0_0_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c21 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c21 + 0) * xs_0_2_0_0_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c21 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c21 + 0) * xs_0_3_0_0_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c21 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c21 + 0) * xs_0_4_0_0_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c21 + 0]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[(int64_t)(c21 + 0) * xs_0_5_0_0_0]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
@@ -1016,22 +1049,22 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 1)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 1)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c21 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[(int64_t)(c21 + 0) * xs_0_0_0_1_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c21 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[(int64_t)(c21 + 0) * xs_0_1_0_1_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c21 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[(int64_t)(c21 + 0) * xs_0_2_0_1_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c21 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[(int64_t)(c21 + 0) * xs_0_3_0_1_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c21 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[(int64_t)(c21 + 0) * xs_0_4_0_1_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[c21 + 0]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[(int64_t)(c21 + 0) * xs_0_5_0_1_0]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
@@ -1039,22 +1072,22 @@ void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *restrict x, const flo
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 2)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 2)) * 3 + (s25 + 0)) * 128 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c21 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[(int64_t)(c21 + 0) * xs_0_0_0_2_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c21 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[(int64_t)(c21 + 0) * xs_0_1_0_2_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c21 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[(int64_t)(c21 + 0) * xs_0_2_0_2_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c21 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[(int64_t)(c21 + 0) * xs_0_3_0_2_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c21 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[(int64_t)(c21 + 0) * xs_0_4_0_2_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[c21 + 0]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[(int64_t)(c21 + 0) * xs_0_5_0_2_0]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }

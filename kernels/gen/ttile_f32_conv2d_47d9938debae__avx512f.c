@@ -58,7 +58,7 @@ void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float
                     __m512 acc_0_15_0_0 = _mm512_setzero_ps();
                     __m512 acc_0_16_0_0 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 32;
+                        const float *restrict xb = x + (((int64_t)(n0) * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 32;
                         for (int i9 = 0; i9 < 8; i9++) {
                             const int c8 = c10 + i9 * 4;
                             for (int i7 = 0; i7 < 4; i7++) {
@@ -308,7 +308,7 @@ void ttile_f32_conv2d_47d9938debae__avx512f(const float *restrict x, const float
                     __m512 acc_0_17_0_0 = _mm512_setzero_ps();
                     __m512 acc_0_18_0_0 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n13 * 112 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0)) * 32;
+                        const float *restrict xb = x + (((int64_t)(n13) * 112 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0)) * 32;
                         for (int i22 = 0; i22 < 8; i22++) {
                             const int c21 = c23 + i22 * 4;
                             for (int i20 = 0; i20 < 4; i20++) {

@@ -45,7 +45,7 @@ void ttile_f32_conv2d_5336ae754ce4__avx512f(const float *restrict x, const float
             __m512 acc_0_0_6_0 = _mm512_setzero_ps();
             __m512 acc_0_0_6_1 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 384;
+                const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 384;
                 for (int i7 = 0; i7 < 384; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {

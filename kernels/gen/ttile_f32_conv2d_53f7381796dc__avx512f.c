@@ -28,7 +28,7 @@ void ttile_f32_conv2d_53f7381796dc__avx512f(const float *restrict x, const float
             for (int i11 = 0; i11 < 7; i11++) {
                 const int w4 = w12 + i11 * 4;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 24;
+                    const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 24;
                     for (int i9 = 0; i9 < 3; i9++) {
                         const int k1 = k10 + i9 * 48;
                         {
@@ -230,7 +230,7 @@ void ttile_f32_conv2d_53f7381796dc_nchw__avx512f(const float *restrict x, const 
                 for (int i11 = 0; i11 < 7; i11++) {
                     const int w4 = w12 + i11 * 4;
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0)) * 24;
+                        const float *restrict xb = x + ((int64_t)(n0) * 1344 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0);
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int k1 = k10 + i9 * 48;
                             {
@@ -252,19 +252,19 @@ void ttile_f32_conv2d_53f7381796dc_nchw__avx512f(const float *restrict x, const 
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 16);
                                         const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 32);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                         acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 24]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                         acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 48]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                         acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 72]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);

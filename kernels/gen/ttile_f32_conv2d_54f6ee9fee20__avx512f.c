@@ -59,7 +59,7 @@ void ttile_f32_conv2d_54f6ee9fee20__avx512f(const float *restrict x, const float
                             __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                             __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 32;
+                                const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 32;
                                 for (int i7 = 0; i7 < 32; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -293,7 +293,7 @@ void ttile_f32_conv2d_54f6ee9fee20__avx512f(const float *restrict x, const float
                             __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                             __m512 acc_0_0_4_3 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 32;
+                                const float *restrict xb = x + (((int64_t)(n15) * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 32;
                                 for (int i22 = 0; i22 < 32; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
@@ -594,7 +594,7 @@ void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                                 __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 32;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 896 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 32; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -602,22 +602,22 @@ void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *restrict x, const 
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 32 * 64 + (int64_t)(c2 + 0) * 64 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 32 * 64 + (int64_t)(c2 + 0) * 64 + 32);
                                             const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 32 * 64 + (int64_t)(c2 + 0) * 64 + 48);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                             acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 32]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 1]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                             acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
                                             acc_0_0_1_3 = _mm512_fmadd_ps(b0_0_1, wv3, acc_0_0_1_3);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 64]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 2]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                             acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
                                             acc_0_0_2_3 = _mm512_fmadd_ps(b0_0_2, wv3, acc_0_0_2_3);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 96]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 3]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                             acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
@@ -682,7 +682,7 @@ void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                                 __m512 acc_0_0_4_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 32;
+                                    const float *restrict xb = x + ((int64_t)(n15) * 896 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0);
                                     for (int i22 = 0; i22 < 32; i22++) {
                                         const int c17 = c23 + i22 * 1;
                                         {
@@ -690,27 +690,27 @@ void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *restrict x, const 
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 64) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 32 * 64 + (int64_t)(c17 + 0) * 64 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k16 / 64) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 32 * 64 + (int64_t)(c17 + 0) * 64 + 32);
                                             const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k16 / 64) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 32 * 64 + (int64_t)(c17 + 0) * 64 + 48);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c17 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                             acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c17 + 32]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 1]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                             acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
                                             acc_0_0_1_3 = _mm512_fmadd_ps(b0_0_1, wv3, acc_0_0_1_3);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c17 + 64]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 2]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                             acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
                                             acc_0_0_2_3 = _mm512_fmadd_ps(b0_0_2, wv3, acc_0_0_2_3);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c17 + 96]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 3]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                             acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
                                             acc_0_0_3_3 = _mm512_fmadd_ps(b0_0_3, wv3, acc_0_0_3_3);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c17 + 128]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 4]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
                                             acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);

@@ -57,7 +57,7 @@ void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float
                                 __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                                 __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 32;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 32;
                                     for (int i7 = 0; i7 < 32; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -297,7 +297,7 @@ void ttile_f32_conv2d_5a6ad3fac0f2__avx512f(const float *restrict x, const float
                                 __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                                 __m512 acc_0_0_4_3 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n19 * 28 + (h22 * 1 + r24 * 1 - 0)) * 28 + (w23 * 1 + s25 * 1 - 0)) * 32;
+                                    const float *restrict xb = x + (((int64_t)(n19) * 28 + (h22 * 1 + r24 * 1 - 0)) * 28 + (w23 * 1 + s25 * 1 - 0)) * 32;
                                     for (int i26 = 0; i26 < 32; i26++) {
                                         const int c21 = c27 + i26 * 1;
                                         {

@@ -43,7 +43,7 @@ void ttile_f32_conv2d_60a481ba1f9c__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_3_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 144;
+                        const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 144;
                         for (int i7 = 0; i7 < 144; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -184,7 +184,7 @@ void ttile_f32_conv2d_60a481ba1f9c__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_5_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_5_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n13 * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 144;
+                        const float *restrict xb = x + (((int64_t)(n13) * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 144;
                         for (int i20 = 0; i20 < 144; i20++) {
                             const int c15 = c21 + i20 * 1;
                             {
@@ -386,22 +386,22 @@ void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_3_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 144;
+                            const float *restrict xb = x + ((int64_t)(n0) * 4032 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 144; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 144 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 144 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 144]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 288]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 432]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                 }
@@ -445,28 +445,28 @@ void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_5_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_5_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n13 * 28 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0)) * 144;
+                            const float *restrict xb = x + ((int64_t)(n13) * 4032 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0);
                             for (int i20 = 0; i20 < 144; i20++) {
                                 const int c15 = c21 + i20 * 1;
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 144 * 32 + (int64_t)(c15 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 144 * 32 + (int64_t)(c15 + 0) * 32 + 16);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 144]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 288]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 432]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 576]);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 4]);
                                     acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                     acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c15 + 720]);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c15 * 784 + 5]);
                                     acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                     acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
                                 }

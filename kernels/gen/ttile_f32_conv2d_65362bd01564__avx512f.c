@@ -56,7 +56,7 @@ void ttile_f32_conv2d_65362bd01564__avx512f(const float *restrict x, const float
                             __m512 acc_0_15_0_0 = _mm512_setzero_ps();
                             __m512 acc_0_16_0_0 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 32;
+                                const float *restrict xb = x + (((int64_t)(n0) * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 32;
                                 for (int i9 = 0; i9 < 8; i9++) {
                                     const int c8 = c10 + i9 * 4;
                                     for (int i7 = 0; i7 < 4; i7++) {
@@ -315,7 +315,7 @@ void ttile_f32_conv2d_65362bd01564__avx512f(const float *restrict x, const float
                             __m512 acc_0_17_0_0 = _mm512_setzero_ps();
                             __m512 acc_0_18_0_0 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n19 * 112 + (h22 * 1 + r24 * 1 - 0)) * 112 + (w23 * 1 + s25 * 1 - 0)) * 32;
+                                const float *restrict xb = x + (((int64_t)(n19) * 112 + (h22 * 1 + r24 * 1 - 0)) * 112 + (w23 * 1 + s25 * 1 - 0)) * 32;
                                 for (int i28 = 0; i28 < 8; i28++) {
                                     const int c27 = c29 + i28 * 4;
                                     for (int i26 = 0; i26 < 4; i26++) {

@@ -40,7 +40,7 @@ void ttile_f32_conv2d_680fcd3319e3__avx512f(const float *restrict x, const float
             __m512 acc_0_5_0_0 = _mm512_setzero_ps();
             __m512 acc_0_6_0_0 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 * 1 - 0)) * 14 + (w4 * 2 + s6 * 1 - 0)) * 256;
+                const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 2 + r5 * 1 - 0)) * 14 + (w4 * 2 + s6 * 1 - 0)) * 256;
                 for (int i9 = 0; i9 < 4; i9++) {
                     const int c8 = c10 + i9 * 64;
                     for (int i7 = 0; i7 < 64; i7++) {

@@ -53,7 +53,7 @@ void ttile_f32_conv2d_6aa47c64e5ce__avx512f(const float *restrict x, const float
                         __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                         __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
+                            const float *restrict xb = x + (((int64_t)(n0) * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
                             for (int i7 = 0; i7 < 16; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
@@ -238,7 +238,7 @@ void ttile_f32_conv2d_6aa47c64e5ce__avx512f(const float *restrict x, const float
                         __m512 acc_0_0_4_1 = _mm512_setzero_ps();
                         __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n13 * 112 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0)) * 16;
+                            const float *restrict xb = x + (((int64_t)(n13) * 112 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0)) * 16;
                             for (int i20 = 0; i20 < 16; i20++) {
                                 const int c15 = c21 + i20 * 1;
                                 {
@@ -481,26 +481,26 @@ void ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 112 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0)) * 16;
+                                const float *restrict xb = x + ((int64_t)(n0) * 1792 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 16; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 16);
                                         const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 32);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                         acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 16]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                         acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 32]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                         acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 48]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 12544 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
@@ -552,30 +552,30 @@ void ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_4_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_4_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n13 * 112 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0)) * 16;
+                                const float *restrict xb = x + ((int64_t)(n13) * 1792 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0);
                                 for (int i20 = 0; i20 < 16; i20++) {
                                     const int c15 = c21 + i20 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 16);
                                         const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 32);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c15 * 12544 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                         acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 16]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c15 * 12544 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                         acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 32]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c15 * 12544 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                         acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 48]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c15 * 12544 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
-                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 64]);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c15 * 12544 + 4]);
                                         acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                         acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
                                         acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);

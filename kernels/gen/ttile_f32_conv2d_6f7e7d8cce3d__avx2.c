@@ -43,7 +43,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d__avx2(const float *restrict x, const float *r
                     for (int i11 = 0; i11 < 28; i11++) {
                         const int w4 = w12 + i11 * 1;
                         if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 5 < 28 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 2 < 28) {
-                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
+                            const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
                             for (int i9 = 0; i9 < 2; i9++) {
                                 const int k1 = k10 + i9 * 16;
                                 {
@@ -617,7 +617,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d__avx2(const float *restrict x, const float *r
                     for (int i28 = 0; i28 < 28; i28++) {
                         const int w21 = w29 + i28 * 1;
                         if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 28 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 2 < 28) {
-                            const float *restrict xb = x + (((int64_t)n17 * 28 + (h20 * 1 + r22 * 1 - 1)) * 28 + (w21 * 1 + s23 * 1 - 1)) * 128;
+                            const float *restrict xb = x + (((int64_t)(n17) * 28 + (h20 * 1 + r22 * 1 - 1)) * 28 + (w21 * 1 + s23 * 1 - 1)) * 128;
                             for (int i26 = 0; i26 < 2; i26++) {
                                 const int k18 = k27 + i26 * 16;
                                 {
@@ -1400,7 +1400,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                         for (int i11 = 0; i11 < 28; i11++) {
                             const int w4 = w12 + i11 * 1;
                             if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 5 < 28 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 2 < 28) {
-                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
+                                const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1);
                                 for (int i9 = 0; i9 < 2; i9++) {
                                     const int k1 = k10 + i9 * 16;
                                     {
@@ -1417,16 +1417,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 28]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 56]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 84]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1434,16 +1434,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 128]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3712]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 29]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7296]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 57]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10880]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 85]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1451,16 +1451,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 256]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3840]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 30]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7424]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 58]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 11008]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 86]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1468,16 +1468,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 28]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 56]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 84]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 112]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1485,16 +1485,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3712]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 29]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7296]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 57]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 10880]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 85]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14464]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 113]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1502,16 +1502,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 3840]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 30]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7424]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 58]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 11008]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 86]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 14592]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 114]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1519,16 +1519,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 56]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 84]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 112]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 17920]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 140]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1536,16 +1536,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7296]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 57]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 10880]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 85]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14464]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 113]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 18048]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 141]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1553,16 +1553,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 7424]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 58]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 11008]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 86]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14592]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 114]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 18176]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 784 + 142]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1578,42 +1578,78 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                     }
                                 }
                             } else {
-                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_1_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_1_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_2_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_2_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_0_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_0_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_1_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_1_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_2_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_2_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_0_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_0_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_1_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_1_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_2_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_2_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_0_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_0_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_1_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_1_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_2_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_2_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n0 + 0) * 28 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_0_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_1_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_1_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_1_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_1_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_2_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_2_1 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_2_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_2_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_0_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_0_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_0_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_0_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_1_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_1_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_1_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_1_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_2_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_2_1 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_2_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_2_2 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_0_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_0_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_0_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_0_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_1_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_1_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_1_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_1_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_2_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_2_1 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_2_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_2_2 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_0_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_0_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_0_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_0_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_1_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_1_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_1_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_1_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_2_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_2_1 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_2_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 28 + ((w4 + 0) * 1 + (s6 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_2_2 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 1 + (s6 + 2) * 1 - 1) < 28u) ? 784 : 0;
                                 for (int i9 = 0; i9 < 2; i9++) {
                                     const int k1 = k10 + i9 * 16;
                                     {
@@ -1630,16 +1666,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c2 + 0) * xs_0_1_0_0_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c2 + 0) * xs_0_2_0_0_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c2 + 0) * xs_0_3_0_0_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1647,16 +1683,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[(int64_t)(c2 + 0) * xs_0_0_0_0_1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_1[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_1[(int64_t)(c2 + 0) * xs_0_1_0_0_1]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_1[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_1[(int64_t)(c2 + 0) * xs_0_2_0_0_1]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_1[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_1[(int64_t)(c2 + 0) * xs_0_3_0_0_1]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1664,16 +1700,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[(int64_t)(c2 + 0) * xs_0_0_0_0_2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_2[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_2[(int64_t)(c2 + 0) * xs_0_1_0_0_2]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_2[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_2[(int64_t)(c2 + 0) * xs_0_2_0_0_2]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_2[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_2[(int64_t)(c2 + 0) * xs_0_3_0_0_2]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1681,16 +1717,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[(int64_t)(c2 + 0) * xs_0_0_0_1_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[(int64_t)(c2 + 0) * xs_0_1_0_1_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[(int64_t)(c2 + 0) * xs_0_2_0_1_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[(int64_t)(c2 + 0) * xs_0_3_0_1_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1698,16 +1734,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_1[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_1[(int64_t)(c2 + 0) * xs_0_0_0_1_1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_1[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_1[(int64_t)(c2 + 0) * xs_0_1_0_1_1]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_1[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_1[(int64_t)(c2 + 0) * xs_0_2_0_1_1]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_1[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_1[(int64_t)(c2 + 0) * xs_0_3_0_1_1]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1715,16 +1751,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_2[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_2[(int64_t)(c2 + 0) * xs_0_0_0_1_2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_2[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_2[(int64_t)(c2 + 0) * xs_0_1_0_1_2]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_2[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_2[(int64_t)(c2 + 0) * xs_0_2_0_1_2]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_2[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_2[(int64_t)(c2 + 0) * xs_0_3_0_1_2]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1732,16 +1768,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[(int64_t)(c2 + 0) * xs_0_0_0_2_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[(int64_t)(c2 + 0) * xs_0_1_0_2_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[(int64_t)(c2 + 0) * xs_0_2_0_2_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[(int64_t)(c2 + 0) * xs_0_3_0_2_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1749,16 +1785,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 1)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_1[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_1[(int64_t)(c2 + 0) * xs_0_0_0_2_1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_1[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_1[(int64_t)(c2 + 0) * xs_0_1_0_2_1]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_1[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_1[(int64_t)(c2 + 0) * xs_0_2_0_2_1]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_1[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_1[(int64_t)(c2 + 0) * xs_0_3_0_2_1]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1766,16 +1802,16 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 2)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_2[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_2[(int64_t)(c2 + 0) * xs_0_0_0_2_2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_2[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_2[(int64_t)(c2 + 0) * xs_0_1_0_2_2]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_2[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_2[(int64_t)(c2 + 0) * xs_0_2_0_2_2]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_2[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_2[(int64_t)(c2 + 0) * xs_0_3_0_2_2]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -1810,7 +1846,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                         for (int i28 = 0; i28 < 28; i28++) {
                             const int w21 = w29 + i28 * 1;
                             if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 28 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 2 < 28) {
-                                const float *restrict xb = x + (((int64_t)n17 * 28 + (h20 * 1 + r22 * 1 - 1)) * 28 + (w21 * 1 + s23 * 1 - 1)) * 128;
+                                const float *restrict xb = x + ((int64_t)(n17) * 3584 + (h20 * 1 + r22 * 1 - 1)) * 28 + (w21 * 1 + s23 * 1 - 1);
                                 for (int i26 = 0; i26 < 2; i26++) {
                                     const int k18 = k27 + i26 * 16;
                                     {
@@ -1831,22 +1867,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3584]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 28]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 56]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 84]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 112]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 140]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1854,22 +1890,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 128]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3712]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 29]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7296]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 57]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 10880]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 85]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14464]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 113]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 18048]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 141]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1877,22 +1913,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 256]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 3840]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 30]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 7424]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 58]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 11008]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 86]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 14592]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 114]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 18176]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 142]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1900,22 +1936,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3584]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 28]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 56]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 84]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 112]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 140]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 168]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1923,22 +1959,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3712]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 29]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7296]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 57]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 10880]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 85]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14464]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 113]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 18048]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 141]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21632]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 169]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1946,22 +1982,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 3840]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 30]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7424]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 58]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 11008]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 86]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 14592]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 114]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 18176]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 142]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 21760]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 170]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1969,22 +2005,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 56]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 10752]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 84]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 112]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 17920]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 140]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 168]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25088]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 196]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -1992,22 +2028,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7296]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 57]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 10880]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 85]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14464]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 113]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 18048]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 141]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21632]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 169]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25216]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 197]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2015,22 +2051,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 7424]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 58]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 11008]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 86]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14592]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 114]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 18176]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 142]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 21760]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 170]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 25344]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 784 + 198]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2050,60 +2086,114 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                     }
                                 }
                             } else {
-                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_1_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_1_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_2_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_0_0_2_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_0_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_0_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_1_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_1_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_2_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_1_0_2_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_0_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_0_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_1_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_1_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_2_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_2_0_2_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_0_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_0_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_1_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_1_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_2_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_3_0_2_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_0_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_0_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_1_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_1_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_2_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_4_0_2_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_0_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_0_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_1_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_1_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_2_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
-                                const float *restrict xp_0_5_0_2_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + (((int64_t)(n17 + 0) * 28 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1)) * 128 : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_0_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_1_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_1_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_1_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_1_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_2_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_2_1 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_0_0_2_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_0_0_2_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_0_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_0_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_0_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_0_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_1_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_1_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_1_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_1_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_2_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_2_1 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_1_0_2_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_1_0_2_2 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_0_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_0_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_0_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_0_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_1_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_1_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_1_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_1_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_2_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_2_1 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_2_0_2_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_2_0_2_2 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_0_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_0_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_0_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_0_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_1_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_1_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_1_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_1_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_2_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_2_1 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_3_0_2_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_3_0_2_2 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_0_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_0_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_0_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_0_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_1_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_1_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_1_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_1_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_2_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_2_1 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_4_0_2_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_4_0_2_2 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_0_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_0_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_0_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_0_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_1_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_1_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_1_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_1_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_2_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 1) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_2_1 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 1) * 1 - 1) < 28u) ? 784 : 0;
+                                const float *restrict xp_0_5_0_2_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 28 + ((w21 + 0) * 1 + (s23 + 2) * 1 - 1) : zeros_ttile_f32_conv2d_6f7e7d8cce3d__avx2;
+                                const int64_t xs_0_5_0_2_2 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 1 + (s23 + 2) * 1 - 1) < 28u) ? 784 : 0;
                                 for (int i26 = 0; i26 < 2; i26++) {
                                     const int k18 = k27 + i26 * 16;
                                     {
@@ -2124,22 +2214,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c19 + 0) * xs_0_0_0_0_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c19 + 0) * xs_0_1_0_0_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c19 + 0) * xs_0_2_0_0_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c19 + 0) * xs_0_3_0_0_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c19 + 0) * xs_0_4_0_0_0]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[(int64_t)(c19 + 0) * xs_0_5_0_0_0]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2147,22 +2237,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_1[(int64_t)(c19 + 0) * xs_0_0_0_0_1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_1[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_1[(int64_t)(c19 + 0) * xs_0_1_0_0_1]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_1[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_1[(int64_t)(c19 + 0) * xs_0_2_0_0_1]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_1[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_1[(int64_t)(c19 + 0) * xs_0_3_0_0_1]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_1[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_1[(int64_t)(c19 + 0) * xs_0_4_0_0_1]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_1[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_1[(int64_t)(c19 + 0) * xs_0_5_0_0_1]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2170,22 +2260,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_2[(int64_t)(c19 + 0) * xs_0_0_0_0_2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_2[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_2[(int64_t)(c19 + 0) * xs_0_1_0_0_2]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_2[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_2[(int64_t)(c19 + 0) * xs_0_2_0_0_2]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_2[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_2[(int64_t)(c19 + 0) * xs_0_3_0_0_2]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_2[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_2[(int64_t)(c19 + 0) * xs_0_4_0_0_2]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_2[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_2[(int64_t)(c19 + 0) * xs_0_5_0_0_2]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2193,22 +2283,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[(int64_t)(c19 + 0) * xs_0_0_0_1_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[(int64_t)(c19 + 0) * xs_0_1_0_1_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[(int64_t)(c19 + 0) * xs_0_2_0_1_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[(int64_t)(c19 + 0) * xs_0_3_0_1_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[(int64_t)(c19 + 0) * xs_0_4_0_1_0]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[(int64_t)(c19 + 0) * xs_0_5_0_1_0]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2216,22 +2306,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_1[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_1[(int64_t)(c19 + 0) * xs_0_0_0_1_1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_1[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_1[(int64_t)(c19 + 0) * xs_0_1_0_1_1]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_1[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_1[(int64_t)(c19 + 0) * xs_0_2_0_1_1]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_1[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_1[(int64_t)(c19 + 0) * xs_0_3_0_1_1]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_1[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_1[(int64_t)(c19 + 0) * xs_0_4_0_1_1]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_1[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_1[(int64_t)(c19 + 0) * xs_0_5_0_1_1]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2239,22 +2329,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_2[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_2[(int64_t)(c19 + 0) * xs_0_0_0_1_2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_2[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_2[(int64_t)(c19 + 0) * xs_0_1_0_1_2]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_2[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_2[(int64_t)(c19 + 0) * xs_0_2_0_1_2]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_2[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_2[(int64_t)(c19 + 0) * xs_0_3_0_1_2]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_2[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_2[(int64_t)(c19 + 0) * xs_0_4_0_1_2]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_2[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_2[(int64_t)(c19 + 0) * xs_0_5_0_1_2]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2262,22 +2352,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[(int64_t)(c19 + 0) * xs_0_0_0_2_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[(int64_t)(c19 + 0) * xs_0_1_0_2_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[(int64_t)(c19 + 0) * xs_0_2_0_2_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[(int64_t)(c19 + 0) * xs_0_3_0_2_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[(int64_t)(c19 + 0) * xs_0_4_0_2_0]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[(int64_t)(c19 + 0) * xs_0_5_0_2_0]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2285,22 +2375,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 1)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_1[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_1[(int64_t)(c19 + 0) * xs_0_0_0_2_1]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_1[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_1[(int64_t)(c19 + 0) * xs_0_1_0_2_1]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_1[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_1[(int64_t)(c19 + 0) * xs_0_2_0_2_1]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_1[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_1[(int64_t)(c19 + 0) * xs_0_3_0_2_1]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_1[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_1[(int64_t)(c19 + 0) * xs_0_4_0_2_1]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_1[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_1[(int64_t)(c19 + 0) * xs_0_5_0_2_1]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
@@ -2308,22 +2398,22 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 2)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_2[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_2[(int64_t)(c19 + 0) * xs_0_0_0_2_2]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_2[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_2[(int64_t)(c19 + 0) * xs_0_1_0_2_2]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_2[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_2[(int64_t)(c19 + 0) * xs_0_2_0_2_2]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_2[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_2[(int64_t)(c19 + 0) * xs_0_3_0_2_2]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_2[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_2[(int64_t)(c19 + 0) * xs_0_4_0_2_2]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_2[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_2[(int64_t)(c19 + 0) * xs_0_5_0_2_2]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }

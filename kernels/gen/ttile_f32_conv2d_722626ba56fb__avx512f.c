@@ -65,7 +65,7 @@ void ttile_f32_conv2d_722626ba56fb__avx512f(const float *restrict x, const float
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
                                 if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 12 < 272 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 272) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 272 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1)) * 32;
                                     for (int i7 = 0; i7 < 32; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -602,7 +602,7 @@ void ttile_f32_conv2d_722626ba56fb__avx512f(const float *restrict x, const float
                             for (int i28 = 0; i28 < 3; i28++) {
                                 const int s25 = s29 + i28 * 1;
                                 if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 14 < 272 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 272) {
-                                    const float *restrict xb = x + (((int64_t)n19 * 272 + (h22 * 1 + r24 * 1 - 1)) * 272 + (w23 * 1 + s25 * 1 - 1)) * 32;
+                                    const float *restrict xb = x + (((int64_t)(n19) * 272 + (h22 * 1 + r24 * 1 - 1)) * 272 + (w23 * 1 + s25 * 1 - 1)) * 32;
                                     for (int i26 = 0; i26 < 32; i26++) {
                                         const int c21 = c27 + i26 * 1;
                                         {

@@ -51,7 +51,7 @@ void ttile_f32_conv2d_80fbdaa6c963__avx2(const float *restrict x, const float *r
                                 __m256 acc_0_3_0_0 = _mm256_setzero_ps();
                                 __m256 acc_0_3_0_1 = _mm256_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                                     for (int i7 = 0; i7 < 256; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -198,7 +198,7 @@ void ttile_f32_conv2d_80fbdaa6c963__avx2(const float *restrict x, const float *r
                                 __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                                 __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n17 * 68 + (h20 * 1 + r22 * 1 - 0)) * 68 + (w21 * 1 + s23 * 1 - 0)) * 256;
+                                    const float *restrict xb = x + (((int64_t)(n17) * 68 + (h20 * 1 + r22 * 1 - 0)) * 68 + (w21 * 1 + s23 * 1 - 0)) * 256;
                                     for (int i24 = 0; i24 < 256; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
@@ -398,22 +398,22 @@ void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *restrict x, const flo
                                     __m256 acc_0_3_0_0 = _mm256_setzero_ps();
                                     __m256 acc_0_3_0_1 = _mm256_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                                        const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0);
                                         for (int i7 = 0; i7 < 256; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 68]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 136]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 4624 + 204]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -475,28 +475,28 @@ void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *restrict x, const flo
                                     __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                                     __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                                     {
-                                        const float *restrict xb = x + (((int64_t)n17 * 68 + (h20 * 1 + r22 * 1 - 0)) * 68 + (w21 * 1 + s23 * 1 - 0)) * 256;
+                                        const float *restrict xb = x + ((int64_t)(n17) * 17408 + (h20 * 1 + r22 * 1 - 0)) * 68 + (w21 * 1 + s23 * 1 - 0);
                                         for (int i24 = 0; i24 < 256; i24++) {
                                             const int c19 = c25 + i24 * 1;
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 256 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 256 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 4624 + 0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 4624 + 68]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 4624 + 136]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 52224]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 4624 + 204]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 69632]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 4624 + 272]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 87040]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 4624 + 340]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }

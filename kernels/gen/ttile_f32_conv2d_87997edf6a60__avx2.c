@@ -45,7 +45,7 @@ void ttile_f32_conv2d_87997edf6a60__avx2(const float *restrict x, const float *r
                         __m256 acc_0_3_0_0 = _mm256_setzero_ps();
                         __m256 acc_0_3_0_1 = _mm256_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                            const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                             for (int i7 = 0; i7 < 128; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
@@ -189,7 +189,7 @@ void ttile_f32_conv2d_87997edf6a60__avx2(const float *restrict x, const float *r
                         __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                         __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n15 * 136 + (h18 * 1 + r20 * 1 - 0)) * 136 + (w19 * 1 + s21 * 1 - 0)) * 128;
+                            const float *restrict xb = x + (((int64_t)(n15) * 136 + (h18 * 1 + r20 * 1 - 0)) * 136 + (w19 * 1 + s21 * 1 - 0)) * 128;
                             for (int i22 = 0; i22 < 128; i22++) {
                                 const int c17 = c23 + i22 * 1;
                                 {
@@ -381,22 +381,22 @@ void ttile_f32_conv2d_87997edf6a60_nchw__avx2(const float *restrict x, const flo
                             __m256 acc_0_3_0_0 = _mm256_setzero_ps();
                             __m256 acc_0_3_0_1 = _mm256_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                                const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 128; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
                                         const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                         const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                        const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                        const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 0]);
                                         acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                        const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 136]);
                                         acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                         acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                        const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                        const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 272]);
                                         acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                         acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                        const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                        const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 408]);
                                         acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                         acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                     }
@@ -455,28 +455,28 @@ void ttile_f32_conv2d_87997edf6a60_nchw__avx2(const float *restrict x, const flo
                             __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                             __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n15 * 136 + (h18 * 1 + r20 * 1 - 0)) * 136 + (w19 * 1 + s21 * 1 - 0)) * 128;
+                                const float *restrict xb = x + ((int64_t)(n15) * 17408 + (h18 * 1 + r20 * 1 - 0)) * 136 + (w19 * 1 + s21 * 1 - 0);
                                 for (int i22 = 0; i22 < 128; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
                                         const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 128 * 16 + (int64_t)(c17 + 0) * 16 + 0);
                                         const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 128 * 16 + (int64_t)(c17 + 0) * 16 + 8);
-                                        const __m256 b0_0_0 = _mm256_set1_ps(xb[c17 + 0]);
+                                        const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c17 * 18496 + 0]);
                                         acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m256 b0_1_0 = _mm256_set1_ps(xb[c17 + 17408]);
+                                        const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c17 * 18496 + 136]);
                                         acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                         acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                        const __m256 b0_2_0 = _mm256_set1_ps(xb[c17 + 34816]);
+                                        const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c17 * 18496 + 272]);
                                         acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                         acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                        const __m256 b0_3_0 = _mm256_set1_ps(xb[c17 + 52224]);
+                                        const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c17 * 18496 + 408]);
                                         acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                         acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                        const __m256 b0_4_0 = _mm256_set1_ps(xb[c17 + 69632]);
+                                        const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c17 * 18496 + 544]);
                                         acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                         acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                        const __m256 b0_5_0 = _mm256_set1_ps(xb[c17 + 87040]);
+                                        const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c17 * 18496 + 680]);
                                         acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                         acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                     }

@@ -49,7 +49,7 @@ void ttile_f32_conv2d_8a4df5f531c3__avx512f(const float *restrict x, const float
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int s6 = s10 + i9 * 1;
                             if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 7 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 6 < 7) {
-                                const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1)) * 512;
+                                const float *restrict xb = x + (((int64_t)(n0) * 7 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1)) * 512;
                                 for (int i7 = 0; i7 < 512; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -314,67 +314,74 @@ void ttile_f32_conv2d_8a4df5f531c3_nchw__avx512f(const float *restrict x, const 
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
                                 if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 0 < 7 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 6 < 7) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1)) * 512;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 512]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 1]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 1024]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 2]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 1536]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 3]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 2048]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 4]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 2560]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 5]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 3072]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 6]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
-                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
-                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
-                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
-                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 4) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 4) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
-                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 5) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 5) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
-                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + (((int64_t)(n0 + 0) * 7 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 6) * 1 + (s6 + 0) * 1 - 1)) * 512 : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 1) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_1_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 1) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 2) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_2_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 2) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 3) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_3_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 3) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 4) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 4) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_4_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 4) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 5) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 5) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_5_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 5) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
+                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 7u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 7 + ((w4 + 6) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_8a4df5f531c3__avx512f;
+                                    const int64_t xs_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[(int64_t)(c2 + 0) * xs_0_0_1_0_0]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[(int64_t)(c2 + 0) * xs_0_0_2_0_0]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[(int64_t)(c2 + 0) * xs_0_0_3_0_0]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c2 + 0]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[(int64_t)(c2 + 0) * xs_0_0_4_0_0]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c2 + 0]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[(int64_t)(c2 + 0) * xs_0_0_5_0_0]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c2 + 0]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[(int64_t)(c2 + 0) * xs_0_0_6_0_0]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                         }

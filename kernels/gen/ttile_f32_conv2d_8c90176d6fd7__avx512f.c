@@ -51,7 +51,7 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                     __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                        const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                         for (int i7 = 0; i7 < 128; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -283,7 +283,7 @@ void ttile_f32_conv2d_8c90176d6fd7__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_5_2 = _mm512_setzero_ps();
                     __m512 acc_0_0_5_3 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n11 * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
+                        const float *restrict xb = x + (((int64_t)(n11) * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
                         for (int i18 = 0; i18 < 128; i18++) {
                             const int c13 = c19 + i18 * 1;
                             {
@@ -615,7 +615,7 @@ void ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                         __m512 acc_0_0_3_3 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                            const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 128; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
@@ -623,22 +623,22 @@ void ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f(const float *restrict x, const 
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 16);
                                     const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 32);
                                     const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 48);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                     acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                     acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 128]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                     acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
                                     acc_0_0_1_3 = _mm512_fmadd_ps(b0_0_1, wv3, acc_0_0_1_3);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 256]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                     acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
                                     acc_0_0_2_3 = _mm512_fmadd_ps(b0_0_2, wv3, acc_0_0_2_3);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 384]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                     acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
@@ -701,7 +701,7 @@ void ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_5_2 = _mm512_setzero_ps();
                         __m512 acc_0_0_5_3 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n11 * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
+                            const float *restrict xb = x + ((int64_t)(n11) * 17408 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0);
                             for (int i18 = 0; i18 < 128; i18++) {
                                 const int c13 = c19 + i18 * 1;
                                 {
@@ -709,32 +709,32 @@ void ttile_f32_conv2d_8c90176d6fd7_nchw__avx512f(const float *restrict x, const 
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 16);
                                     const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 32);
                                     const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 48);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c13 * 18496 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                     acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                     acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 128]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c13 * 18496 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                     acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
                                     acc_0_0_1_3 = _mm512_fmadd_ps(b0_0_1, wv3, acc_0_0_1_3);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 256]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c13 * 18496 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                     acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
                                     acc_0_0_2_3 = _mm512_fmadd_ps(b0_0_2, wv3, acc_0_0_2_3);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 384]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c13 * 18496 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                     acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
                                     acc_0_0_3_3 = _mm512_fmadd_ps(b0_0_3, wv3, acc_0_0_3_3);
-                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 512]);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c13 * 18496 + 4]);
                                     acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                     acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
                                     acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
                                     acc_0_0_4_3 = _mm512_fmadd_ps(b0_0_4, wv3, acc_0_0_4_3);
-                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c13 + 640]);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c13 * 18496 + 5]);
                                     acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                     acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
                                     acc_0_0_5_2 = _mm512_fmadd_ps(b0_0_5, wv2, acc_0_0_5_2);

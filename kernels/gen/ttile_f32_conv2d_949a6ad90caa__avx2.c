@@ -36,7 +36,7 @@ void ttile_f32_conv2d_949a6ad90caa__avx2(const float *restrict x, const float *r
             __m256 acc_0_5_0_0 = _mm256_setzero_ps();
             __m256 acc_0_6_0_0 = _mm256_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 2 + r5 * 1 - 0)) * 14 + (w4 * 2 + s6 * 1 - 0)) * 256;
+                const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 2 + r5 * 1 - 0)) * 14 + (w4 * 2 + s6 * 1 - 0)) * 256;
                 for (int i7 = 0; i7 < 256; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {

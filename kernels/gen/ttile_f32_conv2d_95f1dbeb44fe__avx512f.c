@@ -46,7 +46,7 @@ void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *restrict x, const float
                                 for (int i11 = 0; i11 < 17; i11++) {
                                     const int w4 = w12 + i11 * 1;
                                     {
-                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                                         for (int i9 = 0; i9 < 2; i9++) {
                                             const int k1 = k10 + i9 * 16;
                                             {
@@ -153,7 +153,7 @@ void ttile_f32_conv2d_95f1dbeb44fe__avx512f(const float *restrict x, const float
                                 for (int i34 = 0; i34 < 17; i34++) {
                                     const int w27 = w35 + i34 * 1;
                                     {
-                                        const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
+                                        const float *restrict xb = x + (((int64_t)(n23) * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
                                         for (int i32 = 0; i32 < 2; i32++) {
                                             const int k24 = k33 + i32 * 16;
                                             {
@@ -300,7 +300,7 @@ void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *restrict x, const 
                                     for (int i11 = 0; i11 < 17; i11++) {
                                         const int w4 = w12 + i11 * 1;
                                         {
-                                            const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                                            const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0);
                                             for (int i9 = 0; i9 < 2; i9++) {
                                                 const int k1 = k10 + i9 * 16;
                                                 {
@@ -312,13 +312,13 @@ void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *restrict x, const 
                                                         const int c2 = c8 + i7 * 1;
                                                         {
                                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
-                                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 0]);
                                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
-                                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 136]);
                                                             acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
-                                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 272]);
                                                             acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
-                                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 408]);
                                                             acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                         }
                                                     }
@@ -369,7 +369,7 @@ void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *restrict x, const 
                                     for (int i34 = 0; i34 < 17; i34++) {
                                         const int w27 = w35 + i34 * 1;
                                         {
-                                            const float *restrict xb = x + (((int64_t)n23 * 136 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0)) * 128;
+                                            const float *restrict xb = x + ((int64_t)(n23) * 17408 + (h26 * 1 + r28 * 1 - 0)) * 136 + (w27 * 1 + s29 * 1 - 0);
                                             for (int i32 = 0; i32 < 2; i32++) {
                                                 const int k24 = k33 + i32 * 16;
                                                 {
@@ -382,15 +382,15 @@ void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *restrict x, const 
                                                         const int c25 = c31 + i30 * 1;
                                                         {
                                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k24 / 16) * 1 + (r28 + 0)) * 1 + (s29 + 0)) * 128 * 16 + (int64_t)(c25 + 0) * 16 + 0);
-                                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c25 + 0]);
+                                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c25 * 18496 + 0]);
                                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
-                                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c25 + 17408]);
+                                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c25 * 18496 + 136]);
                                                             acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
-                                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c25 + 34816]);
+                                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c25 * 18496 + 272]);
                                                             acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
-                                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c25 + 52224]);
+                                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c25 * 18496 + 408]);
                                                             acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
-                                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c25 + 69632]);
+                                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c25 * 18496 + 544]);
                                                             acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                         }
                                                     }

@@ -52,7 +52,7 @@ void ttile_f32_conv2d_96f157596010__avx512f(const float *restrict x, const float
                         __m512 acc_0_6_0_1 = _mm512_setzero_ps();
                         __m512 acc_0_6_0_2 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                            const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
                             for (int i7 = 0; i7 < 64; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
@@ -356,38 +356,38 @@ void ttile_f32_conv2d_96f157596010_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_6_0_1 = _mm512_setzero_ps();
                             __m512 acc_0_6_0_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                                const float *restrict xb = x + ((int64_t)(n0) * 896 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 64; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 48 + (int64_t)(c2 + 0) * 48 + 16);
                                         const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 48 + (int64_t)(c2 + 0) * 48 + 32);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                         acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 896]);
+                                        const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 14]);
                                         acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                         acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                         acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
-                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 1792]);
+                                        const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 28]);
                                         acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                         acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                         acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
-                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 2688]);
+                                        const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 42]);
                                         acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                         acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                         acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
-                                        const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 3584]);
+                                        const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 56]);
                                         acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                         acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
-                                        const __m512 b0_5_0 = _mm512_set1_ps(xb[c2 + 4480]);
+                                        const __m512 b0_5_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 70]);
                                         acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                         acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);
-                                        const __m512 b0_6_0 = _mm512_set1_ps(xb[c2 + 5376]);
+                                        const __m512 b0_6_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 84]);
                                         acc_0_6_0_0 = _mm512_fmadd_ps(b0_6_0, wv0, acc_0_6_0_0);
                                         acc_0_6_0_1 = _mm512_fmadd_ps(b0_6_0, wv1, acc_0_6_0_1);
                                         acc_0_6_0_2 = _mm512_fmadd_ps(b0_6_0, wv2, acc_0_6_0_2);

@@ -34,7 +34,7 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
             for (int i11 = 0; i11 < 68; i11++) {
                 const int w4 = w12 + i11 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
+                    const float *restrict xb = x + (((int64_t)(n0) * 68 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0)) * 256;
                     for (int i9 = 0; i9 < 4; i9++) {
                         const int k1 = k10 + i9 * 32;
                         {
@@ -197,7 +197,7 @@ void ttile_f32_conv2d_9799004ffce1__avx512f(const float *restrict x, const float
             for (int i26 = 0; i26 < 68; i26++) {
                 const int w19 = w27 + i26 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n15 * 68 + (h18 * 1 + r20 * 1 - 0)) * 68 + (w19 * 1 + s21 * 1 - 0)) * 256;
+                    const float *restrict xb = x + (((int64_t)(n15) * 68 + (h18 * 1 + r20 * 1 - 0)) * 68 + (w19 * 1 + s21 * 1 - 0)) * 256;
                     for (int i24 = 0; i24 < 4; i24++) {
                         const int k16 = k25 + i24 * 32;
                         {

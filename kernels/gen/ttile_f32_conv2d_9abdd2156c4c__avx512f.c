@@ -36,7 +36,7 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
                 for (int i11 = 0; i11 < 14; i11++) {
                     const int w4 = w12 + i11 * 1;
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                         for (int i9 = 0; i9 < 2; i9++) {
                             const int k1 = k10 + i9 * 64;
                             {
@@ -314,7 +314,7 @@ void ttile_f32_conv2d_9abdd2156c4c__avx512f(const float *restrict x, const float
                 for (int i28 = 0; i28 < 14; i28++) {
                     const int w21 = w29 + i28 * 1;
                     {
-                        const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 0)) * 56 + (w21 * 2 + s23 * 1 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)(n17) * 56 + (h20 * 2 + r22 * 1 - 0)) * 56 + (w21 * 2 + s23 * 1 - 0)) * 64;
                         for (int i26 = 0; i26 < 2; i26++) {
                             const int k18 = k27 + i26 * 64;
                             {
@@ -660,7 +660,7 @@ void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const 
                     for (int i11 = 0; i11 < 14; i11++) {
                         const int w4 = w12 + i11 * 1;
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
+                            const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0);
                             for (int i9 = 0; i9 < 2; i9++) {
                                 const int k1 = k10 + i9 * 64;
                                 {
@@ -691,27 +691,27 @@ void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const 
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 32);
                                             const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 48);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                             acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 7168]);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 112]);
                                             acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                             acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                             acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 14336]);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 224]);
                                             acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                             acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                             acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 21504]);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 336]);
                                             acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                             acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 28672]);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c2 * 3136 + 448]);
                                             acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                             acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
@@ -772,7 +772,7 @@ void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const 
                     for (int i28 = 0; i28 < 14; i28++) {
                         const int w21 = w29 + i28 * 1;
                         {
-                            const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 0)) * 56 + (w21 * 2 + s23 * 1 - 0)) * 64;
+                            const float *restrict xb = x + ((int64_t)(n17) * 3584 + (h20 * 2 + r22 * 1 - 0)) * 56 + (w21 * 2 + s23 * 1 - 0);
                             for (int i26 = 0; i26 < 2; i26++) {
                                 const int k18 = k27 + i26 * 64;
                                 {
@@ -807,32 +807,32 @@ void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const 
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 32);
                                             const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 48);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c19 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c19 * 3136 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                             acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c19 + 7168]);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c19 * 3136 + 112]);
                                             acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                             acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                             acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c19 + 14336]);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c19 * 3136 + 224]);
                                             acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                             acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                             acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c19 + 21504]);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c19 * 3136 + 336]);
                                             acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                             acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c19 + 28672]);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c19 * 3136 + 448]);
                                             acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                             acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
                                             acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
-                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c19 + 35840]);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[(int64_t)c19 * 3136 + 560]);
                                             acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);

@@ -66,7 +66,7 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
                             __m512 acc_0_4_0_2 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 32);
                             __m512 acc_0_4_0_3 = _mm512_loadu_ps(y + (((int64_t)(n0 + 0) * 34 + (h3 + 4)) * 34 + (w4 + 0)) * 256 + k1 + 48);
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
+                                const float *restrict xb = x + (((int64_t)(n0) * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
                                 for (int i7 = 0; i7 < 128; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -342,7 +342,7 @@ void ttile_f32_conv2d_a2d97c86c75f__avx512f(const float *restrict x, const float
                             __m512 acc_0_5_0_2 = _mm512_loadu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 32);
                             __m512 acc_0_5_0_3 = _mm512_loadu_ps(y + (((int64_t)(n13 + 0) * 34 + (h16 + 5)) * 34 + (w17 + 0)) * 256 + k14 + 48);
                             {
-                                const float *restrict xb = x + (((int64_t)n13 * 34 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0)) * 512;
+                                const float *restrict xb = x + (((int64_t)(n13) * 34 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0)) * 512;
                                 for (int i20 = 0; i20 < 128; i20++) {
                                     const int c15 = c21 + i20 * 1;
                                     {
@@ -691,7 +691,7 @@ void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_4_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 32);
                                 __m512 acc_0_4_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 17 + (h3 + 4 - bo_h)) * 1088 + (w4 + 0 - bo_w) * 64 + k1 - bo_k + 48);
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 128; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -699,27 +699,27 @@ void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const 
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 32);
                                             const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 48);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 1156 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                             acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c2 + 17408]);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c2 * 1156 + 34]);
                                             acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                             acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                             acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c2 + 34816]);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c2 * 1156 + 68]);
                                             acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                             acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                             acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c2 + 52224]);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c2 * 1156 + 102]);
                                             acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                             acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c2 + 69632]);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c2 * 1156 + 136]);
                                             acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                             acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
@@ -789,7 +789,7 @@ void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_5_0_2 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 32);
                                 __m512 acc_0_5_0_3 = _mm512_loadu_ps(yt + ((int64_t)(n13 + 0 - bo_n) * 17 + (h16 + 5 - bo_h)) * 1088 + (w17 + 0 - bo_w) * 64 + k14 - bo_k + 48);
                                 {
-                                    const float *restrict xb = x + (((int64_t)n13 * 34 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0)) * 512;
+                                    const float *restrict xb = x + ((int64_t)(n13) * 17408 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0);
                                     for (int i20 = 0; i20 < 128; i20++) {
                                         const int c15 = c21 + i20 * 1;
                                         {
@@ -797,32 +797,32 @@ void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const 
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 32);
                                             const __m512 wv3 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 48);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c15 * 1156 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
                                             acc_0_0_0_3 = _mm512_fmadd_ps(b0_0_0, wv3, acc_0_0_0_3);
-                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[c15 + 17408]);
+                                            const __m512 b0_1_0 = _mm512_set1_ps(xb[(int64_t)c15 * 1156 + 34]);
                                             acc_0_1_0_0 = _mm512_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm512_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
                                             acc_0_1_0_2 = _mm512_fmadd_ps(b0_1_0, wv2, acc_0_1_0_2);
                                             acc_0_1_0_3 = _mm512_fmadd_ps(b0_1_0, wv3, acc_0_1_0_3);
-                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[c15 + 34816]);
+                                            const __m512 b0_2_0 = _mm512_set1_ps(xb[(int64_t)c15 * 1156 + 68]);
                                             acc_0_2_0_0 = _mm512_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm512_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
                                             acc_0_2_0_2 = _mm512_fmadd_ps(b0_2_0, wv2, acc_0_2_0_2);
                                             acc_0_2_0_3 = _mm512_fmadd_ps(b0_2_0, wv3, acc_0_2_0_3);
-                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[c15 + 52224]);
+                                            const __m512 b0_3_0 = _mm512_set1_ps(xb[(int64_t)c15 * 1156 + 102]);
                                             acc_0_3_0_0 = _mm512_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm512_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             acc_0_3_0_2 = _mm512_fmadd_ps(b0_3_0, wv2, acc_0_3_0_2);
                                             acc_0_3_0_3 = _mm512_fmadd_ps(b0_3_0, wv3, acc_0_3_0_3);
-                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[c15 + 69632]);
+                                            const __m512 b0_4_0 = _mm512_set1_ps(xb[(int64_t)c15 * 1156 + 136]);
                                             acc_0_4_0_0 = _mm512_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm512_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                             acc_0_4_0_2 = _mm512_fmadd_ps(b0_4_0, wv2, acc_0_4_0_2);
                                             acc_0_4_0_3 = _mm512_fmadd_ps(b0_4_0, wv3, acc_0_4_0_3);
-                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[c15 + 87040]);
+                                            const __m512 b0_5_0 = _mm512_set1_ps(xb[(int64_t)c15 * 1156 + 170]);
                                             acc_0_5_0_0 = _mm512_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm512_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             acc_0_5_0_2 = _mm512_fmadd_ps(b0_5_0, wv2, acc_0_5_0_2);

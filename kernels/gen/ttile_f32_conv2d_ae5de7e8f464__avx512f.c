@@ -51,7 +51,7 @@ void ttile_f32_conv2d_ae5de7e8f464__avx512f(const float *restrict x, const float
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int s6 = s10 + i9 * 1;
                             if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 0 < 224 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 6 < 224) {
-                                const float *restrict xb = x + (((int64_t)n0 * 224 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1)) * 3;
+                                const float *restrict xb = x + (((int64_t)(n0) * 224 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1)) * 3;
                                 for (int i7 = 0; i7 < 3; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -221,7 +221,7 @@ void ttile_f32_conv2d_ae5de7e8f464__avx512f(const float *restrict x, const float
                         for (int i24 = 0; i24 < 3; i24++) {
                             const int s21 = s25 + i24 * 1;
                             if (h18 * 2 + r20 * 1 - 1 >= 0 && h18 * 2 + r20 * 1 - 1 + 0 < 224 && w19 * 2 + s21 * 1 - 1 >= 0 && w19 * 2 + s21 * 1 - 1 + 12 < 224) {
-                                const float *restrict xb = x + (((int64_t)n15 * 224 + (h18 * 2 + r20 * 1 - 1)) * 224 + (w19 * 2 + s21 * 1 - 1)) * 3;
+                                const float *restrict xb = x + (((int64_t)(n15) * 224 + (h18 * 2 + r20 * 1 - 1)) * 224 + (w19 * 2 + s21 * 1 - 1)) * 3;
                                 for (int i22 = 0; i22 < 3; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
@@ -488,46 +488,50 @@ void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *restrict x, const 
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
                                 if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 0 < 224 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 6 < 224) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 224 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1)) * 3;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 672 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 50176 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 6]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 50176 + 2]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 12]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 50176 + 4]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 18]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 50176 + 6]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 1) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 2) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n0 + 0) * 224 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 3) * 2 + (s6 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n0 + 0) * 672 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n0 + 0) * 672 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 1) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_1_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 1) * 2 + (s6 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n0 + 0) * 672 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 2) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_2_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 2) * 2 + (s6 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n0 + 0) * 672 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 224 + ((w4 + 3) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 224u) ? 50176 : 0;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c2 + 0]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[(int64_t)(c2 + 0) * xs_0_0_1_0_0]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c2 + 0]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[(int64_t)(c2 + 0) * xs_0_0_2_0_0]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c2 + 0]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[(int64_t)(c2 + 0) * xs_0_0_3_0_0]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                         }
@@ -576,67 +580,74 @@ void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *restrict x, const 
                             for (int i24 = 0; i24 < 3; i24++) {
                                 const int s21 = s25 + i24 * 1;
                                 if (h18 * 2 + r20 * 1 - 1 >= 0 && h18 * 2 + r20 * 1 - 1 + 0 < 224 && w19 * 2 + s21 * 1 - 1 >= 0 && w19 * 2 + s21 * 1 - 1 + 12 < 224) {
-                                    const float *restrict xb = x + (((int64_t)n15 * 224 + (h18 * 2 + r20 * 1 - 1)) * 224 + (w19 * 2 + s21 * 1 - 1)) * 3;
+                                    const float *restrict xb = x + ((int64_t)(n15) * 672 + (h18 * 2 + r20 * 1 - 1)) * 224 + (w19 * 2 + s21 * 1 - 1);
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c17 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c17 + 6]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 2]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c17 + 12]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 4]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c17 + 18]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 6]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c17 + 24]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 8]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c17 + 30]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 10]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[c17 + 36]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c17 * 50176 + 12]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 0) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 0) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 1) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 1) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 2) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 2) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 3) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 3) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 4) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 4) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 5) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 5) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
-                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 6) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + (((int64_t)(n15 + 0) * 224 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 6) * 2 + (s21 + 0) * 1 - 1)) * 3 : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 0) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 0) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_0_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 0) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_1_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 1) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 1) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_1_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 1) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_2_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 2) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 2) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_2_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 2) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_3_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 3) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 3) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_3_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 3) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_4_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 4) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 4) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_4_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 4) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_5_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 5) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 5) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_5_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 5) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
+                                    const float *restrict xp_0_0_6_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 6) * 2 + (s21 + 0) * 1 - 1) < 224u) ? x + ((int64_t)(n15 + 0) * 672 + ((h18 + 0) * 2 + (r20 + 0) * 1 - 1)) * 224 + ((w19 + 6) * 2 + (s21 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ae5de7e8f464__avx512f;
+                                    const int64_t xs_0_0_6_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 6) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[c17 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xp_0_0_0_0_0[(int64_t)(c17 + 0) * xs_0_0_0_0_0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[c17 + 0]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xp_0_0_1_0_0[(int64_t)(c17 + 0) * xs_0_0_1_0_0]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[c17 + 0]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xp_0_0_2_0_0[(int64_t)(c17 + 0) * xs_0_0_2_0_0]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[c17 + 0]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xp_0_0_3_0_0[(int64_t)(c17 + 0) * xs_0_0_3_0_0]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[c17 + 0]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xp_0_0_4_0_0[(int64_t)(c17 + 0) * xs_0_0_4_0_0]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[c17 + 0]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xp_0_0_5_0_0[(int64_t)(c17 + 0) * xs_0_0_5_0_0]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[c17 + 0]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xp_0_0_6_0_0[(int64_t)(c17 + 0) * xs_0_0_6_0_0]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                         }

@@ -29,7 +29,7 @@ void ttile_f32_conv2d_b2153f359443__avx512f(const float *restrict x, const float
             for (int i13 = 0; i13 < 7; i13++) {
                 const int h3 = h14 + i13 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0)) * 960;
+                    const float *restrict xb = x + (((int64_t)(n0) * 7 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0)) * 960;
                     for (int i11 = 0; i11 < 5; i11++) {
                         const int k1 = k12 + i11 * 32;
                         {
@@ -259,7 +259,7 @@ void ttile_f32_conv2d_b2153f359443_nchw__avx512f(const float *restrict x, const 
                 for (int i13 = 0; i13 < 7; i13++) {
                     const int h3 = h14 + i13 * 1;
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0)) * 960;
+                        const float *restrict xb = x + ((int64_t)(n0) * 6720 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0);
                         for (int i11 = 0; i11 < 5; i11++) {
                             const int k1 = k12 + i11 * 32;
                             {
@@ -284,25 +284,25 @@ void ttile_f32_conv2d_b2153f359443_nchw__avx512f(const float *restrict x, const 
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 960 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 960 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 960]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 1]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 1920]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 2]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 2880]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 3]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 3840]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 4]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 4800]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 5]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 5760]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c2 * 49 + 6]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                         }

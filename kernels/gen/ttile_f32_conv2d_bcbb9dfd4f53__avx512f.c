@@ -52,7 +52,7 @@ void ttile_f32_conv2d_bcbb9dfd4f53__avx512f(const float *restrict x, const float
             __m512 acc_0_6_0_1 = _mm512_setzero_ps();
             __m512 acc_0_6_0_2 = _mm512_setzero_ps();
             {
-                const float *restrict xb = x + (((int64_t)n0 * 7 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0)) * 160;
+                const float *restrict xb = x + (((int64_t)(n0) * 7 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0)) * 160;
                 for (int i7 = 0; i7 < 160; i7++) {
                     const int c2 = c8 + i7 * 1;
                     {

@@ -58,7 +58,7 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 12 < 136 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 136) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -317,7 +317,7 @@ void ttile_f32_conv2d_c5a191140f1a__avx512f(const float *restrict x, const float
                                 for (int i30 = 0; i30 < 3; i30++) {
                                     const int s27 = s31 + i30 * 1;
                                     if (h24 * 1 + r26 * 1 - 1 >= 0 && h24 * 1 + r26 * 1 - 1 + 13 < 136 && w25 * 1 + s27 * 1 - 1 >= 0 && w25 * 1 + s27 * 1 - 1 + 0 < 136) {
-                                        const float *restrict xb = x + (((int64_t)n21 * 136 + (h24 * 1 + r26 * 1 - 1)) * 136 + (w25 * 1 + s27 * 1 - 1)) * 64;
+                                        const float *restrict xb = x + (((int64_t)(n21) * 136 + (h24 * 1 + r26 * 1 - 1)) * 136 + (w25 * 1 + s27 * 1 - 1)) * 64;
                                         for (int i28 = 0; i28 < 64; i28++) {
                                             const int c23 = c29 + i28 * 1;
                                             {

@@ -75,7 +75,7 @@ void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float
                             __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_7_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 17 + (h3 * 1 + r5 * 1 - 0)) * 17 + (w4 * 1 + s6 * 1 - 0)) * 1024;
+                                const float *restrict xb = x + (((int64_t)(n0) * 17 + (h3 * 1 + r5 * 1 - 0)) * 17 + (w4 * 1 + s6 * 1 - 0)) * 1024;
                                 for (int i7 = 0; i7 < 1024; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -396,7 +396,7 @@ void ttile_f32_conv2d_c9af8106379b__avx512f(const float *restrict x, const float
                             __m512 acc_0_0_8_1 = _mm512_setzero_ps();
                             __m512 acc_0_0_8_2 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n11 * 17 + (h14 * 1 + r16 * 1 - 0)) * 17 + (w15 * 1 + s17 * 1 - 0)) * 1024;
+                                const float *restrict xb = x + (((int64_t)(n11) * 17 + (h14 * 1 + r16 * 1 - 0)) * 17 + (w15 * 1 + s17 * 1 - 0)) * 1024;
                                 for (int i18 = 0; i18 < 1024; i18++) {
                                     const int c13 = c19 + i18 * 1;
                                     {
@@ -777,42 +777,42 @@ void ttile_f32_conv2d_c9af8106379b_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                                 __m512 acc_0_0_7_2 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 17 + (h3 * 1 + r5 * 1 - 0)) * 17 + (w4 * 1 + s6 * 1 - 0)) * 1024;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 17 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 1024; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 1024 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 1024 * 48 + (int64_t)(c2 + 0) * 48 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 1024 * 48 + (int64_t)(c2 + 0) * 48 + 32);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 1024]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 1]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                             acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 2048]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 2]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                             acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 3072]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 3]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                             acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 4096]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 4]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
                                             acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 5120]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 5]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
                                             acc_0_0_5_2 = _mm512_fmadd_ps(b0_0_5, wv2, acc_0_0_5_2);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 6144]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 6]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                             acc_0_0_6_2 = _mm512_fmadd_ps(b0_0_6, wv2, acc_0_0_6_2);
-                                            const __m512 b0_0_7 = _mm512_set1_ps(xb[c2 + 7168]);
+                                            const __m512 b0_0_7 = _mm512_set1_ps(xb[(int64_t)c2 * 289 + 7]);
                                             acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
                                             acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
                                             acc_0_0_7_2 = _mm512_fmadd_ps(b0_0_7, wv2, acc_0_0_7_2);
@@ -888,46 +888,46 @@ void ttile_f32_conv2d_c9af8106379b_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_8_1 = _mm512_setzero_ps();
                                 __m512 acc_0_0_8_2 = _mm512_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n11 * 17 + (h14 * 1 + r16 * 1 - 0)) * 17 + (w15 * 1 + s17 * 1 - 0)) * 1024;
+                                    const float *restrict xb = x + ((int64_t)(n11) * 17408 + (h14 * 1 + r16 * 1 - 0)) * 17 + (w15 * 1 + s17 * 1 - 0);
                                     for (int i18 = 0; i18 < 1024; i18++) {
                                         const int c13 = c19 + i18 * 1;
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 1024 * 48 + (int64_t)(c13 + 0) * 48 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 1024 * 48 + (int64_t)(c13 + 0) * 48 + 16);
                                             const __m512 wv2 = _mm512_loadu_ps(w + (((int64_t)(k12 / 48) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 1024 * 48 + (int64_t)(c13 + 0) * 48 + 32);
-                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                            const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 0]);
                                             acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
                                             acc_0_0_0_2 = _mm512_fmadd_ps(b0_0_0, wv2, acc_0_0_0_2);
-                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 1024]);
+                                            const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 1]);
                                             acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                             acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
                                             acc_0_0_1_2 = _mm512_fmadd_ps(b0_0_1, wv2, acc_0_0_1_2);
-                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 2048]);
+                                            const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 2]);
                                             acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                             acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
                                             acc_0_0_2_2 = _mm512_fmadd_ps(b0_0_2, wv2, acc_0_0_2_2);
-                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 3072]);
+                                            const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 3]);
                                             acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                             acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                             acc_0_0_3_2 = _mm512_fmadd_ps(b0_0_3, wv2, acc_0_0_3_2);
-                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 4096]);
+                                            const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 4]);
                                             acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                             acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
                                             acc_0_0_4_2 = _mm512_fmadd_ps(b0_0_4, wv2, acc_0_0_4_2);
-                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[c13 + 5120]);
+                                            const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 5]);
                                             acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                             acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
                                             acc_0_0_5_2 = _mm512_fmadd_ps(b0_0_5, wv2, acc_0_0_5_2);
-                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[c13 + 6144]);
+                                            const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 6]);
                                             acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                             acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                             acc_0_0_6_2 = _mm512_fmadd_ps(b0_0_6, wv2, acc_0_0_6_2);
-                                            const __m512 b0_0_7 = _mm512_set1_ps(xb[c13 + 7168]);
+                                            const __m512 b0_0_7 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 7]);
                                             acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
                                             acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
                                             acc_0_0_7_2 = _mm512_fmadd_ps(b0_0_7, wv2, acc_0_0_7_2);
-                                            const __m512 b0_0_8 = _mm512_set1_ps(xb[c13 + 8192]);
+                                            const __m512 b0_0_8 = _mm512_set1_ps(xb[(int64_t)c13 * 289 + 8]);
                                             acc_0_0_8_0 = _mm512_fmadd_ps(b0_0_8, wv0, acc_0_0_8_0);
                                             acc_0_0_8_1 = _mm512_fmadd_ps(b0_0_8, wv1, acc_0_0_8_1);
                                             acc_0_0_8_2 = _mm512_fmadd_ps(b0_0_8, wv2, acc_0_0_8_2);

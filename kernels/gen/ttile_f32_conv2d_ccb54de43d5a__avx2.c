@@ -51,7 +51,7 @@ void ttile_f32_conv2d_ccb54de43d5a__avx2(const float *restrict x, const float *r
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int s6 = s10 + i9 * 1;
                             if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 136 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 136) {
-                                const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
                                 for (int i7 = 0; i7 < 64; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -337,7 +337,7 @@ void ttile_f32_conv2d_ccb54de43d5a__avx2(const float *restrict x, const float *r
                         for (int i26 = 0; i26 < 3; i26++) {
                             const int s23 = s27 + i26 * 1;
                             if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 136 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 0 < 136) {
-                                const float *restrict xb = x + (((int64_t)n17 * 136 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1)) * 64;
+                                const float *restrict xb = x + (((int64_t)(n17) * 136 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1)) * 64;
                                 for (int i24 = 0; i24 < 64; i24++) {
                                     const int c19 = c25 + i24 * 1;
                                     {
@@ -670,25 +670,25 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
                                 if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 6 < 136 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 136) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1)) * 64;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 8704 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 64; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 136]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 272]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 408]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 544]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         }
@@ -696,19 +696,19 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 8704]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 136]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 272]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 408]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 544]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 43520]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 680]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         }
@@ -716,57 +716,72 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 272]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 26112]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 408]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 544]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 43520]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 680]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c2 * 18496 + 816]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n0 + 0) * 136 + ((h3 + 4) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_0_0_1_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 0) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_0_0_2_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_1_0_1_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 1) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_1_0_2_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_2_0_1_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 2) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_2_0_2_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_3_0_1_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 3) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_3_0_2_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 0) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 1) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_4_0_1_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 1) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n0 + 0) * 8704 + ((h3 + 4) * 1 + (r5 + 2) * 1 - 1)) * 136 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 136u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
                                     for (int i7 = 0; i7 < 64; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c2 + 0) * xs_0_1_0_0_0]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c2 + 0) * xs_0_2_0_0_0]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c2 + 0) * xs_0_3_0_0_0]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c2 + 0]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c2 + 0) * xs_0_4_0_0_0]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         }
@@ -774,19 +789,19 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 1)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c2 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[(int64_t)(c2 + 0) * xs_0_0_0_1_0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c2 + 0]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[(int64_t)(c2 + 0) * xs_0_1_0_1_0]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c2 + 0]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[(int64_t)(c2 + 0) * xs_0_2_0_1_0]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c2 + 0]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[(int64_t)(c2 + 0) * xs_0_3_0_1_0]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c2 + 0]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[(int64_t)(c2 + 0) * xs_0_4_0_1_0]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         }
@@ -794,19 +809,19 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 2)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c2 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[(int64_t)(c2 + 0) * xs_0_0_0_2_0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c2 + 0]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[(int64_t)(c2 + 0) * xs_0_1_0_2_0]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c2 + 0]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[(int64_t)(c2 + 0) * xs_0_2_0_2_0]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c2 + 0]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[(int64_t)(c2 + 0) * xs_0_3_0_2_0]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c2 + 0]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[(int64_t)(c2 + 0) * xs_0_4_0_2_0]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
                                         }
@@ -870,28 +885,28 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                             for (int i26 = 0; i26 < 3; i26++) {
                                 const int s23 = s27 + i26 * 1;
                                 if (h20 * 1 + r22 * 1 - 1 >= 0 && h20 * 1 + r22 * 1 - 1 + 7 < 136 && w21 * 1 + s23 * 1 - 1 >= 0 && w21 * 1 + s23 * 1 - 1 + 0 < 136) {
-                                    const float *restrict xb = x + (((int64_t)n17 * 136 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1)) * 64;
+                                    const float *restrict xb = x + ((int64_t)(n17) * 8704 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1);
                                     for (int i24 = 0; i24 < 64; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 8704]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 136]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 272]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 26112]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 408]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 544]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 43520]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 680]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }
@@ -899,22 +914,22 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 8704]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 136]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 272]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 26112]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 408]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 544]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 43520]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 680]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 52224]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 816]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }
@@ -922,66 +937,84 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 17408]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 272]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 26112]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 408]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 34816]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 544]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 43520]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 680]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 52224]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 816]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 60928]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 18496 + 952]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }
                                     }
                                 } else {
-                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
-                                    const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + (((int64_t)(n17 + 0) * 136 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 0) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_0_0_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 0) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_0_0_1_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 0) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_0_0_2_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 1) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_1_0_0_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 1) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_1_0_1_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 1) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_1_0_2_0 = ((unsigned)((h20 + 1) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 2) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_2_0_0_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 2) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_2_0_1_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 2) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_2_0_2_0 = ((unsigned)((h20 + 2) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 3) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_3_0_0_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 3) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_3_0_1_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 3) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_3_0_2_0 = ((unsigned)((h20 + 3) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 4) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_4_0_0_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 4) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_4_0_1_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 4) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_4_0_2_0 = ((unsigned)((h20 + 4) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 5) * 1 + (r22 + 0) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_5_0_0_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 5) * 1 + (r22 + 1) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_5_0_1_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 1) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
+                                    const float *restrict xp_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? x + ((int64_t)(n17 + 0) * 8704 + ((h20 + 5) * 1 + (r22 + 2) * 1 - 1)) * 136 + ((w21 + 0) * 1 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ccb54de43d5a__avx2;
+                                    const int64_t xs_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 136u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
                                     for (int i24 = 0; i24 < 64; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c19 + 0) * xs_0_0_0_0_0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c19 + 0) * xs_0_1_0_0_0]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c19 + 0) * xs_0_2_0_0_0]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c19 + 0) * xs_0_3_0_0_0]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c19 + 0) * xs_0_4_0_0_0]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[(int64_t)(c19 + 0) * xs_0_5_0_0_0]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }
@@ -989,22 +1022,22 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 1)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[c19 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_1_0[(int64_t)(c19 + 0) * xs_0_0_0_1_0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[c19 + 0]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_1_0[(int64_t)(c19 + 0) * xs_0_1_0_1_0]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[c19 + 0]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_1_0[(int64_t)(c19 + 0) * xs_0_2_0_1_0]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[c19 + 0]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_1_0[(int64_t)(c19 + 0) * xs_0_3_0_1_0]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[c19 + 0]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_1_0[(int64_t)(c19 + 0) * xs_0_4_0_1_0]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[c19 + 0]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_1_0[(int64_t)(c19 + 0) * xs_0_5_0_1_0]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }
@@ -1012,22 +1045,22 @@ void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *restrict x, const flo
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 2)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[c19 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_2_0[(int64_t)(c19 + 0) * xs_0_0_0_2_0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[c19 + 0]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_2_0[(int64_t)(c19 + 0) * xs_0_1_0_2_0]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[c19 + 0]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_2_0[(int64_t)(c19 + 0) * xs_0_2_0_2_0]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[c19 + 0]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_2_0[(int64_t)(c19 + 0) * xs_0_3_0_2_0]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[c19 + 0]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_2_0[(int64_t)(c19 + 0) * xs_0_4_0_2_0]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[c19 + 0]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_2_0[(int64_t)(c19 + 0) * xs_0_5_0_2_0]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }

@@ -49,7 +49,7 @@ void ttile_f32_conv2d_cfd645703601__avx2(const float *restrict x, const float *r
                     __m256 acc_0_4_0_0 = _mm256_setzero_ps();
                     __m256 acc_0_4_0_1 = _mm256_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
+                        const float *restrict xb = x + (((int64_t)(n0) * 136 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0)) * 128;
                         for (int i7 = 0; i7 < 128; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -208,7 +208,7 @@ void ttile_f32_conv2d_cfd645703601__avx2(const float *restrict x, const float *r
                     __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                     __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n11 * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
+                        const float *restrict xb = x + (((int64_t)(n11) * 136 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0)) * 128;
                         for (int i18 = 0; i18 < 128; i18++) {
                             const int c13 = c19 + i18 * 1;
                             {

@@ -34,7 +34,7 @@ void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float
             for (int i11 = 0; i11 < 28; i11++) {
                 const int h3 = h12 + i11 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
+                    const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0)) * 64;
                     for (int i9 = 0; i9 < 2; i9++) {
                         const int k1 = k10 + i9 * 64;
                         {
@@ -264,7 +264,7 @@ void ttile_f32_conv2d_d1d2e11f94d9__avx512f(const float *restrict x, const float
             for (int i26 = 0; i26 < 28; i26++) {
                 const int h18 = h27 + i26 * 1;
                 {
-                    const float *restrict xb = x + (((int64_t)n15 * 56 + (h18 * 2 + r20 * 1 - 0)) * 56 + (w19 * 2 + s21 * 1 - 0)) * 64;
+                    const float *restrict xb = x + (((int64_t)(n15) * 56 + (h18 * 2 + r20 * 1 - 0)) * 56 + (w19 * 2 + s21 * 1 - 0)) * 64;
                     for (int i24 = 0; i24 < 2; i24++) {
                         const int k16 = k25 + i24 * 64;
                         {

@@ -55,7 +55,7 @@ void ttile_f32_conv2d_d53fdcc5c4fd__avx2(const float *restrict x, const float *r
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 3 < 14 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 14) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 1)) * 14 + (w4 * 1 + s6 * 1 - 1)) * 256;
+                                        const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 1)) * 14 + (w4 * 1 + s6 * 1 - 1)) * 256;
                                         for (int i7 = 0; i7 < 256; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
@@ -229,7 +229,7 @@ void ttile_f32_conv2d_d53fdcc5c4fd__avx2(const float *restrict x, const float *r
                                 for (int i28 = 0; i28 < 3; i28++) {
                                     const int s25 = s29 + i28 * 1;
                                     if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 5 < 14 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 14) {
-                                        const float *restrict xb = x + (((int64_t)n19 * 14 + (h22 * 1 + r24 * 1 - 1)) * 14 + (w23 * 1 + s25 * 1 - 1)) * 256;
+                                        const float *restrict xb = x + (((int64_t)(n19) * 14 + (h22 * 1 + r24 * 1 - 1)) * 14 + (w23 * 1 + s25 * 1 - 1)) * 256;
                                         for (int i26 = 0; i26 < 256; i26++) {
                                             const int c21 = c27 + i26 * 1;
                                             {
@@ -464,46 +464,50 @@ void ttile_f32_conv2d_d53fdcc5c4fd_nchw__avx2(const float *restrict x, const flo
                                     for (int i9 = 0; i9 < 3; i9++) {
                                         const int s6 = s10 + i9 * 1;
                                         if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 3 < 14 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 14) {
-                                            const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 1)) * 14 + (w4 * 1 + s6 * 1 - 1)) * 256;
+                                            const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 1)) * 14 + (w4 * 1 + s6 * 1 - 1);
                                             for (int i7 = 0; i7 < 256; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 196 + 0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 3584]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 196 + 14]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 196 + 28]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 10752]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 196 + 42]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                                 }
                                             }
                                         } else {
-                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n0 + 0) * 14 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_1_0_0_0 = ((unsigned)((h3 + 1) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_2_0_0_0 = ((unsigned)((h3 + 2) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 1 + (r5 + 0) * 1 - 1)) * 14 + ((w4 + 0) * 1 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 14u) ? 196 : 0;
                                             for (int i7 = 0; i7 < 256; i7++) {
                                                 const int c2 = c8 + i7 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c2 + 0) * xs_0_1_0_0_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c2 + 0) * xs_0_2_0_0_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c2 + 0) * xs_0_3_0_0_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                                 }
@@ -556,60 +560,66 @@ void ttile_f32_conv2d_d53fdcc5c4fd_nchw__avx2(const float *restrict x, const flo
                                     for (int i28 = 0; i28 < 3; i28++) {
                                         const int s25 = s29 + i28 * 1;
                                         if (h22 * 1 + r24 * 1 - 1 >= 0 && h22 * 1 + r24 * 1 - 1 + 5 < 14 && w23 * 1 + s25 * 1 - 1 >= 0 && w23 * 1 + s25 * 1 - 1 + 0 < 14) {
-                                            const float *restrict xb = x + (((int64_t)n19 * 14 + (h22 * 1 + r24 * 1 - 1)) * 14 + (w23 * 1 + s25 * 1 - 1)) * 256;
+                                            const float *restrict xb = x + ((int64_t)(n19) * 3584 + (h22 * 1 + r24 * 1 - 1)) * 14 + (w23 * 1 + s25 * 1 - 1);
                                             for (int i26 = 0; i26 < 256; i26++) {
                                                 const int c21 = c27 + i26 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 256 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 256 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[c21 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c21 * 196 + 0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[c21 + 3584]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c21 * 196 + 14]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[c21 + 7168]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c21 * 196 + 28]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[c21 + 10752]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c21 * 196 + 42]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[c21 + 14336]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c21 * 196 + 56]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[c21 + 17920]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c21 * 196 + 70]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }
                                             }
                                         } else {
-                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n19 + 0) * 14 + ((h22 + 0) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n19 + 0) * 14 + ((h22 + 1) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n19 + 0) * 14 + ((h22 + 2) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n19 + 0) * 14 + ((h22 + 3) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n19 + 0) * 14 + ((h22 + 4) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
-                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + (((int64_t)(n19 + 0) * 14 + ((h22 + 5) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1)) * 256 : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const float *restrict xp_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n19 + 0) * 3584 + ((h22 + 0) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_0_0_0_0 = ((unsigned)((h22 + 0) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n19 + 0) * 3584 + ((h22 + 1) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_1_0_0_0 = ((unsigned)((h22 + 1) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n19 + 0) * 3584 + ((h22 + 2) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_2_0_0_0 = ((unsigned)((h22 + 2) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n19 + 0) * 3584 + ((h22 + 3) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_3_0_0_0 = ((unsigned)((h22 + 3) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n19 + 0) * 3584 + ((h22 + 4) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_4_0_0_0 = ((unsigned)((h22 + 4) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? 196 : 0;
+                                            const float *restrict xp_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? x + ((int64_t)(n19 + 0) * 3584 + ((h22 + 5) * 1 + (r24 + 0) * 1 - 1)) * 14 + ((w23 + 0) * 1 + (s25 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_d53fdcc5c4fd__avx2;
+                                            const int64_t xs_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 14u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 14u) ? 196 : 0;
                                             for (int i26 = 0; i26 < 256; i26++) {
                                                 const int c21 = c27 + i26 * 1;
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 256 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 256 * 16 + (int64_t)(c21 + 0) * 16 + 8);
-                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c21 + 0]);
+                                                    const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c21 + 0) * xs_0_0_0_0_0]);
                                                     acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                     acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c21 + 0]);
+                                                    const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c21 + 0) * xs_0_1_0_0_0]);
                                                     acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                     acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c21 + 0]);
+                                                    const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c21 + 0) * xs_0_2_0_0_0]);
                                                     acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                     acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c21 + 0]);
+                                                    const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c21 + 0) * xs_0_3_0_0_0]);
                                                     acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                     acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c21 + 0]);
+                                                    const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c21 + 0) * xs_0_4_0_0_0]);
                                                     acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                     acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c21 + 0]);
+                                                    const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[(int64_t)(c21 + 0) * xs_0_5_0_0_0]);
                                                     acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                     acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                                 }

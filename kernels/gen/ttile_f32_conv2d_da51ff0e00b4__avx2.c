@@ -49,7 +49,7 @@ void ttile_f32_conv2d_da51ff0e00b4__avx2(const float *restrict x, const float *r
                             __m256 acc_0_3_0_0 = _mm256_setzero_ps();
                             __m256 acc_0_3_0_1 = _mm256_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
+                                const float *restrict xb = x + (((int64_t)(n0) * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
                                 for (int i7 = 0; i7 < 512; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -193,7 +193,7 @@ void ttile_f32_conv2d_da51ff0e00b4__avx2(const float *restrict x, const float *r
                             __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                             __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n15 * 34 + (h18 * 1 + r20 * 1 - 0)) * 34 + (w19 * 1 + s21 * 1 - 0)) * 512;
+                                const float *restrict xb = x + (((int64_t)(n15) * 34 + (h18 * 1 + r20 * 1 - 0)) * 34 + (w19 * 1 + s21 * 1 - 0)) * 512;
                                 for (int i22 = 0; i22 < 512; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
@@ -390,22 +390,22 @@ void ttile_f32_conv2d_da51ff0e00b4_nchw__avx2(const float *restrict x, const flo
                                 __m256 acc_0_3_0_0 = _mm256_setzero_ps();
                                 __m256 acc_0_3_0_1 = _mm256_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n0 * 34 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0)) * 512;
+                                    const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 1156 + 0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 17408]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 1156 + 34]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 34816]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 1156 + 68]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 52224]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 1156 + 102]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                         }
@@ -464,28 +464,28 @@ void ttile_f32_conv2d_da51ff0e00b4_nchw__avx2(const float *restrict x, const flo
                                 __m256 acc_0_5_0_0 = _mm256_setzero_ps();
                                 __m256 acc_0_5_0_1 = _mm256_setzero_ps();
                                 {
-                                    const float *restrict xb = x + (((int64_t)n15 * 34 + (h18 * 1 + r20 * 1 - 0)) * 34 + (w19 * 1 + s21 * 1 - 0)) * 512;
+                                    const float *restrict xb = x + ((int64_t)(n15) * 17408 + (h18 * 1 + r20 * 1 - 0)) * 34 + (w19 * 1 + s21 * 1 - 0);
                                     for (int i22 = 0; i22 < 512; i22++) {
                                         const int c17 = c23 + i22 * 1;
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 512 * 16 + (int64_t)(c17 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 512 * 16 + (int64_t)(c17 + 0) * 16 + 8);
-                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[c17 + 0]);
+                                            const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c17 * 1156 + 0]);
                                             acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                             acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[c17 + 17408]);
+                                            const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c17 * 1156 + 34]);
                                             acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                             acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[c17 + 34816]);
+                                            const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c17 * 1156 + 68]);
                                             acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                             acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[c17 + 52224]);
+                                            const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c17 * 1156 + 102]);
                                             acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                             acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[c17 + 69632]);
+                                            const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c17 * 1156 + 136]);
                                             acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                             acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[c17 + 87040]);
+                                            const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c17 * 1156 + 170]);
                                             acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                             acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                         }

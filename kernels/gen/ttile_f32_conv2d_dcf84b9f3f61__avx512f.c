@@ -54,7 +54,7 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                         for (int i9 = 0; i9 < 3; i9++) {
                             const int s6 = s10 + i9 * 1;
                             if (h3 * 1 + r5 * 1 - 1 >= 0 && h3 * 1 + r5 * 1 - 1 + 8 < 28 && w4 * 1 + s6 * 1 - 1 >= 0 && w4 * 1 + s6 * 1 - 1 + 0 < 28) {
-                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
+                                const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 1)) * 28 + (w4 * 1 + s6 * 1 - 1)) * 128;
                                 for (int i7 = 0; i7 < 128; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
@@ -244,7 +244,7 @@ void ttile_f32_conv2d_dcf84b9f3f61__avx512f(const float *restrict x, const float
                         for (int i24 = 0; i24 < 3; i24++) {
                             const int s21 = s25 + i24 * 1;
                             if (h18 * 1 + r20 * 1 - 1 >= 0 && h18 * 1 + r20 * 1 - 1 + 9 < 28 && w19 * 1 + s21 * 1 - 1 >= 0 && w19 * 1 + s21 * 1 - 1 + 0 < 28) {
-                                const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 1)) * 28 + (w19 * 1 + s21 * 1 - 1)) * 128;
+                                const float *restrict xb = x + (((int64_t)(n15) * 28 + (h18 * 1 + r20 * 1 - 1)) * 28 + (w19 * 1 + s21 * 1 - 1)) * 128;
                                 for (int i22 = 0; i22 < 128; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {

@@ -51,7 +51,7 @@ void ttile_f32_conv2d_e72c31711e3f__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_5_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_5_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
                         for (int i7 = 0; i7 < 64; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -235,7 +235,7 @@ void ttile_f32_conv2d_e72c31711e3f__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_7_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n11 * 14 + (h14 * 1 + r16 * 1 - 0)) * 14 + (w15 * 1 + s17 * 1 - 0)) * 64;
+                        const float *restrict xb = x + (((int64_t)(n11) * 14 + (h14 * 1 + r16 * 1 - 0)) * 14 + (w15 * 1 + s17 * 1 - 0)) * 64;
                         for (int i18 = 0; i18 < 64; i18++) {
                             const int c13 = c19 + i18 * 1;
                             {
@@ -487,28 +487,28 @@ void ttile_f32_conv2d_e72c31711e3f_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_5_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_5_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 64;
+                            const float *restrict xb = x + ((int64_t)(n0) * 896 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 64; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 64]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 128]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 192]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 256]);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 4]);
                                     acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                     acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 320]);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 5]);
                                     acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                     acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
                                 }
@@ -557,34 +557,34 @@ void ttile_f32_conv2d_e72c31711e3f_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_7_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n11 * 14 + (h14 * 1 + r16 * 1 - 0)) * 14 + (w15 * 1 + s17 * 1 - 0)) * 64;
+                            const float *restrict xb = x + ((int64_t)(n11) * 896 + (h14 * 1 + r16 * 1 - 0)) * 14 + (w15 * 1 + s17 * 1 - 0);
                             for (int i18 = 0; i18 < 64; i18++) {
                                 const int c13 = c19 + i18 * 1;
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 32) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 64 * 32 + (int64_t)(c13 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 32) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 64 * 32 + (int64_t)(c13 + 0) * 32 + 16);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c13 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c13 + 64]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c13 + 128]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c13 + 192]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c13 + 256]);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 4]);
                                     acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                     acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c13 + 320]);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 5]);
                                     acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                     acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c13 + 384]);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 6]);
                                     acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                     acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
-                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[c13 + 448]);
+                                    const __m512 b0_0_7 = _mm512_set1_ps(xb[(int64_t)c13 * 196 + 7]);
                                     acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
                                     acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
                                 }

@@ -53,7 +53,7 @@ void ttile_f32_conv2d_ec78c604daa4__avx2(const float *restrict x, const float *r
                             for (int i9 = 0; i9 < 3; i9++) {
                                 const int s6 = s10 + i9 * 1;
                                 if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 6 < 56 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 0 < 56) {
-                                    const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 1)) * 56 + (w4 * 2 + s6 * 1 - 1)) * 64;
+                                    const float *restrict xb = x + (((int64_t)(n0) * 56 + (h3 * 2 + r5 * 1 - 1)) * 56 + (w4 * 2 + s6 * 1 - 1)) * 64;
                                     for (int i7 = 0; i7 < 64; i7++) {
                                         const int c2 = c8 + i7 * 1;
                                         {
@@ -224,7 +224,7 @@ void ttile_f32_conv2d_ec78c604daa4__avx2(const float *restrict x, const float *r
                             for (int i26 = 0; i26 < 3; i26++) {
                                 const int s23 = s27 + i26 * 1;
                                 if (h20 * 2 + r22 * 1 - 1 >= 0 && h20 * 2 + r22 * 1 - 1 + 10 < 56 && w21 * 2 + s23 * 1 - 1 >= 0 && w21 * 2 + s23 * 1 - 1 + 0 < 56) {
-                                    const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 1)) * 56 + (w21 * 2 + s23 * 1 - 1)) * 64;
+                                    const float *restrict xb = x + (((int64_t)(n17) * 56 + (h20 * 2 + r22 * 1 - 1)) * 56 + (w21 * 2 + s23 * 1 - 1)) * 64;
                                     for (int i24 = 0; i24 < 64; i24++) {
                                         const int c19 = c25 + i24 * 1;
                                         {
@@ -456,46 +456,50 @@ void ttile_f32_conv2d_ec78c604daa4_nchw__avx2(const float *restrict x, const flo
                                 for (int i9 = 0; i9 < 3; i9++) {
                                     const int s6 = s10 + i9 * 1;
                                     if (h3 * 2 + r5 * 1 - 1 >= 0 && h3 * 2 + r5 * 1 - 1 + 6 < 56 && w4 * 2 + s6 * 1 - 1 >= 0 && w4 * 2 + s6 * 1 - 1 + 0 < 56) {
-                                        const float *restrict xb = x + (((int64_t)n0 * 56 + (h3 * 2 + r5 * 1 - 1)) * 56 + (w4 * 2 + s6 * 1 - 1)) * 64;
+                                        const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 2 + r5 * 1 - 1)) * 56 + (w4 * 2 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 3136 + 0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c2 + 7168]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c2 * 3136 + 112]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c2 + 14336]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c2 * 3136 + 224]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c2 + 21504]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c2 * 3136 + 336]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
                                         }
                                     } else {
-                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 1) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 2) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n0 + 0) * 56 + ((h3 + 3) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 0) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_0_0_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 1) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_1_0_0_0 = ((unsigned)((h3 + 1) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 2) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_2_0_0_0 = ((unsigned)((h3 + 2) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n0 + 0) * 3584 + ((h3 + 3) * 2 + (r5 + 0) * 1 - 1)) * 56 + ((w4 + 0) * 2 + (s6 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 56u) ? 3136 : 0;
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c2 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c2 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c2 + 0) * xs_0_1_0_0_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c2 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c2 + 0) * xs_0_2_0_0_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c2 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c2 + 0) * xs_0_3_0_0_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
                                             }
@@ -545,60 +549,66 @@ void ttile_f32_conv2d_ec78c604daa4_nchw__avx2(const float *restrict x, const flo
                                 for (int i26 = 0; i26 < 3; i26++) {
                                     const int s23 = s27 + i26 * 1;
                                     if (h20 * 2 + r22 * 1 - 1 >= 0 && h20 * 2 + r22 * 1 - 1 + 10 < 56 && w21 * 2 + s23 * 1 - 1 >= 0 && w21 * 2 + s23 * 1 - 1 + 0 < 56) {
-                                        const float *restrict xb = x + (((int64_t)n17 * 56 + (h20 * 2 + r22 * 1 - 1)) * 56 + (w21 * 2 + s23 * 1 - 1)) * 64;
+                                        const float *restrict xb = x + ((int64_t)(n17) * 3584 + (h20 * 2 + r22 * 1 - 1)) * 56 + (w21 * 2 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 64; i24++) {
                                             const int c19 = c25 + i24 * 1;
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 3136 + 0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[c19 + 7168]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xb[(int64_t)c19 * 3136 + 112]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[c19 + 14336]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xb[(int64_t)c19 * 3136 + 224]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[c19 + 21504]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xb[(int64_t)c19 * 3136 + 336]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[c19 + 28672]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xb[(int64_t)c19 * 3136 + 448]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[c19 + 35840]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xb[(int64_t)c19 * 3136 + 560]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }
                                         }
                                     } else {
-                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 0) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 1) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 2) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 3) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 4) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
-                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + (((int64_t)(n17 + 0) * 56 + ((h20 + 5) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1)) * 64 : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const float *restrict xp_0_0_0_0_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 0) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_0_0_0_0 = ((unsigned)((h20 + 0) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_1_0_0_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 1) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_1_0_0_0 = ((unsigned)((h20 + 1) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_2_0_0_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 2) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_2_0_0_0 = ((unsigned)((h20 + 2) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_3_0_0_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 3) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_3_0_0_0 = ((unsigned)((h20 + 3) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_4_0_0_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 4) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_4_0_0_0 = ((unsigned)((h20 + 4) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
+                                        const float *restrict xp_0_5_0_0_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? x + ((int64_t)(n17 + 0) * 3584 + ((h20 + 5) * 2 + (r22 + 0) * 1 - 1)) * 56 + ((w21 + 0) * 2 + (s23 + 0) * 1 - 1) : zeros_ttile_f32_conv2d_ec78c604daa4__avx2;
+                                        const int64_t xs_0_5_0_0_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
                                         for (int i24 = 0; i24 < 64; i24++) {
                                             const int c19 = c25 + i24 * 1;
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
-                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[c19 + 0]);
+                                                const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c19 + 0) * xs_0_0_0_0_0]);
                                                 acc_0_0_0_0 = _mm256_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                                 acc_0_0_0_1 = _mm256_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[c19 + 0]);
+                                                const __m256 b0_1_0 = _mm256_set1_ps(xp_0_1_0_0_0[(int64_t)(c19 + 0) * xs_0_1_0_0_0]);
                                                 acc_0_1_0_0 = _mm256_fmadd_ps(b0_1_0, wv0, acc_0_1_0_0);
                                                 acc_0_1_0_1 = _mm256_fmadd_ps(b0_1_0, wv1, acc_0_1_0_1);
-                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[c19 + 0]);
+                                                const __m256 b0_2_0 = _mm256_set1_ps(xp_0_2_0_0_0[(int64_t)(c19 + 0) * xs_0_2_0_0_0]);
                                                 acc_0_2_0_0 = _mm256_fmadd_ps(b0_2_0, wv0, acc_0_2_0_0);
                                                 acc_0_2_0_1 = _mm256_fmadd_ps(b0_2_0, wv1, acc_0_2_0_1);
-                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[c19 + 0]);
+                                                const __m256 b0_3_0 = _mm256_set1_ps(xp_0_3_0_0_0[(int64_t)(c19 + 0) * xs_0_3_0_0_0]);
                                                 acc_0_3_0_0 = _mm256_fmadd_ps(b0_3_0, wv0, acc_0_3_0_0);
                                                 acc_0_3_0_1 = _mm256_fmadd_ps(b0_3_0, wv1, acc_0_3_0_1);
-                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[c19 + 0]);
+                                                const __m256 b0_4_0 = _mm256_set1_ps(xp_0_4_0_0_0[(int64_t)(c19 + 0) * xs_0_4_0_0_0]);
                                                 acc_0_4_0_0 = _mm256_fmadd_ps(b0_4_0, wv0, acc_0_4_0_0);
                                                 acc_0_4_0_1 = _mm256_fmadd_ps(b0_4_0, wv1, acc_0_4_0_1);
-                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[c19 + 0]);
+                                                const __m256 b0_5_0 = _mm256_set1_ps(xp_0_5_0_0_0[(int64_t)(c19 + 0) * xs_0_5_0_0_0]);
                                                 acc_0_5_0_0 = _mm256_fmadd_ps(b0_5_0, wv0, acc_0_5_0_0);
                                                 acc_0_5_0_1 = _mm256_fmadd_ps(b0_5_0, wv1, acc_0_5_0_1);
                                             }

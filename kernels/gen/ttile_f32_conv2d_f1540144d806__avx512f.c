@@ -34,7 +34,7 @@ void ttile_f32_conv2d_f1540144d806__avx512f(const float *restrict x, const float
             for (int i11 = 0; i11 < 1; i11++) {
                 const int w4 = w12 + i11 * 6;
                 {
-                    const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 96;
+                    const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 96;
                     for (int i9 = 0; i9 < 18; i9++) {
                         const int k1 = k10 + i9 * 32;
                         {
@@ -217,7 +217,7 @@ void ttile_f32_conv2d_f1540144d806__avx512f(const float *restrict x, const float
             for (int i24 = 0; i24 < 1; i24++) {
                 const int w17 = w25 + i24 * 8;
                 {
-                    const float *restrict xb = x + (((int64_t)n13 * 14 + (h16 * 1 + r18 * 1 - 0)) * 14 + (w17 * 1 + s19 * 1 - 0)) * 96;
+                    const float *restrict xb = x + (((int64_t)(n13) * 14 + (h16 * 1 + r18 * 1 - 0)) * 14 + (w17 * 1 + s19 * 1 - 0)) * 96;
                     for (int i22 = 0; i22 < 18; i22++) {
                         const int k14 = k23 + i22 * 32;
                         {
@@ -472,7 +472,7 @@ void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const 
                 for (int i11 = 0; i11 < 1; i11++) {
                     const int w4 = w12 + i11 * 6;
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 96;
+                        const float *restrict xb = x + ((int64_t)(n0) * 1344 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0);
                         for (int i9 = 0; i9 < 18; i9++) {
                             const int k1 = k10 + i9 * 32;
                             {
@@ -493,22 +493,22 @@ void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const 
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 96 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 96 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 96]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 192]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 288]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 384]);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 4]);
                                         acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                         acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 480]);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 5]);
                                         acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                         acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
                                     }
@@ -541,7 +541,7 @@ void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const 
                 for (int i24 = 0; i24 < 1; i24++) {
                     const int w17 = w25 + i24 * 8;
                     {
-                        const float *restrict xb = x + (((int64_t)n13 * 14 + (h16 * 1 + r18 * 1 - 0)) * 14 + (w17 * 1 + s19 * 1 - 0)) * 96;
+                        const float *restrict xb = x + ((int64_t)(n13) * 1344 + (h16 * 1 + r18 * 1 - 0)) * 14 + (w17 * 1 + s19 * 1 - 0);
                         for (int i22 = 0; i22 < 18; i22++) {
                             const int k14 = k23 + i22 * 32;
                             {
@@ -566,28 +566,28 @@ void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const 
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 96 * 32 + (int64_t)(c15 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 96 * 32 + (int64_t)(c15 + 0) * 32 + 16);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c15 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c15 + 96]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c15 + 192]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c15 + 288]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c15 + 384]);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 4]);
                                         acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                         acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c15 + 480]);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 5]);
                                         acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                         acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c15 + 576]);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 6]);
                                         acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                         acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
-                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[c15 + 672]);
+                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[(int64_t)c15 * 196 + 7]);
                                         acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
                                         acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
                                     }

@@ -45,7 +45,7 @@ void ttile_f32_conv2d_f20051676268__avx512f(const float *restrict x, const float
                         __m512 acc_0_0_3_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
+                            const float *restrict xb = x + (((int64_t)(n0) * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
                             for (int i7 = 0; i7 < 192; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
@@ -193,7 +193,7 @@ void ttile_f32_conv2d_f20051676268__avx512f(const float *restrict x, const float
                         __m512 acc_0_0_7_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 192;
+                            const float *restrict xb = x + (((int64_t)(n15) * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 192;
                             for (int i22 = 0; i22 < 192; i22++) {
                                 const int c17 = c23 + i22 * 1;
                                 {
@@ -440,22 +440,22 @@ void ttile_f32_conv2d_f20051676268_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_3_0 = _mm512_setzero_ps();
                             __m512 acc_0_0_3_1 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n0 * 28 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0)) * 192;
+                                const float *restrict xb = x + ((int64_t)(n0) * 5376 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 192; i7++) {
                                     const int c2 = c8 + i7 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 192]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 384]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 576]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 784 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
                                     }
@@ -506,34 +506,34 @@ void ttile_f32_conv2d_f20051676268_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_7_0 = _mm512_setzero_ps();
                             __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                             {
-                                const float *restrict xb = x + (((int64_t)n15 * 28 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0)) * 192;
+                                const float *restrict xb = x + ((int64_t)(n15) * 5376 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0);
                                 for (int i22 = 0; i22 < 192; i22++) {
                                     const int c17 = c23 + i22 * 1;
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 192 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 192 * 32 + (int64_t)(c17 + 0) * 32 + 16);
-                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[c17 + 0]);
+                                        const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 0]);
                                         acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                         acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[c17 + 192]);
+                                        const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 1]);
                                         acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                         acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[c17 + 384]);
+                                        const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 2]);
                                         acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                         acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[c17 + 576]);
+                                        const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 3]);
                                         acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                         acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[c17 + 768]);
+                                        const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 4]);
                                         acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                         acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[c17 + 960]);
+                                        const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 5]);
                                         acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                         acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[c17 + 1152]);
+                                        const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 6]);
                                         acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                         acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
-                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[c17 + 1344]);
+                                        const __m512 b0_0_7 = _mm512_set1_ps(xb[(int64_t)c17 * 784 + 7]);
                                         acc_0_0_7_0 = _mm512_fmadd_ps(b0_0_7, wv0, acc_0_0_7_0);
                                         acc_0_0_7_1 = _mm512_fmadd_ps(b0_0_7, wv1, acc_0_0_7_1);
                                     }

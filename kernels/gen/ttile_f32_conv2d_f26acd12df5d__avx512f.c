@@ -43,7 +43,7 @@ void ttile_f32_conv2d_f26acd12df5d__avx512f(const float *restrict x, const float
                     __m512 acc_0_0_6_0 = _mm512_setzero_ps();
                     __m512 acc_0_0_6_1 = _mm512_setzero_ps();
                     {
-                        const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 384;
+                        const float *restrict xb = x + (((int64_t)(n0) * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 384;
                         for (int i7 = 0; i7 < 384; i7++) {
                             const int c2 = c8 + i7 * 1;
                             {
@@ -266,31 +266,31 @@ void ttile_f32_conv2d_f26acd12df5d_nchw__avx512f(const float *restrict x, const 
                         __m512 acc_0_0_6_0 = _mm512_setzero_ps();
                         __m512 acc_0_0_6_1 = _mm512_setzero_ps();
                         {
-                            const float *restrict xb = x + (((int64_t)n0 * 14 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0)) * 384;
+                            const float *restrict xb = x + ((int64_t)(n0) * 5376 + (h3 * 1 + r5 * 1 - 0)) * 14 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 384; i7++) {
                                 const int c2 = c8 + i7 * 1;
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 384 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 384 * 32 + (int64_t)(c2 + 0) * 32 + 16);
-                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[c2 + 0]);
+                                    const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 0]);
                                     acc_0_0_0_0 = _mm512_fmadd_ps(b0_0_0, wv0, acc_0_0_0_0);
                                     acc_0_0_0_1 = _mm512_fmadd_ps(b0_0_0, wv1, acc_0_0_0_1);
-                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[c2 + 384]);
+                                    const __m512 b0_0_1 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 1]);
                                     acc_0_0_1_0 = _mm512_fmadd_ps(b0_0_1, wv0, acc_0_0_1_0);
                                     acc_0_0_1_1 = _mm512_fmadd_ps(b0_0_1, wv1, acc_0_0_1_1);
-                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[c2 + 768]);
+                                    const __m512 b0_0_2 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 2]);
                                     acc_0_0_2_0 = _mm512_fmadd_ps(b0_0_2, wv0, acc_0_0_2_0);
                                     acc_0_0_2_1 = _mm512_fmadd_ps(b0_0_2, wv1, acc_0_0_2_1);
-                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[c2 + 1152]);
+                                    const __m512 b0_0_3 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 3]);
                                     acc_0_0_3_0 = _mm512_fmadd_ps(b0_0_3, wv0, acc_0_0_3_0);
                                     acc_0_0_3_1 = _mm512_fmadd_ps(b0_0_3, wv1, acc_0_0_3_1);
-                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[c2 + 1536]);
+                                    const __m512 b0_0_4 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 4]);
                                     acc_0_0_4_0 = _mm512_fmadd_ps(b0_0_4, wv0, acc_0_0_4_0);
                                     acc_0_0_4_1 = _mm512_fmadd_ps(b0_0_4, wv1, acc_0_0_4_1);
-                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[c2 + 1920]);
+                                    const __m512 b0_0_5 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 5]);
                                     acc_0_0_5_0 = _mm512_fmadd_ps(b0_0_5, wv0, acc_0_0_5_0);
                                     acc_0_0_5_1 = _mm512_fmadd_ps(b0_0_5, wv1, acc_0_0_5_1);
-                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[c2 + 2304]);
+                                    const __m512 b0_0_6 = _mm512_set1_ps(xb[(int64_t)c2 * 196 + 6]);
                                     acc_0_0_6_0 = _mm512_fmadd_ps(b0_0_6, wv0, acc_0_0_6_0);
                                     acc_0_0_6_1 = _mm512_fmadd_ps(b0_0_6, wv1, acc_0_0_6_1);
                                 }

@@ -544,8 +544,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
               bint nchw_out=False):
     """Run registry entry ``index`` on x (N,H,W,C), weights packed in panels
     (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K), or with
-    ``nchw_out`` into y (N,K,Ho,Wo) through the kernel's NCHW entry point (the residual
-    then NCHW too).
+    ``nchw_out`` from x (N,C,H,W) into y (N,K,Ho,Wo) through the kernel's NCHW entry
+    point (the residual then NCHW too).
 
     Shapes are checked against the entry; the kernel's own sizes are compile-time
     constants, so a mismatch would otherwise read out of bounds.
@@ -567,7 +567,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
         // e.stride_h + 1
     cdef int wo = (e.w + e.pad_left + e.pad_right - (e.s - 1) * e.dilation_w - 1) \
         // e.stride_w + 1
-    if (xs[0], xs[1], xs[2], xs[3]) != (e.n, e.h, e.w, e.c) or \
+    if (xs[0], xs[1], xs[2], xs[3]) != (<object>((e.n, e.c, e.h, e.w)) if nchw_out
+                                        else <object>((e.n, e.h, e.w, e.c))) or \
             (ws[0], ws[1], ws[2], ws[3], ws[4]) != ((e.k + e.panel - 1) // e.panel, e.r, e.s,
                                                     e.c, e.panel) or \
             (ys[0], ys[1], ys[2], ys[3]) != (<object>((e.n, e.k, ho, wo)) if nchw_out

@@ -110,7 +110,7 @@ class BuiltLibrary:
             nchw: bool = False) -> None:
         """Run ``kernel`` on x (NHWC), RSCK weights (packed here) and y, checking shapes;
         ``epilogue`` (its residual shaped as y) is fused into the store. With ``nchw``,
-        its NCHW entry point writes y as (N, K, Ho, Wo)."""
+        its NCHW entry point reads x as (N, C, H, W) and writes y as (N, K, Ho, Wo)."""
         if nchw and kernel.nchw_name is None:
             raise ValueError(f"{kernel.name} has no NCHW entry point")
         self._check(kernel, x, w, y, nchw)
@@ -152,7 +152,8 @@ class BuiltLibrary:
     def _check(kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
                nchw: bool = False) -> None:
         spec = kernel.spec
-        expected = {"x": (spec.n, spec.h, spec.w, spec.c), "w": (spec.r, spec.s, spec.c, spec.k),
+        expected = {"x": (spec.n, spec.c, spec.h, spec.w) if nchw
+                    else (spec.n, spec.h, spec.w, spec.c), "w": (spec.r, spec.s, spec.c, spec.k),
                     "y": (spec.n, spec.k, spec.ho, spec.wo) if nchw
                     else (spec.n, spec.ho, spec.wo, spec.k)}
         for label, array in (("x", x), ("w", w), ("y", y)):

@@ -50,7 +50,8 @@ microkernel at full speed without copying tensors:
 The generated function is
 ``void NAME(const float *x, const float *w, float *y, int nthreads, const ttile_epilogue *ep)``
 over x[N][H][W][C]
-and y[N][Ho][Wo][K], with every size a constant, and weights packed in panels
+and y[N][Ho][Wo][K] (its NCHW entry point ``NAME_nchw``, where the scheme has one: x[N][C][H][W]
+and y[N][K][Ho][Wo], see :func:`tile_regions`), with every size a constant, and weights packed in panels
 w[K/P][R][S][C][P] where P is the block's width along k (16 per unrolled vector in
 AVX-512F, 8 in AVX2; see
 ``ttile._kernels.pack_weights``): in RSCK the weights of consecutive (r, s, c) steps are K
@@ -382,9 +383,9 @@ class _Generator:
         """Input addressing for the c/k band: base pointer, or guarded per-pixel pointers."""
         spec, names = self.spec, fast.names
         dh, dw = spec.dilation_h, spec.dilation_w
-        base = (f"x + (((int64_t){names['n']} * {spec.h} + ({names['h']} * {spec.stride_h} + "
-                f"{names['r']} * {dh} - {spec.pad_top})) * {spec.w} + ({names['w']} * "
-                f"{spec.stride_w} + {names['s']} * {dw} - {spec.pad_left})) * {spec.c}")
+        first_h = f"{names['h']} * {spec.stride_h} + {names['r']} * {dh} - {spec.pad_top}"
+        first_w = f"{names['w']} * {spec.stride_w} + {names['s']} * {dw} - {spec.pad_left}"
+        base = self.x_address(names["n"], first_h, first_w)
         fast_lines = [f"const float *restrict xb = {base};", *fast.lines]
         if slow is None:
             return _Code(["{", *_indent(fast_lines), "}"], names)
@@ -412,13 +413,23 @@ class _Generator:
                 checks.append(f"(unsigned)({ih}) < {spec.h}u")
             if self.col_guard:
                 checks.append(f"(unsigned)({iw}) < {spec.w}u")
-            addr = (f"x + (((int64_t)({names['n']} + {n_u}) * {spec.h} + ({ih})) * {spec.w} "
-                    f"+ ({iw})) * {spec.c}")
-            setup.append(f"const float *restrict {_xp(pix)} = ({' && '.join(checks)}) ? "
-                         f"{addr} : {self.zeros};")
+            addr = self.x_address(f"{names['n']} + {n_u}", ih, iw)
+            valid = " && ".join(checks)
+            setup.append(f"const float *restrict {_xp(pix)} = ({valid}) ? {addr} : {self.zeros};")
+            if self.nchw:   # channels a plane apart; the zero row is read at stride 0
+                setup.append(f"const int64_t {_xs(pix)} = ({valid}) ? "
+                             f"{spec.h * spec.w} : 0;")
         lines = [f"if ({' && '.join(conditions)}) {{", *_indent(fast_lines), "} else {",
                  *_indent(setup + slow.lines), "}"]
         return _Code(lines, names)
+
+    def x_address(self, n: str, ih: str, iw: str) -> str:
+        """The address of input pixel (n, ih, iw), channel 0: NHWC, or NCHW in the NCHW
+        entry point (its channels then a plane, H*W floats, apart)."""
+        spec = self.spec
+        if self.nchw:
+            return (f"x + ((int64_t)({n}) * {spec.c * spec.h} + ({ih})) * {spec.w} + ({iw})")
+        return f"x + (((int64_t)({n}) * {spec.h} + ({ih})) * {spec.w} + ({iw})) * {spec.c}"
 
     @property
     def zeros(self) -> str:
@@ -464,12 +475,19 @@ class _Generator:
                             f"{kv * self.lanes});")
             for out in _out_combos(block):
                 n_u, h_u, w_u = out
-                if guarded:
-                    x = f"{_xp((n_u, h_u, w_u, r_u, s_u))}[{names['c']} + {c_u}]"
+                pix = (n_u, h_u, w_u, r_u, s_u)
+                ih = h_u * spec.stride_h + r_u * spec.dilation_h
+                iw = w_u * spec.stride_w + s_u * spec.dilation_w
+                if self.nchw and guarded:
+                    x = f"{_xp(pix)}[(int64_t)({names['c']} + {c_u}) * {_xs(pix)}]"
+                elif self.nchw:
+                    plane = spec.h * spec.w
+                    offset = n_u * spec.c * plane + c_u * plane + ih * spec.w + iw
+                    x = f"xb[(int64_t){names['c']} * {plane} + {offset}]"
+                elif guarded:
+                    x = f"{_xp(pix)}[{names['c']} + {c_u}]"
                 else:
-                    offset = (((n_u * spec.h + h_u * spec.stride_h + r_u * spec.dilation_h)
-                               * spec.w + w_u * spec.stride_w + s_u * spec.dilation_w)
-                              * spec.c + c_u)
+                    offset = ((n_u * spec.h + ih) * spec.w + iw) * spec.c + c_u
                     x = f"xb[{names['c']} + {offset}]"
                 broadcast = f"b{'_'.join(map(str, out))}"
                 step.append(f"    const {vt} {broadcast} = {self.op('set1_ps')}({x});")
@@ -536,6 +554,10 @@ def _acc(out: tuple[int, int, int], kv: int) -> str:
 
 def _xp(pix: tuple[int, ...]) -> str:
     return f"xp_{'_'.join(map(str, pix))}"
+
+
+def _xs(pix: tuple[int, ...]) -> str:
+    return f"xs_{'_'.join(map(str, pix))}"
 
 
 #: Largest tile buffer of an NCHW entry point: on the stack of each thread, and kept in

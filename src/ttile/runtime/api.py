@@ -502,7 +502,7 @@ def _generic_args(spec: ConvSpec) -> tuple:
 def _run_searched(choice: dispatch.KernelChoice, x: np.ndarray, weights: np.ndarray,
                   y: np.ndarray, nthreads: int, fused: dict, nchw_out: bool = False) -> None:
     """A tuned or JIT kernel on arrays of exactly its problem's shapes (``nchw_out``: its
-    NCHW entry point, y and the residual in NCHW)."""
+    NCHW entry point, x, y and the residual in NCHW)."""
     if choice.kind is KernelKind.TUNED:
         _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused, nchw_out=nchw_out)
     else:
@@ -510,8 +510,10 @@ def _run_searched(choice: dispatch.KernelChoice, x: np.ndarray, weights: np.ndar
         # are checked against that problem, not against themselves.
         problem = choice.problem
         n, ho, wo, k = problem.output_shape()
+        _, h, w, c = problem.input_shape()
         _kernels.run_compiled(choice.address_nchw if nchw_out else choice.address, x,
-                              weights, y, nthreads, problem.input_shape(),
+                              weights, y, nthreads,
+                              (n, c, h, w) if nchw_out else (n, h, w, c),
                               problem.packed_weight_shape(choice.panel),
                               (n, k, ho, wo) if nchw_out else (n, ho, wo, k), **fused,
                               nchw_out=nchw_out)
@@ -555,16 +557,22 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     """Run ``choice`` on input ``x`` in the plan's layout with weights already in the
     kernel's format, the epilogue fused; returns the output (``out`` when given).
 
-    An NCHW input is converted to NHWC by one blocked, parallel pass into a per-thread
-    scratch buffer; the vector generic kernel (AVX-512F or AVX2) and the searched kernels
-    with an NCHW entry point (``choice.nchw``: tiles buffered and transposed in cache)
-    write the NCHW output directly and take the NCHW residual as it is; other kernels'
-    NHWC output is converted back by a second pass (and an NCHW residual converted for
-    them first)."""
+    A searched kernel with an NCHW entry point (``choice.nchw``) reads the NCHW input and
+    writes the NCHW output itself (tiles buffered and transposed in cache), the residual
+    as it is. Otherwise an NCHW input is converted to NHWC by one blocked, parallel pass
+    into a per-thread scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes
+    the NCHW output directly (and takes the NCHW residual as it is), other kernels' NHWC
+    output is converted back by a second pass (and an NCHW residual converted for them
+    first)."""
     spec = plan.spec
     if plan.layout == "NHWC":
         y = out if out is not None else aligned_empty(plan.out_shape)
         _run(choice, plan, x, weights, y, nthreads, fused.kwargs())
+        return y
+    if choice.nchw and choice.problem.n == spec.n:
+        # a searched kernel's NCHW entry point: reads x and writes y in NCHW itself
+        y = out if out is not None else aligned_empty(plan.out_shape)
+        _run_searched(choice, x, weights, y, nthreads, fused.kwargs(), nchw_out=True)
         return y
     isa = _layout_isa()
     x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
@@ -577,10 +585,6 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
                                        weights.ndim == 4, groups=plan.groups,
                                        dil_h=spec.dilation_h, dil_w=spec.dilation_w,
                                        **fused.kwargs(), isa=extension_code(choice.isa))
-        return y
-    if choice.nchw and choice.problem.n == spec.n:
-        y = out if out is not None else aligned_empty(plan.out_shape)
-        _run_searched(choice, x, weights, y, nthreads, fused.kwargs(), nchw_out=True)
         return y
     nhwc = _nhwc_shape(plan)
     residual = None
