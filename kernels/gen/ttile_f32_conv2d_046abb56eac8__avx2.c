@@ -678,6 +678,7 @@ void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 1)) * 56 + (w4 * 1 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -771,6 +772,7 @@ void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *restrict x, const flo
                                         const int64_t xs_0_4_0_2_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 2) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? 3136 : 0;
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -893,6 +895,7 @@ void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n17) * 3584 + (h20 * 1 + r22 * 1 - 1)) * 56 + (w21 * 1 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 64; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);
@@ -1001,6 +1004,7 @@ void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *restrict x, const flo
                                         const int64_t xs_0_5_0_2_0 = ((unsigned)((h20 + 5) * 1 + (r22 + 2) * 1 - 1) < 56u && (unsigned)((w21 + 0) * 1 + (s23 + 0) * 1 - 1) < 56u) ? 3136 : 0;
                                         for (int i24 = 0; i24 < 64; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 16 + (int64_t)(c19 + 0) * 16 + 8);

@@ -269,6 +269,7 @@ void ttile_f32_conv2d_04835f3e9737_nchw__avx512f(const float *restrict x, const 
                             __m512 acc_0_0_6_1 = _mm512_setzero_ps();
                             for (int i7 = 0; i7 < 576; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 576 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 576 * 32 + (int64_t)(c2 + 0) * 32 + 16);

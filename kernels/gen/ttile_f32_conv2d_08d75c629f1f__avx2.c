@@ -459,6 +459,7 @@ void ttile_f32_conv2d_08d75c629f1f_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 2 + r5 * 1 - 1)) * 28 + (w4 * 2 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 128; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -487,6 +488,7 @@ void ttile_f32_conv2d_08d75c629f1f_nchw__avx2(const float *restrict x, const flo
                                         const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 0) * 2 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
                                         for (int i7 = 0; i7 < 128; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -552,6 +554,7 @@ void ttile_f32_conv2d_08d75c629f1f_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n17) * 3584 + (h20 * 2 + r22 * 1 - 1)) * 28 + (w21 * 2 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 128; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
@@ -590,6 +593,7 @@ void ttile_f32_conv2d_08d75c629f1f_nchw__avx2(const float *restrict x, const flo
                                         const int64_t xs_0_5_0_0_0 = ((unsigned)((h20 + 5) * 2 + (r22 + 0) * 1 - 1) < 28u && (unsigned)((w21 + 0) * 2 + (s23 + 0) * 1 - 1) < 28u) ? 784 : 0;
                                         for (int i24 = 0; i24 < 128; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);

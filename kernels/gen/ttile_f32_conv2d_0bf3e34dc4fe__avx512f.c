@@ -585,6 +585,7 @@ void ttile_f32_conv2d_0bf3e34dc4fe_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 2 + r5 * 1 - 0)) * 56 + (w4 * 2 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 64; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -667,6 +668,7 @@ void ttile_f32_conv2d_0bf3e34dc4fe_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n11) * 3584 + (h14 * 2 + r16 * 1 - 0)) * 56 + (w15 * 2 + s17 * 1 - 0);
                             for (int i18 = 0; i18 < 64; i18++) {
                                 const int c13 = c19 + i18 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 64 * 64 + (int64_t)(c13 + 0) * 64 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 64 * 64 + (int64_t)(c13 + 0) * 64 + 16);

@@ -889,6 +889,7 @@ void ttile_f32_conv2d_105f988890ed_nchw__avx512f(const float *restrict x, const 
                                         const float *restrict xb = x + ((int64_t)(n0) * 8704 + (h3 * 1 + r5 * 1 - 1)) * 136 + (w4 * 1 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -957,6 +958,7 @@ void ttile_f32_conv2d_105f988890ed_nchw__avx512f(const float *restrict x, const 
                                         const int64_t xs_0_0_11_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 136u && (unsigned)((w4 + 11) * 1 + (s6 + 0) * 1 - 1) < 136u) ? 18496 : 0;
                                         for (int i7 = 0; i7 < 64; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -1076,6 +1078,7 @@ void ttile_f32_conv2d_105f988890ed_nchw__avx512f(const float *restrict x, const 
                                         const float *restrict xb = x + ((int64_t)(n17) * 8704 + (h20 * 1 + r22 * 1 - 1)) * 136 + (w21 * 1 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 64; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 16);
@@ -1149,6 +1152,7 @@ void ttile_f32_conv2d_105f988890ed_nchw__avx512f(const float *restrict x, const 
                                         const int64_t xs_0_0_12_0_0 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 136u && (unsigned)((w21 + 12) * 1 + (s23 + 0) * 1 - 1) < 136u) ? 18496 : 0;
                                         for (int i24 = 0; i24 < 64; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 64 * 32 + (int64_t)(c19 + 0) * 32 + 16);

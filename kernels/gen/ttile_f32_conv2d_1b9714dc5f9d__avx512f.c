@@ -704,6 +704,7 @@ void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const 
                                             const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0);
                                             for (int i7 = 0; i7 < 128; i7++) {
                                                 const int c2 = c8 + i7 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -827,6 +828,7 @@ void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const 
                                             const float *restrict xb = x + ((int64_t)(n21) * 17408 + (h24 * 1 + r26 * 1 - 0)) * 68 + (w25 * 1 + s27 * 1 - 0);
                                             for (int i28 = 0; i28 < 128; i28++) {
                                                 const int c23 = c29 + i28 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 0);
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 256 * 64 + (int64_t)(c23 + 0) * 64 + 16);

@@ -702,6 +702,7 @@ void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const 
                                             const int c8 = c10 + i9 * 16;
                                             for (int i7 = 0; i7 < 16; i7++) {
                                                 const int c2 = c8 + i7 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -824,6 +825,7 @@ void ttile_f32_conv2d_226b2a78d6e3_nchw__avx512f(const float *restrict x, const 
                                             const int c29 = c31 + i30 * 16;
                                             for (int i28 = 0; i28 < 16; i28++) {
                                                 const int c23 = c29 + i28 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 0);
                                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k22 / 64) * 1 + (r26 + 0)) * 1 + (s27 + 0)) * 64 * 64 + (int64_t)(c23 + 0) * 64 + 16);

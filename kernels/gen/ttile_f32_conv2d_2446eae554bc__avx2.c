@@ -495,6 +495,7 @@ void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const flo
                                             const float *restrict xb = x + ((int64_t)(n0) * 8704 + (h3 * 1 + r5 * 1 - 1)) * 272 + (w4 * 1 + s6 * 1 - 1);
                                             for (int i7 = 0; i7 < 32; i7++) {
                                                 const int c2 = c8 + i7 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -528,6 +529,7 @@ void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const flo
                                             const int64_t xs_0_4_0_0_0 = ((unsigned)((h3 + 4) * 1 + (r5 + 0) * 1 - 1) < 272u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 272u) ? 73984 : 0;
                                             for (int i7 = 0; i7 < 32; i7++) {
                                                 const int c2 = c8 + i7 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 32 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -616,6 +618,7 @@ void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const flo
                                             const float *restrict xb = x + ((int64_t)(n21) * 8704 + (h24 * 1 + r26 * 1 - 1)) * 272 + (w25 * 1 + s27 * 1 - 1);
                                             for (int i28 = 0; i28 < 32; i28++) {
                                                 const int c23 = c29 + i28 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 8);
@@ -654,6 +657,7 @@ void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *restrict x, const flo
                                             const int64_t xs_0_5_0_0_0 = ((unsigned)((h24 + 5) * 1 + (r26 + 0) * 1 - 1) < 272u && (unsigned)((w25 + 0) * 1 + (s27 + 0) * 1 - 1) < 272u) ? 73984 : 0;
                                             for (int i28 = 0; i28 < 32; i28++) {
                                                 const int c23 = c29 + i28 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k22 / 16) * 3 + (r26 + 0)) * 3 + (s27 + 0)) * 32 * 16 + (int64_t)(c23 + 0) * 16 + 8);

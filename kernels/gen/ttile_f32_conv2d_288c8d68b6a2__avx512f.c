@@ -317,6 +317,7 @@ void ttile_f32_conv2d_288c8d68b6a2_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 7168 + (h3 * 2 + r5 * 1 - 1)) * 14 + (w4 * 2 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -360,6 +361,7 @@ void ttile_f32_conv2d_288c8d68b6a2_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_6_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 14u && (unsigned)((w4 + 6) * 2 + (s6 + 0) * 1 - 1) < 14u) ? 196 : 0;
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);

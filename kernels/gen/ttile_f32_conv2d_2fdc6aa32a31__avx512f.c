@@ -536,6 +536,7 @@ void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const 
                                 const int c8 = c10 + i9 * 96;
                                 for (int i7 = 0; i7 < 96; i7++) {
                                     const int c2 = c8 + i7 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -607,6 +608,7 @@ void ttile_f32_conv2d_2fdc6aa32a31_nchw__avx512f(const float *restrict x, const 
                                 const int c21 = c23 + i22 * 96;
                                 for (int i20 = 0; i20 < 96; i20++) {
                                     const int c15 = c21 + i20 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 192 * 32 + (int64_t)(c15 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 192 * 32 + (int64_t)(c15 + 0) * 32 + 16);

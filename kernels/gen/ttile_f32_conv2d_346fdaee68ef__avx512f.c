@@ -437,6 +437,7 @@ void ttile_f32_conv2d_346fdaee68ef_nchw__avx512f(const float *restrict x, const 
                                 const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 256; i7++) {
                                     const int c2 = c8 + i7 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -497,6 +498,7 @@ void ttile_f32_conv2d_346fdaee68ef_nchw__avx512f(const float *restrict x, const 
                                 const float *restrict xb = x + ((int64_t)(n11) * 17408 + (h14 * 1 + r16 * 1 - 0)) * 68 + (w15 * 1 + s17 * 1 - 0);
                                 for (int i18 = 0; i18 < 256; i18++) {
                                     const int c13 = c19 + i18 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 32) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 256 * 32 + (int64_t)(c13 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 32) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 256 * 32 + (int64_t)(c13 + 0) * 32 + 16);

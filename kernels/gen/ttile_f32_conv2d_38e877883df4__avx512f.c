@@ -663,6 +663,7 @@ void ttile_f32_conv2d_38e877883df4_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 8704 + (h3 * 1 + r5 * 1 - 1)) * 17 + (w4 * 1 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -706,6 +707,7 @@ void ttile_f32_conv2d_38e877883df4_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 17u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 17u) ? 289 : 0;
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -791,6 +793,7 @@ void ttile_f32_conv2d_38e877883df4_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n15) * 8704 + (h18 * 1 + r20 * 1 - 1)) * 17 + (w19 * 1 + s21 * 1 - 1);
                                     for (int i22 = 0; i22 < 512; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 512 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 512 * 32 + (int64_t)(c17 + 0) * 32 + 16);
@@ -849,6 +852,7 @@ void ttile_f32_conv2d_38e877883df4_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_9_0_0 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 17u && (unsigned)((w19 + 9) * 1 + (s21 + 0) * 1 - 1) < 17u) ? 289 : 0;
                                     for (int i22 = 0; i22 < 512; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 512 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 512 * 32 + (int64_t)(c17 + 0) * 32 + 16);

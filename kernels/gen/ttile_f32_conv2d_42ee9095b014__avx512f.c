@@ -622,6 +622,7 @@ void ttile_f32_conv2d_42ee9095b014_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 136 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 128; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -708,6 +709,7 @@ void ttile_f32_conv2d_42ee9095b014_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n11) * 17408 + (h14 * 1 + r16 * 1 - 0)) * 136 + (w15 * 1 + s17 * 1 - 0);
                             for (int i18 = 0; i18 < 128; i18++) {
                                 const int c13 = c19 + i18 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k12 / 64) * 1 + (r16 + 0)) * 1 + (s17 + 0)) * 128 * 64 + (int64_t)(c13 + 0) * 64 + 16);

@@ -896,6 +896,7 @@ void ttile_f32_conv2d_51589ff9ef27_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 1632 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -1019,6 +1020,7 @@ void ttile_f32_conv2d_51589ff9ef27_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_6_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 6) * 1 + (s6 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -1154,6 +1156,7 @@ void ttile_f32_conv2d_51589ff9ef27_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n15) * 1632 + (h18 * 1 + r20 * 1 - 1)) * 544 + (w19 * 1 + s21 * 1 - 1);
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
@@ -1307,6 +1310,7 @@ void ttile_f32_conv2d_51589ff9ef27_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_8_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 8) * 1 + (s21 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);

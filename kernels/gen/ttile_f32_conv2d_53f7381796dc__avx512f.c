@@ -248,6 +248,7 @@ void ttile_f32_conv2d_53f7381796dc_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_3_2 = _mm512_setzero_ps();
                                 for (int i7 = 0; i7 < 24; i7++) {
                                     const int c2 = c8 + i7 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 24 * 48 + (int64_t)(c2 + 0) * 48 + 16);

@@ -597,6 +597,7 @@ void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 896 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 32; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 32 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 32 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -685,6 +686,7 @@ void ttile_f32_conv2d_54f6ee9fee20_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n15) * 896 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0);
                                     for (int i22 = 0; i22 < 32; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 64) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 32 * 64 + (int64_t)(c17 + 0) * 64 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 64) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 32 * 64 + (int64_t)(c17 + 0) * 64 + 16);

@@ -467,6 +467,7 @@ void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *restrict x, const flo
                                             const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 1)) * 56 + (w4 * 1 + s6 * 1 - 1);
                                             for (int i7 = 0; i7 < 64; i7++) {
                                                 const int c2 = c8 + i7 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -495,6 +496,7 @@ void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *restrict x, const flo
                                             const int64_t xs_0_3_0_0_0 = ((unsigned)((h3 + 3) * 1 + (r5 + 0) * 1 - 1) < 56u && (unsigned)((w4 + 0) * 1 + (s6 + 0) * 1 - 1) < 56u) ? 3136 : 0;
                                             for (int i7 = 0; i7 < 64; i7++) {
                                                 const int c2 = c8 + i7 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -575,6 +577,7 @@ void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *restrict x, const flo
                                             const float *restrict xb = x + ((int64_t)(n19) * 3584 + (h22 * 1 + r24 * 1 - 1)) * 56 + (w23 * 1 + s25 * 1 - 1);
                                             for (int i26 = 0; i26 < 64; i26++) {
                                                 const int c21 = c27 + i26 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 8);
@@ -613,6 +616,7 @@ void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *restrict x, const flo
                                             const int64_t xs_0_5_0_0_0 = ((unsigned)((h22 + 5) * 1 + (r24 + 0) * 1 - 1) < 56u && (unsigned)((w23 + 0) * 1 + (s25 + 0) * 1 - 1) < 56u) ? 3136 : 0;
                                             for (int i26 = 0; i26 < 64; i26++) {
                                                 const int c21 = c27 + i26 * 1;
+                                                __asm__ volatile("" ::: "memory");
                                                 {
                                                     const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 0);
                                                     const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k20 / 16) * 3 + (r24 + 0)) * 3 + (s25 + 0)) * 64 * 16 + (int64_t)(c21 + 0) * 16 + 8);

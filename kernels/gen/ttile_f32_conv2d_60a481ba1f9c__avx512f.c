@@ -389,6 +389,7 @@ void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n0) * 4032 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 144; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 144 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 144 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -448,6 +449,7 @@ void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n13) * 4032 + (h16 * 1 + r18 * 1 - 0)) * 28 + (w17 * 1 + s19 * 1 - 0);
                             for (int i20 = 0; i20 < 144; i20++) {
                                 const int c15 = c21 + i20 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 144 * 32 + (int64_t)(c15 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 144 * 32 + (int64_t)(c15 + 0) * 32 + 16);

@@ -484,6 +484,7 @@ void ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f(const float *restrict x, const 
                                 const float *restrict xb = x + ((int64_t)(n0) * 1792 + (h3 * 1 + r5 * 1 - 0)) * 112 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 16; i7++) {
                                     const int c2 = c8 + i7 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 16 * 48 + (int64_t)(c2 + 0) * 48 + 16);
@@ -555,6 +556,7 @@ void ttile_f32_conv2d_6aa47c64e5ce_nchw__avx512f(const float *restrict x, const 
                                 const float *restrict xb = x + ((int64_t)(n13) * 1792 + (h16 * 1 + r18 * 1 - 0)) * 112 + (w17 * 1 + s19 * 1 - 0);
                                 for (int i20 = 0; i20 < 16; i20++) {
                                     const int c15 = c21 + i20 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 48) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 16 * 48 + (int64_t)(c15 + 0) * 48 + 16);

@@ -1414,6 +1414,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                         __m256 acc_0_3_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
                                         for (int i7 = 0; i7 < 32; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -1663,6 +1664,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                         __m256 acc_0_3_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n0 + 0 - bo_n) * 28 + (h3 + 3 - bo_h)) * 896 + (w4 + 0 - bo_w) * 32 + k1 - bo_k + 8);
                                         for (int i7 = 0; i7 < 32; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -1864,6 +1866,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                         __m256 acc_0_5_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
                                         for (int i24 = 0; i24 < 32; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);
@@ -2211,6 +2214,7 @@ void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *restrict x, const flo
                                         __m256 acc_0_5_0_1 = _mm256_loadu_ps(yt + ((int64_t)(n17 + 0 - bo_n) * 28 + (h20 + 5 - bo_h)) * 896 + (w21 + 0 - bo_w) * 32 + k18 - bo_k + 8);
                                         for (int i24 = 0; i24 < 32; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 128 * 16 + (int64_t)(c19 + 0) * 16 + 8);

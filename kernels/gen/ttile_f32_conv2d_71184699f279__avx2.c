@@ -767,6 +767,7 @@ void ttile_f32_conv2d_71184699f279_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n0) * 1632 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
                                                 const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 295936 + 0]);
@@ -890,6 +891,7 @@ void ttile_f32_conv2d_71184699f279_nchw__avx2(const float *restrict x, const flo
                                         const int64_t xs_0_0_8_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
                                                 const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
@@ -1006,6 +1008,7 @@ void ttile_f32_conv2d_71184699f279_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n17) * 1632 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 3; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 8) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 8 + (int64_t)(c19 + 0) * 8 + 0);
                                                 const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c19 * 295936 + 0]);
@@ -1177,6 +1180,7 @@ void ttile_f32_conv2d_71184699f279_nchw__avx2(const float *restrict x, const flo
                                         const int64_t xs_0_0_12_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 12) * 1 + (s23 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                         for (int i24 = 0; i24 < 3; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 8) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 8 + (int64_t)(c19 + 0) * 8 + 0);
                                                 const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c19 + 0) * xs_0_0_0_0_0]);

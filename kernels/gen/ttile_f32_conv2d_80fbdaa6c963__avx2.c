@@ -401,6 +401,7 @@ void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 68 + (w4 * 1 + s6 * 1 - 0);
                                         for (int i7 = 0; i7 < 256; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -478,6 +479,7 @@ void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *restrict x, const flo
                                         const float *restrict xb = x + ((int64_t)(n17) * 17408 + (h20 * 1 + r22 * 1 - 0)) * 68 + (w21 * 1 + s23 * 1 - 0);
                                         for (int i24 = 0; i24 < 256; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 256 * 16 + (int64_t)(c19 + 0) * 16 + 0);
                                                 const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k18 / 16) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 256 * 16 + (int64_t)(c19 + 0) * 16 + 8);

@@ -317,6 +317,7 @@ void ttile_f32_conv2d_8a4df5f531c3_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 1)) * 7 + (w4 * 1 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -360,6 +361,7 @@ void ttile_f32_conv2d_8a4df5f531c3_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_6_0_0 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 7u && (unsigned)((w4 + 6) * 1 + (s6 + 0) * 1 - 1) < 7u) ? 49 : 0;
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 512 * 32 + (int64_t)(c2 + 0) * 32 + 16);

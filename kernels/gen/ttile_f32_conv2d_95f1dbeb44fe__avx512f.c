@@ -310,6 +310,7 @@ void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *restrict x, const 
                                                     __m512 acc_0_3_0_0 = _mm512_setzero_ps();
                                                     for (int i7 = 0; i7 < 128; i7++) {
                                                         const int c2 = c8 + i7 * 1;
+                                                        __asm__ volatile("" ::: "memory");
                                                         {
                                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 128 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                                             const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c2 * 18496 + 0]);
@@ -380,6 +381,7 @@ void ttile_f32_conv2d_95f1dbeb44fe_nchw__avx512f(const float *restrict x, const 
                                                     __m512 acc_0_4_0_0 = _mm512_setzero_ps();
                                                     for (int i30 = 0; i30 < 128; i30++) {
                                                         const int c25 = c31 + i30 * 1;
+                                                        __asm__ volatile("" ::: "memory");
                                                         {
                                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k24 / 16) * 1 + (r28 + 0)) * 1 + (s29 + 0)) * 128 * 16 + (int64_t)(c25 + 0) * 16 + 0);
                                                             const __m512 b0_0_0 = _mm512_set1_ps(xb[(int64_t)c25 * 18496 + 0]);

@@ -389,6 +389,7 @@ void ttile_f32_conv2d_9696fbc9ca68_nchw__avx2(const float *restrict x, const flo
                                     const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 1 + r5 * 1 - 0)) * 56 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 64; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -463,6 +464,7 @@ void ttile_f32_conv2d_9696fbc9ca68_nchw__avx2(const float *restrict x, const flo
                                     const float *restrict xb = x + ((int64_t)(n15) * 3584 + (h18 * 1 + r20 * 1 - 0)) * 56 + (w19 * 1 + s21 * 1 - 0);
                                     for (int i22 = 0; i22 < 64; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 64 * 16 + (int64_t)(c17 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 64 * 16 + (int64_t)(c17 + 0) * 16 + 8);

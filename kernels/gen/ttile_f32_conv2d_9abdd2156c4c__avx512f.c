@@ -686,6 +686,7 @@ void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const 
                                     __m512 acc_0_4_0_3 = _mm512_setzero_ps();
                                     for (int i7 = 0; i7 < 64; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 64 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -802,6 +803,7 @@ void ttile_f32_conv2d_9abdd2156c4c_nchw__avx512f(const float *restrict x, const 
                                     __m512 acc_0_5_0_3 = _mm512_setzero_ps();
                                     for (int i24 = 0; i24 < 64; i24++) {
                                         const int c19 = c25 + i24 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 64) * 1 + (r22 + 0)) * 1 + (s23 + 0)) * 64 * 64 + (int64_t)(c19 + 0) * 64 + 16);

@@ -354,6 +354,7 @@ void ttile_f32_conv2d_9c805afef720_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n0) * 1120 + (h3 * 1 + r5 * 1 - 0)) * 7 + (w4 * 1 + s6 * 1 - 0);
                             for (int i7 = 0; i7 < 160; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 160 * 48 + (int64_t)(c2 + 0) * 48 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 48) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 160 * 48 + (int64_t)(c2 + 0) * 48 + 16);

@@ -694,6 +694,7 @@ void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 128; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 64) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 64 + (int64_t)(c2 + 0) * 64 + 16);
@@ -792,6 +793,7 @@ void ttile_f32_conv2d_a2d97c86c75f_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n13) * 17408 + (h16 * 1 + r18 * 1 - 0)) * 34 + (w17 * 1 + s19 * 1 - 0);
                                     for (int i20 = 0; i20 < 128; i20++) {
                                         const int c15 = c21 + i20 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 64) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 512 * 64 + (int64_t)(c15 + 0) * 64 + 16);

@@ -719,6 +719,7 @@ void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *restrict x, const flo
                                     const float *restrict xb = x + ((int64_t)(n0) * 1632 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
                                             const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c2 * 295936 + 0]);
@@ -842,6 +843,7 @@ void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *restrict x, const flo
                                     const int64_t xs_0_0_8_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 8) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 8 + (int64_t)(c2 + 0) * 8 + 0);
                                             const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c2 + 0) * xs_0_0_0_0_0]);
@@ -953,6 +955,7 @@ void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *restrict x, const flo
                                     const float *restrict xb = x + ((int64_t)(n15) * 1632 + (h18 * 1 + r20 * 1 - 1)) * 544 + (w19 * 1 + s21 * 1 - 1);
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
                                             const __m256 b0_0_0 = _mm256_set1_ps(xb[(int64_t)c17 * 295936 + 0]);
@@ -1100,6 +1103,7 @@ void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *restrict x, const flo
                                     const int64_t xs_0_0_10_0_2 = ((unsigned)((h18 + 0) * 1 + (r20 + 0) * 1 - 1) < 544u && (unsigned)((w19 + 10) * 1 + (s21 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 8) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 8 + (int64_t)(c17 + 0) * 8 + 0);
                                             const __m256 b0_0_0 = _mm256_set1_ps(xp_0_0_0_0_0[(int64_t)(c17 + 0) * xs_0_0_0_0_0]);

@@ -491,6 +491,7 @@ void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 672 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -519,6 +520,7 @@ void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_3_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 224u && (unsigned)((w4 + 3) * 2 + (s6 + 0) * 1 - 1) < 224u) ? 50176 : 0;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -583,6 +585,7 @@ void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n15) * 672 + (h18 * 2 + r20 * 1 - 1)) * 224 + (w19 * 2 + s21 * 1 - 1);
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
@@ -626,6 +629,7 @@ void ttile_f32_conv2d_ae5de7e8f464_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_6_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 1) < 224u && (unsigned)((w19 + 6) * 2 + (s21 + 0) * 1 - 1) < 224u) ? 50176 : 0;
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 3 + (r20 + 0)) * 3 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);

@@ -281,6 +281,7 @@ void ttile_f32_conv2d_b2153f359443_nchw__avx512f(const float *restrict x, const 
                                     const int c8 = c10 + i9 * 8;
                                     for (int i7 = 0; i7 < 8; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 960 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 960 * 32 + (int64_t)(c2 + 0) * 32 + 16);

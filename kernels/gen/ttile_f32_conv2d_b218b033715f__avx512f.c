@@ -580,6 +580,7 @@ void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 672 + (h3 * 2 + r5 * 1 - 3)) * 224 + (w4 * 2 + s6 * 1 - 3);
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -618,6 +619,7 @@ void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_5_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 3) < 224u && (unsigned)((w4 + 5) * 2 + (s6 + 0) * 1 - 3) < 224u) ? 50176 : 0;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 7 + (r5 + 0)) * 7 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -694,6 +696,7 @@ void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n15) * 672 + (h18 * 2 + r20 * 1 - 3)) * 224 + (w19 * 2 + s21 * 1 - 3);
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);
@@ -742,6 +745,7 @@ void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_0_7_0_0 = ((unsigned)((h18 + 0) * 2 + (r20 + 0) * 1 - 3) < 224u && (unsigned)((w19 + 7) * 2 + (s21 + 0) * 1 - 3) < 224u) ? 50176 : 0;
                                     for (int i22 = 0; i22 < 3; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 7 + (r20 + 0)) * 7 + (s21 + 0)) * 3 * 32 + (int64_t)(c17 + 0) * 32 + 16);

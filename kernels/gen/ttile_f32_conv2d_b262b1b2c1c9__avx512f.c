@@ -1031,6 +1031,7 @@ void ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f(const float *restrict x, const 
                                         const float *restrict xb = x + ((int64_t)(n0) * 1632 + (h3 * 1 + r5 * 1 - 1)) * 544 + (w4 * 1 + s6 * 1 - 1);
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -1184,6 +1185,7 @@ void ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f(const float *restrict x, const 
                                         const int64_t xs_0_0_8_0_2 = ((unsigned)((h3 + 0) * 1 + (r5 + 0) * 1 - 1) < 544u && (unsigned)((w4 + 8) * 1 + (s6 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                         for (int i7 = 0; i7 < 3; i7++) {
                                             const int c2 = c8 + i7 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -1358,6 +1360,7 @@ void ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f(const float *restrict x, const 
                                         const float *restrict xb = x + ((int64_t)(n17) * 1632 + (h20 * 1 + r22 * 1 - 1)) * 544 + (w21 * 1 + s23 * 1 - 1);
                                         for (int i24 = 0; i24 < 3; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
@@ -1526,6 +1529,7 @@ void ttile_f32_conv2d_b262b1b2c1c9_nchw__avx512f(const float *restrict x, const 
                                         const int64_t xs_0_0_9_0_2 = ((unsigned)((h20 + 0) * 1 + (r22 + 0) * 1 - 1) < 544u && (unsigned)((w21 + 9) * 1 + (s23 + 2) * 1 - 1) < 544u) ? 295936 : 0;
                                         for (int i24 = 0; i24 < 3; i24++) {
                                             const int c19 = c25 + i24 * 1;
+                                            __asm__ volatile("" ::: "memory");
                                             {
                                                 const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                                 const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);

@@ -269,6 +269,7 @@ void ttile_f32_conv2d_d5c6b0a87b57_nchw__avx512f(const float *restrict x, const 
                             const int c8 = c10 + i9 * 32;
                             for (int i7 = 0; i7 < 32; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 256 * 32 + (int64_t)(c2 + 0) * 32 + 16);

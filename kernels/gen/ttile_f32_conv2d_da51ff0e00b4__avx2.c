@@ -393,6 +393,7 @@ void ttile_f32_conv2d_da51ff0e00b4_nchw__avx2(const float *restrict x, const flo
                                     const float *restrict xb = x + ((int64_t)(n0) * 17408 + (h3 * 1 + r5 * 1 - 0)) * 34 + (w4 * 1 + s6 * 1 - 0);
                                     for (int i7 = 0; i7 < 512; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 16 + (int64_t)(c2 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k1 / 16) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 512 * 16 + (int64_t)(c2 + 0) * 16 + 8);
@@ -467,6 +468,7 @@ void ttile_f32_conv2d_da51ff0e00b4_nchw__avx2(const float *restrict x, const flo
                                     const float *restrict xb = x + ((int64_t)(n15) * 17408 + (h18 * 1 + r20 * 1 - 0)) * 34 + (w19 * 1 + s21 * 1 - 0);
                                     for (int i22 = 0; i22 < 512; i22++) {
                                         const int c17 = c23 + i22 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m256 wv0 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 512 * 16 + (int64_t)(c17 + 0) * 16 + 0);
                                             const __m256 wv1 = _mm256_loadu_ps(w + (((int64_t)(k16 / 16) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 512 * 16 + (int64_t)(c17 + 0) * 16 + 8);

@@ -522,6 +522,7 @@ void ttile_f32_conv2d_ea2a2670c5dd_nchw__avx512f(const float *restrict x, const 
                             const float *restrict xb = x + ((int64_t)(n0) * 3584 + (h3 * 2 + r5 * 1 - 1)) * 28 + (w4 * 2 + s6 * 1 - 1);
                             for (int i7 = 0; i7 < 128; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -600,6 +601,7 @@ void ttile_f32_conv2d_ea2a2670c5dd_nchw__avx512f(const float *restrict x, const 
                             const int64_t xs_0_0_13_0_0 = ((unsigned)((h3 + 0) * 2 + (r5 + 0) * 1 - 1) < 28u && (unsigned)((w4 + 13) * 2 + (s6 + 0) * 1 - 1) < 28u) ? 784 : 0;
                             for (int i7 = 0; i7 < 128; i7++) {
                                 const int c2 = c8 + i7 * 1;
+                                __asm__ volatile("" ::: "memory");
                                 {
                                     const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                     const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 128 * 32 + (int64_t)(c2 + 0) * 32 + 16);

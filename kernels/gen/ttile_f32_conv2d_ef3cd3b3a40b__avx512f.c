@@ -1519,6 +1519,7 @@ void ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n0) * 672 + (h3 * 2 + r5 * 1 - 1)) * 224 + (w4 * 2 + s6 * 1 - 1);
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -1837,6 +1838,7 @@ void ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_5_0_2_2 = ((unsigned)((h3 + 5) * 2 + (r5 + 2) * 1 - 1) < 224u && (unsigned)((w4 + 0) * 2 + (s6 + 2) * 1 - 1) < 224u) ? 50176 : 0;
                                     for (int i7 = 0; i7 < 3; i7++) {
                                         const int c2 = c8 + i7 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 3 + (r5 + 0)) * 3 + (s6 + 0)) * 3 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -2112,6 +2114,7 @@ void ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f(const float *restrict x, const 
                                     const float *restrict xb = x + ((int64_t)(n17) * 672 + (h20 * 2 + r22 * 1 - 1)) * 224 + (w21 * 2 + s23 * 1 - 1);
                                     for (int i24 = 0; i24 < 3; i24++) {
                                         const int c19 = c25 + i24 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);
@@ -2520,6 +2523,7 @@ void ttile_f32_conv2d_ef3cd3b3a40b_nchw__avx512f(const float *restrict x, const 
                                     const int64_t xs_0_7_0_2_2 = ((unsigned)((h20 + 7) * 2 + (r22 + 2) * 1 - 1) < 224u && (unsigned)((w21 + 0) * 2 + (s23 + 2) * 1 - 1) < 224u) ? 50176 : 0;
                                     for (int i24 = 0; i24 < 3; i24++) {
                                         const int c19 = c25 + i24 * 1;
+                                        __asm__ volatile("" ::: "memory");
                                         {
                                             const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 0);
                                             const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k18 / 32) * 3 + (r22 + 0)) * 3 + (s23 + 0)) * 3 * 32 + (int64_t)(c19 + 0) * 32 + 16);

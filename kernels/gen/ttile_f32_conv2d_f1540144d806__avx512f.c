@@ -490,6 +490,7 @@ void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_5_1 = _mm512_setzero_ps();
                                 for (int i7 = 0; i7 < 96; i7++) {
                                     const int c2 = c8 + i7 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 96 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 96 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -563,6 +564,7 @@ void ttile_f32_conv2d_f1540144d806_nchw__avx512f(const float *restrict x, const 
                                 __m512 acc_0_0_7_1 = _mm512_setzero_ps();
                                 for (int i20 = 0; i20 < 96; i20++) {
                                     const int c15 = c21 + i20 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 96 * 32 + (int64_t)(c15 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k14 / 32) * 1 + (r18 + 0)) * 1 + (s19 + 0)) * 96 * 32 + (int64_t)(c15 + 0) * 32 + 16);

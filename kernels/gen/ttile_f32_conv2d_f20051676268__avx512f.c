@@ -443,6 +443,7 @@ void ttile_f32_conv2d_f20051676268_nchw__avx512f(const float *restrict x, const 
                                 const float *restrict xb = x + ((int64_t)(n0) * 5376 + (h3 * 1 + r5 * 1 - 0)) * 28 + (w4 * 1 + s6 * 1 - 0);
                                 for (int i7 = 0; i7 < 192; i7++) {
                                     const int c2 = c8 + i7 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k1 / 32) * 1 + (r5 + 0)) * 1 + (s6 + 0)) * 192 * 32 + (int64_t)(c2 + 0) * 32 + 16);
@@ -509,6 +510,7 @@ void ttile_f32_conv2d_f20051676268_nchw__avx512f(const float *restrict x, const 
                                 const float *restrict xb = x + ((int64_t)(n15) * 5376 + (h18 * 1 + r20 * 1 - 0)) * 28 + (w19 * 1 + s21 * 1 - 0);
                                 for (int i22 = 0; i22 < 192; i22++) {
                                     const int c17 = c23 + i22 * 1;
+                                    __asm__ volatile("" ::: "memory");
                                     {
                                         const __m512 wv0 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 192 * 32 + (int64_t)(c17 + 0) * 32 + 0);
                                         const __m512 wv1 = _mm512_loadu_ps(w + (((int64_t)(k16 / 32) * 1 + (r20 + 0)) * 1 + (s21 + 0)) * 192 * 32 + (int64_t)(c17 + 0) * 32 + 16);

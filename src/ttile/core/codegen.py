@@ -459,7 +459,10 @@ class _Generator:
         steps = list(itertools.product(range(block.count("c")), range(block.count("r")),
                                        range(block.count("s"))))
         for index, (c_u, r_u, s_u) in enumerate(steps):
-            if index:
+            if index or self.nchw:
+                # (in the NCHW entry point also at the first step: with channels a plane
+                # apart, gcc unrolled a short c loop and hoisted its weight loads, and
+                # spilled)
                 # Keeps the compiler from merging equal broadcasts of different steps
                 # (with r unrolled, pixel h+1 at r=0 is pixel h at r=1): keeping those
                 # alive across steps took more registers than there are, and spilled.
