@@ -292,12 +292,15 @@ def build_batches(batches: list[list[KernelSource]], jobs: int = 2, timers: bool
 
 
 def assembly(kernel: KernelSource, extra_flags: tuple[str, ...] = ()) -> str:
-    """The compiler's assembly for ``kernel`` (to inspect register use)."""
+    """The compiler's assembly for ``kernel`` (to inspect register use): compiled with
+    ``TTILE_CHECK_SPILLS``, which moves the NCHW entry point's tile buffer off the stack,
+    so that any vector store to the stack is a spill."""
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C compiler found", "")
     includes, _ = _include_flags()
-    proc = subprocess.run([compiler, *kernel_cflags(kernel.isa), *extra_flags, *includes,
+    proc = subprocess.run([compiler, *kernel_cflags(kernel.isa), "-DTTILE_CHECK_SPILLS",
+                           *extra_flags, *includes,
                            "-S", "-o", "-",
                            "-x", "c", "-"],
                           input=kernel.code, capture_output=True, text=True)
