@@ -109,33 +109,6 @@ static inline float ttile_epilogue1(const ttile_epilogue *ep, float acc, int64_t
     return ttile_activate1(ep->activation, ep->negative_slope, acc);
 }
 
-/* The NCHW store of a tile of outputs (generated kernels' NCHW entry points): the tile
- * was computed in NHWC order into a buffer on the stack, t[n][h][w][k] with extents en,
- * eh, ew, ek (ek whole vectors: channels at or past K are dropped), and is written to
- * y[N][K][Ho][Wo] at origin (n0, h0, w0, k0) through the epilogue (bias, an NCHW
- * residual, activation) while it is in L1/L2 - instead of the whole NHWC output going
- * to memory and coming back for a second, transposing pass. This one is plain C (the
- * AVX2 family's); ttile_store_nchw512 transposes 16 x 16 tiles in registers. */
-static inline void ttile_store_nchw1(const float *t, int en, int eh, int ew, int ek,
-                                     float *y, int64_t n0, int64_t h0, int64_t w0,
-                                     int64_t k0, int64_t K, int64_t Ho, int64_t Wo,
-                                     const ttile_epilogue *ep, int stream)
-{
-    const int64_t plane = Ho * Wo;
-    const int64_t kn = K - k0 < ek ? K - k0 : ek;
-    (void)stream;
-    for (int n = 0; n < en; n++)
-        for (int h = 0; h < eh; h++) {
-            const float *src = t + ((int64_t)n * eh + h) * ew * ek;
-            const int64_t base = ((n0 + n) * K + k0) * plane + (h0 + h) * Wo + w0;
-            for (int64_t k = 0; k < kn; k++)
-                for (int w = 0; w < ew; w++) {
-                    const int64_t i = base + k * plane + w;
-                    y[i] = ttile_epilogue1(ep, src[(int64_t)w * ek + k], i, k0 + k);
-                }
-        }
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -341,9 +314,14 @@ static inline void ttile_transpose16_512(__m512 r[16])
     }
 }
 
-/* ttile_store_nchw1 with 16 x 16 tiles transposed in registers: 16 pixels' 16 channels
- * in, 16 channel rows of 16 pixels out, each through the epilogue in registers and one
- * masked store (ek is a multiple of 16 here). Channel tiles outermost: 16 output planes
+/* The NCHW store of a tile of outputs (the AVX-512F generated kernels' NCHW entry
+ * points): the tile was computed in NHWC order into a buffer on the stack, t[n][h][w][k]
+ * with extents en, eh, ew, ek (ek whole vectors: channels at or past K are dropped), and
+ * is written to y[N][K][Ho][Wo] at origin (n0, h0, w0, k0) through the epilogue (bias,
+ * an NCHW residual, activation) while it is in L1/L2 - instead of the whole NHWC output
+ * going to memory and coming back for a second, transposing pass. 16 x 16 tiles are
+ * transposed in registers: 16 pixels' 16 channels in, 16 channel rows of 16 pixels out,
+ * each through the epilogue in registers and one masked store. Channel tiles outermost: 16 output planes
  * are written at a time, not all ek of them - planes of a size that is a multiple of 4 KB
  * land in the same cache sets, and 32 interleaved planes of Yolo9000-0 took 3x the time
  * of 16. With `stream` (outputs far larger than the caches, where the line would be

@@ -120,59 +120,35 @@ void ttile_f32_conv2d_04835f3e9737__avx512f(const float *, const float *, float 
 void ttile_f32_conv2d_04835f3e9737_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_955f8c209a34__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_b2830191cf18__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_b2830191cf18_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_c30af9d89053__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_c30af9d89053_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_6f7e7d8cce3d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_e67b68f0d004__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_e67b68f0d004_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_80fbdaa6c963__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_80fbdaa6c963_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ccb54de43d5a__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_ccb54de43d5a_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_3402b2dcd832__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_09274c8a3360__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5307336f1214__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_5307336f1214_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ec78c604daa4__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_ec78c604daa4_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_ee2b2922f89d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_ee2b2922f89d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_08d75c629f1f__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_08d75c629f1f_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_46d75c88ac43__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_46d75c88ac43_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_d53fdcc5c4fd__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_d53fdcc5c4fd_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_3eeb560d0267__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_3eeb560d0267_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_da51ff0e00b4__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_da51ff0e00b4_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_a6748d0c2169__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_a6748d0c2169_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_71184699f279__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_71184699f279_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_cf4a00f03e33__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_cf4a00f03e33_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_bb150db41e7d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_bb150db41e7d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_949a6ad90caa__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_87997edf6a60__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_87997edf6a60_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_cfd645703601__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_2446eae554bc__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_2446eae554bc_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_44af96ebdd63__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_993c14e42817__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_9696fbc9ca68__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_9696fbc9ca68_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_656477e7f76a__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_656477e7f76a_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_046abb56eac8__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_046abb56eac8_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_5cd41f26d40d__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
-void ttile_f32_conv2d_5cd41f26d40d_nchw__avx2(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
 void ttile_f32_conv2d_13eca7854f61__avx512f(const float *, const float *, float *, int, const ttile_epilogue *);
@@ -456,19 +432,19 @@ const ttile_tuned_kernel ttile_tuned_kernels[222] = {
     {"authenticamd-26-2-e2549417", 2, 1, 96, 576, 14, 14, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX512F, 48, ttile_f32_conv2d_955f8c209a34__avx512f, NULL,
      "MobileNetV2-22-project", "[PT2 k; PT2 h; PT14 w; T576 c; U7 h; U3 k; V k]", 330.5, 412.9, 389.0},
     /* authenticamd-26-2-e2549417, avx2 */
-    {"authenticamd-26-2-e2549417", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_b2830191cf18__avx2, ttile_f32_conv2d_b2830191cf18_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_b2830191cf18__avx2, NULL,
      "Yolo9000-18", "[T8 k; Lseq h [(1,5),(2,6)]; T8 k; T17 w; T3 r; T3 s; T512 c; U beta h; U2 k; V k]", 104.4, 0.0, 98.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_c30af9d89053__avx2, ttile_f32_conv2d_c30af9d89053_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_c30af9d89053__avx2, NULL,
      "Yolo9000-18", "[PT16 k; Lseq h [(1,5),(2,6)]; T4 k; T17 w; T3 r; T3 s; T512 c; U beta h; U2 k; V k]", 208.8, 0.0, 198.1},
     {"authenticamd-26-2-e2549417", 1, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-6", "", 103.9, 0.0, 103.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_6f7e7d8cce3d__avx2, ttile_f32_conv2d_6f7e7d8cce3d_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_6f7e7d8cce3d__avx2, NULL,
      "ResNet18-6", "[PT4 k; Lseq h [(1,4),(4,6)]; T4 c; T28 w; T2 k; T32 c; U3 r; U3 s; U beta h; U2 k; V k]", 200.6, 0.0, 125.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_e67b68f0d004__avx2, ttile_f32_conv2d_e67b68f0d004_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_e67b68f0d004__avx2, NULL,
      "Yolo9000-9", "[T2 k; Lseq h [(1,4),(5,6)]; T2 h; T4 k; T68 w; T256 c; U beta h; U2 k; V k]", 100.0, 0.0, 76.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_80fbdaa6c963__avx2, ttile_f32_conv2d_80fbdaa6c963_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 256, 68, 68, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_80fbdaa6c963__avx2, NULL,
      "Yolo9000-9", "[PT2 k; Lseq h [(1,4),(5,6)]; T2 h; T4 k; T68 w; T256 c; U beta h; U2 k; V k]", 200.7, 0.0, 184.8},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ccb54de43d5a__avx2, ttile_f32_conv2d_ccb54de43d5a_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ccb54de43d5a__avx2, NULL,
      "Yolo9000-4", "[Lseq h [(2,5),(21,6)]; T8 k; T136 w; T3 s; T64 c; U3 r; U beta h; U2 k; V k]", 105.0, 0.0, 89.2},
     {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 136, 136, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-4", "", 217.5, 0.0, 217.5},
@@ -476,41 +452,41 @@ const ttile_tuned_kernel ttile_tuned_kernels[222] = {
      "ResNet18-5", "[Lseq h [(1,4),(2,5)]; T14 w; T2 h; T2 w; T2 k; T2 k; T2 k; T64 c; U beta h; U2 k; V k]", 95.5, 0.0, 57.5},
     {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_09274c8a3360__avx2, NULL,
      "ResNet18-5", "[PT14 w; Lseq h [(1,4),(2,5)]; T2 h; T2 w; T2 k; T2 k; T2 k; T64 c; U beta h; U2 k; V k]", 163.1, 0.0, 106.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5307336f1214__avx2, ttile_f32_conv2d_5307336f1214_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5307336f1214__avx2, NULL,
      "ResNet18-4", "[T8 k; Lseq h [(1,4),(4,6)]; T28 w; T3 r; T3 s; T64 c; U beta h; U2 k; V k]", 109.5, 0.0, 89.8},
-    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ec78c604daa4__avx2, ttile_f32_conv2d_ec78c604daa4_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 128, 64, 56, 56, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ec78c604daa4__avx2, NULL,
      "ResNet18-4", "[PT8 k; Lseq h [(1,4),(4,6)]; T28 w; T3 r; T3 s; T64 c; U beta h; U2 k; V k]", 203.9, 0.0, 197.1},
     {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-8", "", 108.7, 0.0, 108.7},
     {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-8", "", 192.0, 0.0, 192.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ee2b2922f89d__avx2, ttile_f32_conv2d_ee2b2922f89d_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_ee2b2922f89d__avx2, NULL,
      "ResNet18-7", "[T16 k; Lseq h [(2,4),(1,6)]; T14 w; T3 r; T3 s; T128 c; U beta h; U2 k; V k]", 104.9, 0.0, 92.5},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_08d75c629f1f__avx2, ttile_f32_conv2d_08d75c629f1f_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 28, 28, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_08d75c629f1f__avx2, NULL,
      "ResNet18-7", "[PT16 k; Lseq h [(2,4),(1,6)]; T14 w; T3 r; T3 s; T128 c; U beta h; U2 k; V k]", 200.6, 0.0, 177.6},
     {"authenticamd-26-2-e2549417", 1, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-8", "", 101.4, 0.0, 101.4},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_46d75c88ac43__avx2, ttile_f32_conv2d_46d75c88ac43_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 128, 68, 68, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_46d75c88ac43__avx2, NULL,
      "Yolo9000-8", "[PT4 h; PT8 k; Lseq h [(1,5),(2,6)]; T4 c; T68 w; T2 k; T3 s; T32 c; U3 r; U beta h; U2 k; V k]", 206.3, 0.0, 185.7},
     {"authenticamd-26-2-e2549417", 1, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-9", "", 103.0, 0.0, 103.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_d53fdcc5c4fd__avx2, ttile_f32_conv2d_d53fdcc5c4fd_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 256, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_d53fdcc5c4fd__avx2, NULL,
      "ResNet18-9", "[PT2 k; Lseq h [(2,4),(1,6)]; T8 k; T14 w; T3 r; T3 s; T256 c; U beta h; U2 k; V k]", 191.6, 0.0, 184.6},
-    {"authenticamd-26-2-e2549417", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_3eeb560d0267__avx2, ttile_f32_conv2d_3eeb560d0267_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_3eeb560d0267__avx2, NULL,
      "Yolo9000-13", "[T8 k; Lseq h [(1,4),(5,6)]; T2 k; T34 w; T512 c; U beta h; U2 k; V k]", 106.4, 0.0, 87.6},
-    {"authenticamd-26-2-e2549417", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_da51ff0e00b4__avx2, ttile_f32_conv2d_da51ff0e00b4_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 256, 512, 34, 34, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_da51ff0e00b4__avx2, NULL,
      "Yolo9000-13", "[PT4 k; Lseq h [(1,4),(5,6)]; T4 k; T34 w; T512 c; U beta h; U2 k; V k]", 199.7, 0.0, 188.3},
     {"authenticamd-26-2-e2549417", 1, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-23", "", 100.0, 0.0, 100.0},
     {"authenticamd-26-2-e2549417", 2, 1, 28269, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-23", "", 197.7, 0.0, 197.7},
-    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_a6748d0c2169__avx2, ttile_f32_conv2d_a6748d0c2169_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_a6748d0c2169__avx2, NULL,
      "Yolo9000-0", "[T544 h; Lseq w [(14,9),(38,11)]; T4 k; T3 r; T3 c; U3 s; U beta w; U1 k; V k]", 75.6, 0.0, 52.0},
-    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_71184699f279__avx2, ttile_f32_conv2d_71184699f279_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 32, 3, 544, 544, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 8, ttile_f32_conv2d_71184699f279__avx2, NULL,
      "Yolo9000-0", "[PT544 h; Lseq w [(10,9),(14,13)]; T2 w; T4 k; T3 r; T3 c; U3 s; U beta w; U1 k; V k]", 152.7, 0.0, 103.0},
-    {"authenticamd-26-2-e2549417", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cf4a00f03e33__avx2, ttile_f32_conv2d_cf4a00f03e33_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cf4a00f03e33__avx2, NULL,
      "Yolo9000-19", "[T16 k; Lseq h [(1,5),(2,6)]; T2 k; T17 w; T1024 c; U beta h; U2 k; V k]", 103.7, 0.0, 96.9},
-    {"authenticamd-26-2-e2549417", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_bb150db41e7d__avx2, ttile_f32_conv2d_bb150db41e7d_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 512, 1024, 17, 17, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_bb150db41e7d__avx2, NULL,
      "Yolo9000-19", "[PT4 k; Lseq h [(1,5),(2,6)]; T8 k; T17 w; T1024 c; U beta h; U2 k; V k]", 205.7, 0.0, 193.0},
     {"authenticamd-26-2-e2549417", 1, 1, 512, 256, 14, 14, 1, 1, 2, 2, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-11", "", 79.0, 0.0, 79.0},
@@ -528,11 +504,11 @@ const ttile_tuned_kernel ttile_tuned_kernels[222] = {
      "ResNet18-12", "", 99.8, 0.0, 99.8},
     {"authenticamd-26-2-e2549417", 2, 1, 512, 512, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "ResNet18-12", "", 189.5, 0.0, 189.5},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_87997edf6a60__avx2, ttile_f32_conv2d_87997edf6a60_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_87997edf6a60__avx2, NULL,
      "Yolo9000-5", "[Lseq h [(10,4),(16,6)]; T4 k; T136 w; T128 c; U beta h; U2 k; V k]", 102.0, 0.0, 46.1},
     {"authenticamd-26-2-e2549417", 2, 1, 64, 128, 136, 136, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_cfd645703601__avx2, NULL,
      "Yolo9000-5", "[PT136 w; PT4 k; Lseq h [(20,5),(6,6)]; T128 c; U beta h; U2 k; V k]", 185.5, 0.0, 136.9},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_2446eae554bc__avx2, ttile_f32_conv2d_2446eae554bc_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_2446eae554bc__avx2, NULL,
      "Yolo9000-2", "[Lseq h [(1,5),(2,6)]; T16 h; T4 k; T272 w; T3 r; T3 s; T32 c; U beta h; U2 k; V k]", 118.6, 0.0, 114.1},
     {"authenticamd-26-2-e2549417", 2, 1, 64, 32, 272, 272, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 0, NULL, NULL,
      "Yolo9000-2", "", 225.6, 0.0, 225.6},
@@ -540,13 +516,13 @@ const ttile_tuned_kernel ttile_tuned_kernels[222] = {
      "ResNet18-1", "[T2 h; Lseq h [(1,4),(2,5)]; T112 w; T4 k; T4 h; T7 s; T3 c; U7 r; U beta h; U2 k; V k]", 95.5, 0.0, 81.3},
     {"authenticamd-26-2-e2549417", 2, 1, 64, 3, 224, 224, 7, 7, 2, 2, 3, 3, 3, 3, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_993c14e42817__avx2, NULL,
      "ResNet18-1", "[PT2 h; Lseq h [(1,4),(2,5)]; T112 w; T4 k; T4 h; T7 s; T3 c; U7 r; U beta h; U2 k; V k]", 183.9, 0.0, 178.4},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_9696fbc9ca68__avx2, ttile_f32_conv2d_9696fbc9ca68_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_9696fbc9ca68__avx2, NULL,
      "ResNet18-3", "[T2 k; Lseq h [(2,4),(8,6)]; T2 k; T56 w; T64 c; U beta h; U2 k; V k]", 105.0, 0.0, 71.8},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_656477e7f76a__avx2, ttile_f32_conv2d_656477e7f76a_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_656477e7f76a__avx2, NULL,
      "ResNet18-3", "[PT2 k; Lseq h [(2,4),(8,6)]; T2 k; T56 w; T64 c; U beta h; U2 k; V k]", 157.4, 0.0, 143.3},
-    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_046abb56eac8__avx2, ttile_f32_conv2d_046abb56eac8_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 1, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_046abb56eac8__avx2, NULL,
      "ResNet18-2", "[T4 k; Lseq h [(2,5),(3,6)]; T2 h; T56 w; T3 s; T64 c; U3 r; U beta h; U2 k; V k]", 112.8, 0.0, 107.3},
-    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5cd41f26d40d__avx2, ttile_f32_conv2d_5cd41f26d40d_nchw__avx2,
+    {"authenticamd-26-2-e2549417", 2, 1, 64, 64, 56, 56, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX2, 16, ttile_f32_conv2d_5cd41f26d40d__avx2, NULL,
      "ResNet18-2", "[PT4 k; Lseq h [(1,4),(4,6)]; T2 h; T56 w; T3 r; T3 s; T64 c; U beta h; U2 k; V k]", 218.6, 0.0, 211.1},
     /* genuineintel-6-167-513608a3, avx512f */
     {"genuineintel-6-167-513608a3", 1, 1, 1024, 512, 17, 17, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL, NULL,

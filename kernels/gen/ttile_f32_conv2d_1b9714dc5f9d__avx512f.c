@@ -637,7 +637,7 @@ void ttile_f32_conv2d_1b9714dc5f9d__avx512f(const float *restrict x, const float
     }
 }
 
-/* NCHW output, tile by tile (see ttile_store_nchw*). */
+/* NCHW output, tile by tile (see ttile_store_nchw512). */
 void ttile_f32_conv2d_1b9714dc5f9d_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;

@@ -343,7 +343,7 @@ void ttile_f32_conv2d_60a481ba1f9c__avx512f(const float *restrict x, const float
     }
 }
 
-/* NCHW output, tile by tile (see ttile_store_nchw*). */
+/* NCHW output, tile by tile (see ttile_store_nchw512). */
 void ttile_f32_conv2d_60a481ba1f9c_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;

@@ -522,7 +522,7 @@ void ttile_f32_conv2d_b218b033715f__avx512f(const float *restrict x, const float
     }
 }
 
-/* NCHW output, tile by tile (see ttile_store_nchw*). */
+/* NCHW output, tile by tile (see ttile_store_nchw512). */
 void ttile_f32_conv2d_b218b033715f_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;

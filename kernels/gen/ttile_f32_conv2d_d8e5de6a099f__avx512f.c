@@ -227,7 +227,7 @@ void ttile_f32_conv2d_d8e5de6a099f__avx512f(const float *restrict x, const float
     }
 }
 
-/* NCHW output, tile by tile (see ttile_store_nchw*). */
+/* NCHW output, tile by tile (see ttile_store_nchw512). */
 void ttile_f32_conv2d_d8e5de6a099f_nchw__avx512f(const float *restrict x, const float *restrict w, float *restrict y, int nthreads, const ttile_epilogue *restrict ep)
 {
     (void)nthreads;

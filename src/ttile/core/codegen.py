@@ -241,7 +241,7 @@ class _Generator:
     def emit_region(self, region: "TileRegion") -> _Code:
         """A tile of the output computed into a buffer on the stack (NHWC order, local
         coordinates from the tile's origin ``bo_*``), then stored to the NCHW output by
-        ``ttile_store_nchw*`` through the epilogue. The buffer is cleared first when the
+        ``ttile_store_nchw512`` through the epilogue. The buffer is cleared first when the
         blocks inside accumulate into it (a reduction split above a block)."""
         outer_region, outer_clears = self.region, self.clears_output
         self.region, self.clears_output = region, False
@@ -250,7 +250,6 @@ class _Generator:
         self.region, self.clears_output = outer_region, outer_clears or clears
         en, eh, ew, ek = region.extents
         spec = self.spec
-        store = "ttile_store_nchw512" if self.v.isa is Isa.AVX512F else "ttile_store_nchw1"
         size = en * eh * ew * ek
         # TTILE_CHECK_SPILLS (the tests' assembly check) moves the buffer off the stack,
         # so that any vector store to the stack left is a spill
@@ -264,8 +263,8 @@ class _Generator:
             lines.append(f"memset(yt, 0, sizeof(float) * {size});")
         lines += body.lines
         stream = int(4 * spec.n * spec.k * spec.ho * spec.wo > NCHW_STREAM_BYTES)
-        lines.append(f"{store}(yt, {en}, {eh}, {ew}, {ek}, y, bo_n, bo_h, bo_w, bo_k, "
-                     f"{spec.k}, {spec.ho}, {spec.wo}, ep, {stream});")
+        lines.append(f"ttile_store_nchw512(yt, {en}, {eh}, {ew}, {ek}, y, bo_n, bo_h, bo_w, "
+                     f"bo_k, {spec.k}, {spec.ho}, {spec.wo}, ep, {stream});")
         return _Code(["{", *_indent(lines), "}"], body.names)
 
     def emit_seq(self, seq: Seq) -> _Code:
@@ -649,7 +648,11 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     gen = _Generator(spec, name, vectors)
     body = gen.emit(tree)
     totals = spec.iteration_extents(vectors.lanes)
-    regions = tile_regions(tree, {d: totals[d] for d in "nhwk"}, NCHW_TILE_BYTES)
+    # AVX-512F only: the AVX2 family's NCHW entry points (a scalar tile store; NCHW
+    # input read 8 lanes at a time) ran 1.2-2.2x slower than converting around the NHWC
+    # kernel on Yolo9000-9, -13, -18, -19 and ResNet18-7 (Zen 5, 1 thread)
+    regions = (tile_regions(tree, {d: totals[d] for d in "nhwk"}, NCHW_TILE_BYTES)
+               if vectors.isa is Isa.AVX512F else None)
     if regions is not None and any(r.extents[2] < min(16, spec.wo) for r in _regions(regions)):
         # tiles narrower than a vector along w (blocks unrolled along h): their NCHW rows
         # are a few floats long, and storing them cost twice the transposing second pass
@@ -701,7 +704,7 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
     if nchw is not None:
         entry = [f"const int {nchw_body.names[d]} = 0;" for d in DIMS]
-        out += [f"/* NCHW output, tile by tile (see ttile_store_nchw*). */",
+        out += [f"/* NCHW output, tile by tile (see ttile_store_nchw512). */",
                 f"void {nchw_name(name)}{signature}",
                 "{",
                 "    (void)nthreads;",

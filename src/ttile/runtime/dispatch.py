@@ -202,10 +202,6 @@ def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
 #: slower (its input, cold in the caches, costs the generic kernel more than the model says).
 PACK_PER_CALL_BYTES_PER_S = 12e9
 PACK_IN_KERNEL_BYTES_PER_S = 20e9
-#: Bytes read and written per second converting an NCHW input to NHWC (one thread, from
-#: memory; 26-32 GB/s on 4.7-9.5 MB images on that Zen 5): what an NCHW call of the
-#: generic kernel pays and a searched kernel with an NCHW entry point does not.
-CONVERT_BYTES_PER_S = 30e9
 
 
 def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
@@ -215,8 +211,9 @@ def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
     kernel packs them in place as its threads go. With both kernels' warm rates in the
     registry, the generic kernel serves a per-call call when its estimated time is lower
     (a 9.4 MB layer: ResNet18-10 at 2 threads took 1.20 ms per call with its searched
-    kernel, 0.95 with the generic one). In NCHW the generic kernel's call also converts
-    its input, where a searched kernel with an NCHW entry point reads it as it is."""
+    kernel, 0.95 with the generic one). (Charging the generic kernel's NCHW call with its
+    input conversion, which a searched kernel's NCHW entry point skips, made ResNet18-7
+    and -11 slower per call: their inputs convert from cache.)"""
     if not per_call or choice.kind is not KernelKind.TUNED or not isa.vector \
             or not (choice.warm_gflops > 0 and choice.generic_gflops > 0):
         return choice
@@ -227,8 +224,6 @@ def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
     if choice.panel != spec.k or layout == "NCHW":
         tuned += weight_bytes / (PACK_PER_CALL_BYTES_PER_S * scale)
     generic += weight_bytes / (PACK_IN_KERNEL_BYTES_PER_S * scale)
-    if layout == "NCHW" and choice.nchw:
-        generic += 2 * 4 * spec.n * spec.c * spec.h * spec.w / (CONVERT_BYTES_PER_S * scale)
     if generic >= tuned:
         return choice
     note = (f"the generic kernel, estimated {generic * 1e3:.3f} ms per call with its "
