@@ -582,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.set_defaults(run=_cmd_model)
     run = sub.add_parser("run", help="serve a built-in network's layers with ttile on this "
                                      "CPU: what serves each, checked and timed")
-    run.add_argument("--network", default="resnet18", choices=("resnet18", "yolo9000", "mobilenet_v2"))
+    run.add_argument("--network", default="resnet18",
+                     choices=("resnet18", "yolo9000", "mobilenet_v2", "mobilenet_v3"))
     run.add_argument("--threads", type=int, default=1)
     run.add_argument("--reps", type=int, default=5, help="timed calls per layer")
     run.add_argument("--tuning", default="never", choices=("never", "now"),

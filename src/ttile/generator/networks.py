@@ -1,5 +1,5 @@
 """Built-in networks: the TTile paper's benchmark layers (Fig. 8: Yolo9000 and ResNet18)
-and MobileNetV2's convolutions, batch 1.
+and MobileNetV2's and MobileNetV3-Large's convolutions, batch 1.
 
 Sizes are (K, C, H=W, R=S) as printed in the paper; H is the input size. Layers marked
 with * in the paper have stride 2. Padding is R // 2 on every side: 'same' for the
@@ -132,10 +132,47 @@ def _mobilenet_v2() -> tuple[Layer, ...]:
 
 MOBILENET_V2: tuple[Layer, ...] = _mobilenet_v2()
 
-NETWORKS: dict[str, tuple[Layer, ...]] = {"yolo9000": YOLO9000, "resnet18": RESNET18,
-                                          "mobilenet_v2": MOBILENET_V2}
 
-ALL_LAYERS: tuple[Layer, ...] = YOLO9000 + RESNET18 + MOBILENET_V2
+def _mobilenet_v3() -> tuple[Layer, ...]:
+    """MobileNetV3-Large (Howard et al. 2019, Table 1) at 224x224: the 3x3 stem, then per
+    bottleneck the 1x1 expansion (none where it would not widen), the 3x3 or 5x5
+    depthwise and the 1x1 projection, and the last 1x1 to 960 channels; each distinct
+    convolution once, in network order. Left out: the squeeze-and-excitation 1x1s and the
+    1x1 to 1280, which run on 1x1 maps (matrix-vector products after a pooling)."""
+    layers: list[Layer] = [Layer("MobileNetV3-0", 16, 3, 224, 3, stride=2)]
+    seen: set[tuple] = set()
+
+    def add(kind: str, k: int, c: int, hw: int, rs: int, stride: int, groups: int = 1):
+        key = (k, c, hw, rs, stride, groups)
+        if key not in seen:
+            seen.add(key)
+            layers.append(Layer(f"MobileNetV3-{len(layers)}-{kind}", k, c, hw, rs, stride,
+                                groups))
+
+    channels, size = 16, 112
+    # (kernel, expansion, out, stride) per bottleneck
+    for rs, hidden, out, stride in ((3, 16, 16, 1), (3, 64, 24, 2), (3, 72, 24, 1),
+                                    (5, 72, 40, 2), (5, 120, 40, 1), (5, 120, 40, 1),
+                                    (3, 240, 80, 2), (3, 200, 80, 1), (3, 184, 80, 1),
+                                    (3, 184, 80, 1), (3, 480, 112, 1), (3, 672, 112, 1),
+                                    (5, 672, 160, 2), (5, 960, 160, 1), (5, 960, 160, 1)):
+        if hidden != channels:
+            add("expand", hidden, channels, size, 1, 1)
+        add("dw", hidden, hidden, size, rs, stride, groups=hidden)
+        size = (size - 1) // stride + 1
+        add("project", out, hidden, size, 1, 1)
+        channels = out
+    add("last", 960, channels, size, 1, 1)
+    return tuple(layers)
+
+
+MOBILENET_V3: tuple[Layer, ...] = _mobilenet_v3()
+
+NETWORKS: dict[str, tuple[Layer, ...]] = {"yolo9000": YOLO9000, "resnet18": RESNET18,
+                                          "mobilenet_v2": MOBILENET_V2,
+                                          "mobilenet_v3": MOBILENET_V3}
+
+ALL_LAYERS: tuple[Layer, ...] = YOLO9000 + RESNET18 + MOBILENET_V2 + MOBILENET_V3
 
 
 def layer(name: str) -> Layer:
