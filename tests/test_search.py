@@ -275,6 +275,25 @@ def test_a_tuned_kernel_ships_only_clearly_faster_than_the_generic_one(tmp_path)
 
 
 @requires_avx512
+def test_a_kernel_whose_nchw_entry_point_is_wrong_is_wrong():
+    """The search's check runs both entry points: a kernel right in NHWC and wrong in
+    NCHW is never timed or shipped."""
+    from ttile.core.cbuild import build
+    from ttile.core.codegen import generate
+    from ttile.tuning.bench import run_and_check
+    spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
+    kernel = generate(Scheme.parse("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]"), spec)
+    assert kernel.nchw_name is not None
+    bench = LayerBench.make(spec, copy_bytes=1 << 16)
+    assert run_and_check(build([kernel]), kernel, bench, 1) is None
+    store = "bo_k, 16, 6, 6, ep, 0);"
+    assert kernel.code.count(store) == 1
+    broken = dataclasses.replace(kernel, code=kernel.code.replace(store, store + " y[7] = 0.5f;"))
+    problem = run_and_check(build([broken]), broken, bench, 1)
+    assert problem is not None and "NCHW entry point" in problem
+
+
+@requires_avx512
 def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
     spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
     good = _candidate("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]", 8, 1.0)

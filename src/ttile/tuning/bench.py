@@ -109,11 +109,22 @@ class Measured:
 def run_and_check(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
                   threads: int) -> Optional[str]:
     """Run ``kernel`` once on the bench's first tensors: None if its output matches the
-    float64 reference, else what is off."""
+    float64 reference, else what is off. A kernel with an NCHW entry point is run there
+    too, on the same input in NCHW: it must give the same sums, bit for bit, in NCHW."""
     x, w, y = bench.copies[0]
     y.fill(np.nan)
     library.run(kernel, x, w, y, threads)
-    return bench.check(y)
+    problem = bench.check(y)
+    if problem or kernel.nchw_name is None:
+        return problem
+    expected = y.transpose(0, 3, 1, 2)
+    y_nchw = np.full(expected.shape, np.nan, np.float32)
+    library.run(kernel, np.ascontiguousarray(x.transpose(0, 3, 1, 2)), w, y_nchw, threads,
+                nchw=True)
+    if not np.array_equal(y_nchw, expected):
+        bad = int(np.count_nonzero(~(y_nchw == expected)))
+        return f"its NCHW entry point differs from its NHWC kernel in {bad} outputs"
+    return None
 
 
 def check_and_time(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
