@@ -45,16 +45,22 @@ def scratch(slot: str, shape: tuple[int, ...]) -> Optional[np.ndarray]:
 ALIGNED_OUTPUT_BYTES = 8 << 20
 
 
-def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
-    """A new float32 array of ``shape``, starting on a 64-byte line when it is large
-    (numpy gives large arrays 16-byte alignment): kernels that stream whole lines of a
-    large output past the caches (non-temporal stores) can do so only on aligned lines."""
+def line_aligned(shape: tuple[int, ...]) -> np.ndarray:
+    """A new float32 array of ``shape`` starting on a 64-byte line (numpy gives large
+    arrays 16-byte alignment): kernels stream whole lines past the caches (non-temporal
+    stores) only on aligned lines."""
     size = math.prod(shape)
-    if 4 * size < ALIGNED_OUTPUT_BYTES:   # (finding the address costs a microsecond)
-        return np.empty(shape, np.float32)
     buffer = np.empty(size + 16, np.float32)
     start = (-buffer.ctypes.data % 64) // 4
     return buffer[start:start + size].reshape(shape)
+
+
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """A new output of ``shape``: :func:`line_aligned` when it is large enough to be
+    streamed, else plain ``np.empty`` (finding the address costs a microsecond)."""
+    if 4 * math.prod(shape) < ALIGNED_OUTPUT_BYTES:
+        return np.empty(shape, np.float32)
+    return line_aligned(shape)
 
 
 def release() -> None:
