@@ -28,9 +28,20 @@ class DataKind(str, Enum):
 
 
 def installed_directory(kind: DataKind) -> Optional[Path]:
-    """The copy of ``kind`` installed with the package, if any."""
-    here = Path(__file__).resolve().parent.parent / "data" / kind.value
-    return here if here.is_dir() else None
+    """The copy of ``kind`` installed with the package, if any.
+
+    A wheel carries it as ``ttile/data``. An editable install (``pip install -e .``)
+    imports the package from ``src/ttile``, beside which nothing is installed, so there
+    the checkout's own ``data/`` is the copy the package was built from."""
+    package = Path(__file__).resolve().parent.parent
+    here = package / "data" / kind.value
+    if here.is_dir():
+        return here
+    if package.parent.name == "src":
+        checkout = package.parent.parent / "data" / kind.value
+        if checkout.is_dir():
+            return checkout
+    return None
 
 
 def search_path(kind: DataKind, *directories: Optional[Path]) -> list[Path]:
