@@ -77,6 +77,16 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads,
                                  const ttile_epilogue *ep);
 
+/* The same in torch's layout: x[N][groups][H][W], weights [groups][1][R][S], y and the
+ * residual [N][groups][Ho][Wo]; 16 outputs of a row in the vector lanes
+ * (depthwise_nchw_avx512.c). It serves column strides 1 and 2 and up to 8 taps along w
+ * (ttile_depthwise_nchw_supported) and returns -1, writing nothing, otherwise; 0 on
+ * success. */
+int ttile_depthwise_nchw_supported(const ttile_conv_shape *shape);
+int ttile_conv_depthwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
+                                     const float *w, float *y, int nthreads,
+                                     const ttile_epilogue *ep);
+
 /* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
  * zero-filling the tail. */
 void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,

@@ -12,7 +12,7 @@ import ttile
 from conftest import AVAILABLE_ISAS, requires_avx512
 from guarded import guarded_copy
 from ttile import _kernels
-from ttile.runtime import jit, registry
+from ttile.runtime import api, jit, registry
 from ttile.core.cbuild import symbol_address
 from ttile.core.reference import assert_conv_close
 from ttile.core.spec import ConvSpec
@@ -285,3 +285,42 @@ def test_grouped_kernels_and_epilogues_stay_in_bounds(isa, case, side):
             np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)
     finally:
         ttile.set_isa(previous)
+
+
+@requires_avx512
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", [c for c in GROUPED_SHAPES if c[3] == c[4] == c[10]
+                                  and (c[2] + 2 * c[8] - (c[6] - 1) * c[9] - 1) // c[7] + 1
+                                  >= api.DEPTHWISE_NCHW_MIN_WIDTH],
+                         ids=lambda c: f"c{c[3]}r{c[5]}s{c[7]}p{c[8]}d{c[9]}")
+def test_nchw_depthwise_kernel_stays_in_bounds(case, side):
+    """The NCHW depthwise kernel (NCHW input, output and residual, torch's weights) with
+    its masked row ends and padding against guard pages, at both thread counts."""
+    n, h, w, c, _, r, s, stride, pad, dil, _ = case
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-1, 1, (n, c, h, w)).astype(np.float32)
+    wt = rng.uniform(-1, 1, (c, 1, r, s)).astype(np.float32)
+    ho = (h + 2 * pad - (r - 1) * dil - 1) // stride + 1
+    wo = (w + 2 * pad - (s - 1) * dil - 1) // stride + 1
+    bias = rng.uniform(-1, 1, c).astype(np.float32)
+    residual = rng.uniform(-1, 1, (n, c, ho, wo)).astype(np.float32)
+    plan = ttile.plan(x.shape, wt.shape, bias, stride, pad, dil, c)
+    assert plan.kind == ttile.KernelKind.DEPTHWISE and "NCHW depthwise" in plan.note
+    from ttile.core.reference import conv2d_nhwc_f64
+    expected = np.maximum(conv2d_nhwc_f64(
+        np.ascontiguousarray(x.transpose(0, 2, 3, 1)),
+        np.ascontiguousarray(wt.transpose(2, 3, 1, 0)), (stride, stride), (pad,) * 4,
+        (dil, dil), c).transpose(0, 3, 1, 2) + bias[:, None, None] + residual, 0)
+    for threads in (1, 2):
+        gx, gw = guarded_copy(x, side), guarded_copy(wt, side)
+        gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
+        gy = guarded_copy(np.zeros((n, c, ho, wo), np.float32), side)
+        gy.array.view(np.uint32)[...] = 0xA5A5A5A5
+        out = ttile.conv2d(gx.array, gw.array, gb.array, stride, pad, dil, c,
+                           threads=threads, activation="relu", residual=gr.array,
+                           out=gy.array)
+        assert out is gy.array
+        assert gy.canary_intact(), "the kernel wrote outside its output"
+        for fence in (gx, gw, gb, gr):
+            assert fence.canary_intact(), "the kernel wrote into an input's fence"
+        np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)

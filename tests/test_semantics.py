@@ -138,6 +138,56 @@ def test_mobilenet_depthwise_layers_are_served_by_the_depthwise_kernel(c, hw, st
         assert_matches(result, expected, magnitude, 11)
 
 
+#: NCHW depthwise calls the NCHW kernel serves (column stride 1 or 2, up to 8 taps along
+#: w): MobileNetV3's 5x5 layers, rows of one, two and seven vectors with tails, a partial
+#: last block of rows, dilation, unequal strides, a 7x7 (run-time sizes), a batch.
+NCHW_DEPTHWISE = [
+    # (n, c, h, w, r, s, stride, padding, dilation)
+    (1, 40, 28, 28, 5, 5, 1, 2, 1),
+    (1, 72, 56, 56, 5, 5, 2, 2, 1),
+    (1, 17, 19, 37, 3, 3, 1, 1, 1),
+    (2, 5, 23, 115, 3, 3, 2, 1, 1),
+    (1, 8, 13, 21, 3, 3, 1, 2, 2),
+    (1, 6, 15, 17, 3, 3, (3, 2), 1, 1),
+    (1, 3, 11, 11, 7, 7, 1, 3, 1),
+    (1, 4, 9, 30, 1, 8, 1, 0, 1),
+]
+
+
+@requires_avx512
+@pytest.mark.parametrize("case", NCHW_DEPTHWISE, ids=lambda c: "c{1}h{2}w{3}r{4}s{5}".format(*c))
+def test_nchw_depthwise_calls_run_the_nchw_kernel(case):
+    n, c, h, w_, r, s, stride, padding, dilation = case
+    rng = np.random.default_rng(c)
+    x = rng.uniform(-1, 1, (n, c, h, w_)).astype(np.float32)
+    w = rng.uniform(-1, 1, (c, 1, r, s)).astype(np.float32)
+    bias = rng.uniform(-1, 1, c).astype(np.float32)
+    plan = ttile.plan(x.shape, w.shape, bias, stride, padding, dilation, c, activation="silu")
+    assert plan.kind == ttile.KernelKind.DEPTHWISE and "NCHW depthwise" in plan.note
+    expected, magnitude = torch_reference(x, w, bias, stride, padding, dilation, c, "silu",
+                                          0.01, None)
+    for threads in (1, 2):
+        y = ttile.conv2d(x, w, bias, stride, padding, dilation, c, threads=threads,
+                         activation="silu")
+        assert_matches(y, expected, magnitude, r * s + 2)
+    layer = ttile.Conv2d(w, bias, stride, padding, dilation, c, activation="silu")
+    assert_matches(layer(x), expected, magnitude, r * s + 2)
+
+
+@requires_avx512
+@pytest.mark.parametrize("hw,stride", [(12, 3), (7, 1), (14, 2)])
+def test_nchw_depthwise_calls_it_does_not_serve_convert_for_the_nhwc_kernel(hw, stride):
+    """Column stride 3, and rows narrower than half a vector (7x7 maps, 14x14 at stride 2),
+    where converting around the NHWC kernel measured faster."""
+    rng = np.random.default_rng(hw)
+    x = rng.uniform(-1, 1, (1, 48, hw, hw)).astype(np.float32)
+    w = rng.uniform(-1, 1, (48, 1, 3, 3)).astype(np.float32)
+    plan = ttile.plan(x.shape, w.shape, None, stride, 1, 1, 48)
+    assert plan.kind == ttile.KernelKind.DEPTHWISE and "NCHW" not in plan.note
+    expected, magnitude = torch_reference(x, w, None, stride, 1, 1, 48, None, 0.01, None)
+    assert_matches(ttile.conv2d(x, w, None, stride, 1, 1, 48), expected, magnitude, 11)
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_batch_of_eight_equals_eight_single_images(layout):
     rng = np.random.default_rng(3)

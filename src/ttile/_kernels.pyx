@@ -48,6 +48,10 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
+    int ttile_depthwise_nchw_supported(const ttile_conv_shape *shape)
+    int ttile_conv_depthwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
+                                         const float *w, float *y, int nthreads,
+                                         const ttile_epilogue *ep)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     double ttile_fma_peak_avx2(int64_t iterations)
@@ -271,6 +275,65 @@ def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
         ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
+
+
+def depthwise_nchw_supported(int64_t s, int64_t stride_w):
+    """True when the NCHW depthwise kernel serves kernels ``s`` taps wide at column stride
+    ``stride_w`` (others are converted to NHWC for the NHWC kernel)."""
+    cdef ttile_conv_shape shape
+    shape.s = s; shape.stride_w = stride_w; shape.c = 1; shape.k = 1
+    return ttile_depthwise_nchw_supported(&shape) == 1
+
+
+def conv2d_depthwise_nchw(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
+                          int64_t stride_h, int64_t stride_w, int64_t pad_top,
+                          int64_t pad_left, int nthreads, *, int64_t dil_h=1, int64_t dil_w=1,
+                          bias=None, residual=None, int activation=0, float slope=0.01):
+    """The AVX-512F depthwise kernel in torch's layout: x (N,C,H,W), weights (C,1,R,S) as
+    torch holds them, y (N,C,Ho,Wo) (the residual too), nothing converted. Column
+    strides 1 and 2 and kernels up to 8 taps wide (``depthwise_nchw_supported``)."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(x, "x")
+    _check_f32_c4(y, "y")
+    _check_f32_c4(w, "w")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
+    if ws[0] != xs[1] or ws[1] != 1:
+        raise ValueError(f"depthwise weights must be ({xs[1]}, 1, R, S), got "
+                         f"{(<object>w).shape}")
+    if ys[0] != xs[0] or ys[1] != xs[1]:
+        raise ValueError(f"output {(<object>y).shape} does not match input "
+                         f"{(<object>x).shape}")
+    if stride_h < 1 or stride_w < 1 or pad_top < 0 or pad_left < 0 or nthreads < 1 \
+            or dil_h < 1 or dil_w < 1:
+        raise ValueError("strides, dilation and thread count must be >= 1, padding >= 0")
+    cdef ttile_conv_shape shape
+    shape.n = xs[0]; shape.c = 1; shape.h = xs[2]; shape.w = xs[3]
+    shape.k = 1; shape.r = ws[2]; shape.s = ws[3]; shape.ho = ys[2]; shape.wo = ys[3]
+    shape.stride_h = stride_h; shape.stride_w = stride_w
+    shape.pad_top = pad_top; shape.pad_left = pad_left
+    shape.dil_h = dil_h; shape.dil_w = dil_w; shape.groups = xs[1]
+    if shape.n * shape.groups * shape.h * shape.w * shape.r * shape.s == 0 \
+            or shape.ho < 1 or shape.wo < 1:
+        raise ValueError("zero-size dimension")
+    # no bound on the output's extent: the kernel checks every input row it reads and
+    # masks every column, so outputs whose taps all lie in the padding (torch allows
+    # any padding) read nothing and get the epilogue of zero
+    if ttile_depthwise_nchw_supported(&shape) != 1:
+        raise ValueError(f"the NCHW depthwise kernel takes column strides 1 and 2 and up to "
+                         f"8 taps along w, not stride {stride_w} with {shape.s} taps")
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, xs[1])
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    with nogil:
+        ttile_conv_depthwise_nchw_avx512(&shape, xp, wp, yp, nthreads, ep)
 
 
 cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel, int64_t groups=1) except -1:

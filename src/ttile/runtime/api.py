@@ -320,6 +320,12 @@ def tuned_kernels() -> list[dict]:
 #: 960 channels (376 KB) ran in 10 us on two threads, 16 on one.
 DEPTHWISE_BYTES_PER_THREAD = 128 * 1024
 
+#: The narrowest output rows the NCHW depthwise kernel serves (it puts 16 outputs of a
+#: row in the vector lanes): on a Zen 4 core, 1 thread, it took 0.5-0.8x the time of
+#: converting around the NHWC kernel on rows of 10 to 112 outputs, and 1.2-1.3x on rows of
+#: 7 (MobileNet's 7x7 layers and 14x14 stride-2 ones), where most lanes are idle.
+DEPTHWISE_NCHW_MIN_WIDTH = 8
+
 _plans: dict[tuple, _CallPlan] = {}
 _MAX_PLANS = 4096
 
@@ -395,6 +401,12 @@ def _family_choice(plan: _CallPlan, isa: Isa) -> Optional[dispatch.KernelChoice]
     if plan.family is Family.DENSE:
         return None
     if plan.family is Family.DEPTHWISE and isa is Isa.AVX512F:
+        if plan.layout == "NCHW" and plan.spec.wo >= DEPTHWISE_NCHW_MIN_WIDTH \
+                and _kernels.depthwise_nchw_supported(plan.spec.s, plan.spec.stride_w):
+            return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec,
+                                         panel=0, nchw=True,
+                                         note="the NCHW depthwise kernel (16 outputs of a "
+                                              "row in the vector lanes, nothing converted)")
         return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec, panel=0,
                                      note="the depthwise kernel (channels in the vector "
                                           "lanes)")
@@ -523,7 +535,8 @@ def _run(choice: dispatch.KernelChoice, plan: _CallPlan, x: np.ndarray, weights:
          y: np.ndarray, nthreads: int, fused: dict) -> None:
     """Run ``choice`` on NHWC x into NHWC y with the epilogue ``fused`` (_Fused.kwargs);
     ``weights`` are in the kernel's format (panels of ``choice.panel``, RSCK for panel 0;
-    (R, S, 1, C) for the depthwise kernel; KCRS for the vector generic kernel, grouped)."""
+    (R, S, 1, C) for the NHWC depthwise kernel; KCRS for the vector generic kernel,
+    grouped)."""
     kind, spec = choice.kind, plan.spec
     dilation = {"dil_h": spec.dilation_h, "dil_w": spec.dilation_w}
     if kind in (KernelKind.TUNED, KernelKind.JIT):
@@ -559,7 +572,8 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
 
     A searched kernel with an NCHW entry point (``choice.nchw``) reads the NCHW input and
     writes the NCHW output itself (tiles buffered and transposed in cache), the residual
-    as it is. Otherwise an NCHW input is converted to NHWC by one blocked, parallel pass
+    as it is; so does the NCHW depthwise kernel (a depthwise choice with ``nchw``), with
+    torch's (C, 1, R, S) weights. Otherwise an NCHW input is converted to NHWC by one blocked, parallel pass
     into a per-thread scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes
     the NCHW output directly (and takes the NCHW residual as it is), other kernels' NHWC
     output is converted back by a second pass (and an NCHW residual converted for them
@@ -568,6 +582,13 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     if plan.layout == "NHWC":
         y = out if out is not None else aligned_empty(plan.out_shape)
         _run(choice, plan, x, weights, y, nthreads, fused.kwargs())
+        return y
+    if choice.kind is KernelKind.DEPTHWISE and choice.nchw:
+        # the NCHW depthwise kernel: x, y, the residual and torch's weights as they are
+        y = out if out is not None else aligned_empty(plan.out_shape)
+        _kernels.conv2d_depthwise_nchw(x, weights, y, *_generic_args(spec), nthreads,
+                                       dil_h=spec.dilation_h, dil_w=spec.dilation_w,
+                                       **fused.kwargs())
         return y
     if choice.nchw and choice.problem.n == spec.n:
         # a searched kernel's NCHW entry point: reads x and writes y in NCHW itself
@@ -606,12 +627,15 @@ def _layout_isa() -> Optional[int]:
 def family_weights(w: np.ndarray, layout: str, plan: _CallPlan,
                    choice: dispatch.KernelChoice) -> Optional[np.ndarray]:
     """The weights of a depthwise or grouped call in its kernel's format (None for a
-    dense call): (R, S, 1, C) for the depthwise kernel, KCRS for the vector generic
-    kernel (its threads pack each group's panels), RSCK for the portable one."""
+    dense call): (R, S, 1, C) for the NHWC depthwise kernel, torch's (C, 1, R, S) for the
+    NCHW one, KCRS for the vector generic kernel (its threads pack each group's panels),
+    RSCK for the portable one."""
     if plan.family is Family.DENSE:
         return None
     if choice.kind is KernelKind.DEPTHWISE:
-        return w if layout == "NHWC" else np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+        if choice.nchw or layout == "NHWC":
+            return w   # (C, 1, R, S) for the NCHW kernel, (R, S, 1, C) for the NHWC one
+        return np.ascontiguousarray(w.transpose(2, 3, 1, 0))
     if choice.panel:  # KCRS (K, C/groups, R, S)
         return w if layout == "NCHW" else np.ascontiguousarray(w.transpose(3, 2, 0, 1))
     return np.ascontiguousarray(w.transpose(2, 3, 1, 0)) if layout == "NCHW" else w
