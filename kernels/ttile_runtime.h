@@ -87,6 +87,16 @@ int ttile_conv_depthwise_nchw_avx512(const ttile_conv_shape *shape, const float 
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep);
 
+/* 1x1 convolution, stride 1, no padding, one group, in torch's layout: x[N][C][H][W],
+ * y and the residual [N][K][H][W], weights [K][C] (w_kc = 1: torch's (K, C, 1, 1)) or
+ * [C][K] (w_kc = 0: RSCK); a matrix product per image with 16 pixels in the vector
+ * lanes (pointwise_nchw_avx512.c). Returns -1, writing nothing, for any other shape
+ * (ttile_pointwise_nchw_supported), 0 on success. */
+int ttile_pointwise_nchw_supported(const ttile_conv_shape *shape);
+int ttile_conv_pointwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
+                                     const float *w, int w_kc, float *y, int nthreads,
+                                     const ttile_epilogue *ep);
+
 /* Pack RSCK weights (rsc = R*S*C rows of k floats) into panels [ceil(k/panel)][rsc][panel],
  * zero-filling the tail. */
 void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,

@@ -324,3 +324,32 @@ def test_nchw_depthwise_kernel_stays_in_bounds(case, side):
         for fence in (gx, gw, gb, gr):
             assert fence.canary_intact(), "the kernel wrote into an input's fence"
         np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)
+
+
+@requires_avx512
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", [(1, 21, 13, 9, 11), (2, 7, 70, 8, 9), (1, 64, 17, 8, 8)],
+                         ids=lambda c: "n{}c{}k{}h{}w{}".format(*c))
+def test_nchw_pointwise_kernel_stays_in_bounds(case, side):
+    """The NCHW 1x1 kernel's masked last column, short last block of output channels and
+    next-column prefetches, with both weight layouts, against guard pages."""
+    n, c, k, h, w = case
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-1, 1, (n, c, h, w)).astype(np.float32)
+    wt = rng.uniform(-1, 1, (k, c, 1, 1)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (n, k, h, w)).astype(np.float32)
+    expected = np.maximum(np.einsum("kc,nchw->nkhw", wt[:, :, 0, 0].astype(np.float64), x)
+                          + bias[:, None, None] + residual, 0)
+    for weights in (wt, np.ascontiguousarray(wt.transpose(2, 3, 1, 0))):
+        for threads in (1, 2):
+            gx, gw = guarded_copy(x, side), guarded_copy(weights, side)
+            gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
+            gy = guarded_copy(np.zeros((n, k, h, w), np.float32), side)
+            gy.array.view(np.uint32)[...] = 0xA5A5A5A5
+            _kernels.conv2d_pointwise_nchw(gx.array, gw.array, gy.array, threads,
+                                           bias=gb.array, residual=gr.array, activation=1)
+            assert gy.canary_intact(), "the kernel wrote outside its output"
+            for fence in (gx, gw, gb, gr):
+                assert fence.canary_intact(), "the kernel wrote into an input's fence"
+            np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)

@@ -188,6 +188,44 @@ def test_nchw_depthwise_calls_it_does_not_serve_convert_for_the_nhwc_kernel(hw, 
     assert_matches(ttile.conv2d(x, w, None, stride, 1, 1, 48), expected, magnitude, 11)
 
 
+#: NCHW 1x1 calls (stride 1, no padding): pixel counts off the 64-pixel column (tails of
+#: 1 to 4 vectors), output channels off the 6-channel block, a batch, a single channel.
+NCHW_POINTWISE = [(1, 128, 64, 17, 17), (2, 20, 37, 9, 11), (1, 3, 6, 8, 8), (1, 1, 1, 5, 3),
+                  (1, 96, 24, 56, 56), (3, 33, 50, 7, 7), (1, 16, 96, 16, 4)]
+
+
+@requires_avx512
+@pytest.mark.parametrize("case", NCHW_POINTWISE, ids=lambda c: "n{}c{}k{}h{}w{}".format(*c))
+@pytest.mark.parametrize("activation", [None, "relu6", "sigmoid"])
+def test_nchw_pointwise_calls_run_the_nchw_1x1_kernel(case, activation):
+    n, c, k, h, w_ = case
+    rng = np.random.default_rng(c * k)
+    x = rng.uniform(-1, 1, (n, c, h, w_)).astype(np.float32)
+    w = rng.uniform(-1, 1, (k, c, 1, 1)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (n, k, h, w_)).astype(np.float32)
+    plan = ttile.plan(x.shape, w.shape, bias, residual=residual, activation=activation)
+    assert plan.kind == ttile.KernelKind.POINTWISE
+    expected, magnitude = torch_reference(x, w, bias, 1, 0, 1, 1, activation, 0.01, residual)
+    for threads in (1, 2):
+        y = ttile.conv2d(x, w, bias, threads=threads, activation=activation,
+                         residual=residual)
+        assert_matches(y, expected, magnitude, c + 2)
+    layer = ttile.Conv2d(w, bias, activation=activation)   # keeps the weights as RSCK
+    out = np.full(expected.shape, np.nan, np.float32)
+    assert layer(x, residual=residual, out=out) is out
+    assert_matches(out, expected, magnitude, c + 2)
+
+
+@requires_avx512
+def test_other_nchw_1x1_calls_are_not_the_pointwise_kernels():
+    for stride, padding in ((2, 0), (1, 1)):
+        plan = ttile.plan((1, 32, 16, 16), (48, 32, 1, 1), None, stride, padding)
+        assert plan.kind != ttile.KernelKind.POINTWISE
+    plan = ttile.plan((1, 16, 16, 32), (1, 1, 32, 48), layout="NHWC")
+    assert plan.kind != ttile.KernelKind.POINTWISE
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_batch_of_eight_equals_eight_single_images(layout):
     rng = np.random.default_rng(3)

@@ -49,6 +49,10 @@ cdef extern from "ttile_runtime.h" nogil:
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
     int ttile_depthwise_nchw_supported(const ttile_conv_shape *shape)
+    int ttile_pointwise_nchw_supported(const ttile_conv_shape *shape)
+    int ttile_conv_pointwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
+                                         const float *w, int w_kc, float *y, int nthreads,
+                                         const ttile_epilogue *ep)
     int ttile_conv_depthwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
                                          const float *w, float *y, int nthreads,
                                          const ttile_epilogue *ep)
@@ -334,6 +338,51 @@ def conv2d_depthwise_nchw(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
         ttile_conv_depthwise_nchw_avx512(&shape, xp, wp, yp, nthreads, ep)
+
+
+def conv2d_pointwise_nchw(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads, *,
+                          bias=None, residual=None, int activation=0, float slope=0.01):
+    """The AVX-512F 1x1 kernel in torch's layout (stride 1, no padding, one group): x
+    (N,C,H,W), y and the residual (N,K,H,W), weights as torch holds them (K,C,1,1) or
+    transposed (1,1,C,K) (RSCK, what a Conv2d keeps), nothing converted."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(x, "x")
+    _check_f32_c4(y, "y")
+    _check_f32_c4(w, "w")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    if nthreads < 1:
+        raise ValueError("thread count must be >= 1")
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef int w_kc
+    if ws[0] == ys[1] and ws[1] == xs[1] and ws[2] == 1 and ws[3] == 1:
+        w_kc = 1
+    elif ws[0] == 1 and ws[1] == 1 and ws[2] == xs[1] and ws[3] == ys[1]:
+        w_kc = 0
+    else:
+        raise ValueError(f"1x1 weights must be ({ys[1]}, {xs[1]}, 1, 1) or "
+                         f"(1, 1, {xs[1]}, {ys[1]}), got {(<object>w).shape}")
+    if ys[0] != xs[0] or ys[2] != xs[2] or ys[3] != xs[3]:
+        raise ValueError(f"output {(<object>y).shape} does not match input "
+                         f"{(<object>x).shape} (1x1, stride 1, no padding)")
+    cdef ttile_conv_shape shape
+    shape.n = xs[0]; shape.c = xs[1]; shape.h = xs[2]; shape.w = xs[3]
+    shape.k = ys[1]; shape.r = 1; shape.s = 1; shape.ho = ys[2]; shape.wo = ys[3]
+    shape.stride_h = 1; shape.stride_w = 1; shape.pad_top = 0; shape.pad_left = 0
+    shape.dil_h = 1; shape.dil_w = 1; shape.groups = 1
+    if shape.n * shape.c * shape.h * shape.w * shape.k == 0:
+        raise ValueError("zero-size dimension")
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, ys[1])
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    with nogil:
+        ttile_conv_pointwise_nchw_avx512(&shape, xp, wp, w_kc, yp, nthreads, ep)
 
 
 cdef int _check_packed(cnp.ndarray w, int64_t k, int64_t panel, int64_t groups=1) except -1:

@@ -20,6 +20,9 @@ class KernelKind(str, Enum):
     GENERIC = "generic"
     #: the depthwise kernel (groups == channels, one output channel per group)
     DEPTHWISE = "depthwise"
+    #: the NCHW 1x1 kernel (stride 1, no padding, one group: a matrix product per image
+    #: in torch's layout)
+    POINTWISE = "pointwise"
 
     def __str__(self) -> str:
         return self.value
