@@ -224,6 +224,9 @@ def test_other_nchw_1x1_calls_are_not_the_pointwise_kernels():
         assert plan.kind != ttile.KernelKind.POINTWISE
     plan = ttile.plan((1, 16, 16, 32), (1, 1, 32, 48), layout="NHWC")
     assert plan.kind != ttile.KernelKind.POINTWISE
+    # weights past the caches (read once per 64-pixel column): Yolo9000-23
+    plan = ttile.plan((1, 1024, 17, 17), (28269, 1024, 1, 1))
+    assert plan.kind != ttile.KernelKind.POINTWISE
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

@@ -326,6 +326,11 @@ DEPTHWISE_BYTES_PER_THREAD = 128 * 1024
 #: 7 (MobileNet's 7x7 layers and 14x14 stride-2 ones), where most lanes are idle.
 DEPTHWISE_NCHW_MIN_WIDTH = 8
 
+#: The largest weights the NCHW pointwise kernel serves: it reads all of them once per
+#: 64-pixel column, from the caches; Yolo9000-23's 115 MB came from memory for each of its
+#: 5 columns (195 ms against 171 through the generic kernel, Zen 4, 1 thread).
+POINTWISE_MAX_WEIGHT_BYTES = 8 << 20
+
 _plans: dict[tuple, _CallPlan] = {}
 _MAX_PLANS = 4096
 
@@ -403,7 +408,8 @@ def _family_choice(plan: _CallPlan, isa: Isa) -> Optional[dispatch.KernelChoice]
         spec = plan.spec
         if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \
                 and spec.stride_h == spec.stride_w == 1 and spec.pad_top == spec.pad_bottom \
-                == spec.pad_left == spec.pad_right == 0:
+                == spec.pad_left == spec.pad_right == 0 \
+                and 4 * spec.k * spec.c <= POINTWISE_MAX_WEIGHT_BYTES:
             # a matrix product per image in torch's layout: on a Zen 4 core it took 0.35-0.9x
             # the time of the searched kernels' NCHW entry points and of converting around
             # the NHWC kernels (Yolo9000-5: 4.0 ms against 8.7; MobileNetV2's 96->24
@@ -646,10 +652,17 @@ def _layout_isa() -> Optional[int]:
 
 def family_weights(w: np.ndarray, layout: str, plan: _CallPlan,
                    choice: dispatch.KernelChoice) -> Optional[np.ndarray]:
-    """The weights of a depthwise or grouped call in its kernel's format (None for a
-    dense call): (R, S, 1, C) for the NHWC depthwise kernel, torch's (C, 1, R, S) for the
+    """The weights of a depthwise, grouped or NCHW pointwise call in its kernel's format
+    (None for any other dense call): (R, S, 1, C) for the NHWC depthwise kernel, torch's (C, 1, R, S) for the
     NCHW one, KCRS for the vector generic kernel (its threads pack each group's panels),
-    RSCK for the portable one."""
+    RSCK for the portable one; torch's (K, C, 1, 1) for the NCHW pointwise kernel."""
+    if choice.kind is KernelKind.POINTWISE:
+        # KCRS as a per-call conv2d has it; a Conv2d's RSCK transposed back once: read as
+        # (C, K), each input channel's weights are K floats apart, a page apart on wide
+        # layers (Yolo9000-23: 2.8x slower than from KCRS on a Zen 4)
+        spec = plan.spec
+        return w if w.shape == (spec.k, spec.c, 1, 1) \
+            else np.ascontiguousarray(w.transpose(3, 2, 0, 1))
     if plan.family is Family.DENSE:
         return None
     if choice.kind is KernelKind.DEPTHWISE:
@@ -674,9 +687,8 @@ def _pack_per_call(w: np.ndarray, layout: str, plan: _CallPlan,
     if grouped is not None:
         return grouped
     spec, panel = plan.spec, choice.panel
-    if choice.kind is KernelKind.POINTWISE or (choice.kind is KernelKind.GENERIC and panel):
-        return w  # KCRS for the NCHW 1x1 kernel; RSCK or KCRS: the generic kernel's
-        # threads pack what they use
+    if choice.kind is KernelKind.GENERIC and panel:
+        return w  # RSCK or KCRS: the kernel's threads pack what they use
     if layout == "NCHW":
         shape = spec.weight_shape() if panel == 0 else spec.packed_weight_shape(panel)
         return _kernels.pack_weights_kcrs(w, panel, nthreads, scratch("w", shape),
