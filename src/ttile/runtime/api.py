@@ -321,9 +321,9 @@ def tuned_kernels() -> list[dict]:
 DEPTHWISE_BYTES_PER_THREAD = 128 * 1024
 
 #: The narrowest output rows the NCHW depthwise kernel serves (it puts 16 outputs of a
-#: row in the vector lanes): on a Zen 4 core, 1 thread, it took 0.5-0.8x the time of
-#: converting around the NHWC kernel on rows of 10 to 112 outputs, and 1.2-1.3x on rows of
-#: 7 (MobileNet's 7x7 layers and 14x14 stride-2 ones), where most lanes are idle.
+#: row in the vector lanes): on a Zen 4 core, 1 thread, it took 0.46-0.83x the time of
+#: converting around the NHWC kernel on rows of 10 to 112 outputs, and 1.22-1.33x on rows
+#: of 7 (MobileNet's 7x7 layers and 14x14 stride-2 ones), where most lanes are idle.
 DEPTHWISE_NCHW_MIN_WIDTH = 8
 
 #: The largest weights the NCHW pointwise kernel serves: it reads all of them once per
