@@ -229,6 +229,21 @@ def test_generic_kernel_writing_nchw_stays_in_bounds(case, side):
                           (spec.stride_h, spec.stride_w), _pads(spec), layout="NHWC")
 
 
+def _guarded_epilogue_call(side, x, w, bias, residual, out_shape, call) -> np.ndarray:
+    """x, w, bias and residual copied against guard pages on ``side`` and an output of
+    ``out_shape`` filled with a canary pattern; ``call(x, w, bias, residual, out)`` runs
+    on them, then no write may have left the output. Returns the output."""
+    gx, gw = guarded_copy(x, side), guarded_copy(w, side)
+    gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
+    gy = guarded_copy(np.zeros(out_shape, np.float32), side)
+    gy.array.view(np.uint32)[...] = 0xA5A5A5A5
+    call(gx.array, gw.array, gb.array, gr.array, gy.array)
+    assert gy.canary_intact(), "the kernel wrote outside its output"
+    for fence in (gx, gw, gb, gr):
+        assert fence.canary_intact(), "the kernel wrote into an input's fence"
+    return gy.array
+
+
 #: (n, h, w, channels, k, r, s, stride, pad, dilation, groups): depthwise with channel
 #: tails and both fast-path strides, a 5x5, a dilated and a 7x7 (general blocks), rows
 #: wider than one fast-path block (edge blocks apart from the inside ones, whose partial
@@ -271,18 +286,12 @@ def test_grouped_kernels_and_epilogues_stay_in_bounds(isa, case, side):
     previous = ttile.set_isa(isa)
     try:
         for threads in (1, 2):
-            gx, gw = guarded_copy(x, side), guarded_copy(wt, side)
-            gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
-            gy = guarded_copy(np.zeros((n, ho, wo, k), np.float32), side)
-            gy.array.view(np.uint32)[...] = 0xA5A5A5A5
-            out = ttile.conv2d(gx.array, gw.array, gb.array, stride, pad, dil, groups,
-                               layout="NHWC", threads=threads, activation="relu",
-                               residual=gr.array, out=gy.array)
-            assert out is gy.array
-            assert gy.canary_intact(), "the kernel wrote outside its output"
-            for fence in (gx, gw, gb, gr):
-                assert fence.canary_intact(), "the kernel wrote into an input's fence"
-            np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)
+            def call(gx, gw, gb, gr, gy):
+                out = ttile.conv2d(gx, gw, gb, stride, pad, dil, groups, layout="NHWC",
+                                   threads=threads, activation="relu", residual=gr, out=gy)
+                assert out is gy
+            y = _guarded_epilogue_call(side, x, wt, bias, residual, (n, ho, wo, k), call)
+            np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
     finally:
         ttile.set_isa(previous)
 
@@ -312,18 +321,12 @@ def test_nchw_depthwise_kernel_stays_in_bounds(case, side):
         np.ascontiguousarray(wt.transpose(2, 3, 1, 0)), (stride, stride), (pad,) * 4,
         (dil, dil), c).transpose(0, 3, 1, 2) + bias[:, None, None] + residual, 0)
     for threads in (1, 2):
-        gx, gw = guarded_copy(x, side), guarded_copy(wt, side)
-        gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
-        gy = guarded_copy(np.zeros((n, c, ho, wo), np.float32), side)
-        gy.array.view(np.uint32)[...] = 0xA5A5A5A5
-        out = ttile.conv2d(gx.array, gw.array, gb.array, stride, pad, dil, c,
-                           threads=threads, activation="relu", residual=gr.array,
-                           out=gy.array)
-        assert out is gy.array
-        assert gy.canary_intact(), "the kernel wrote outside its output"
-        for fence in (gx, gw, gb, gr):
-            assert fence.canary_intact(), "the kernel wrote into an input's fence"
-        np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)
+        def call(gx, gw, gb, gr, gy):
+            out = ttile.conv2d(gx, gw, gb, stride, pad, dil, c, threads=threads,
+                               activation="relu", residual=gr, out=gy)
+            assert out is gy
+        y = _guarded_epilogue_call(side, x, wt, bias, residual, (n, c, ho, wo), call)
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
 @requires_avx512
@@ -343,13 +346,8 @@ def test_nchw_pointwise_kernel_stays_in_bounds(case, side):
                           + bias[:, None, None] + residual, 0)
     for weights in (wt, np.ascontiguousarray(wt.transpose(2, 3, 1, 0))):
         for threads in (1, 2):
-            gx, gw = guarded_copy(x, side), guarded_copy(weights, side)
-            gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
-            gy = guarded_copy(np.zeros((n, k, h, w), np.float32), side)
-            gy.array.view(np.uint32)[...] = 0xA5A5A5A5
-            _kernels.conv2d_pointwise_nchw(gx.array, gw.array, gy.array, threads,
-                                           bias=gb.array, residual=gr.array, activation=1)
-            assert gy.canary_intact(), "the kernel wrote outside its output"
-            for fence in (gx, gw, gb, gr):
-                assert fence.canary_intact(), "the kernel wrote into an input's fence"
-            np.testing.assert_allclose(gy.array, expected, rtol=1e-5, atol=1e-5)
+            def call(gx, gw, gb, gr, gy):
+                _kernels.conv2d_pointwise_nchw(gx, gw, gy, threads, bias=gb, residual=gr,
+                                               activation=1)
+            y = _guarded_epilogue_call(side, x, weights, bias, residual, (n, k, h, w), call)
+            np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)

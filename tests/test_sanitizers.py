@@ -30,9 +30,9 @@ SUBSET = ["tests/test_guard_pages.py", "tests/test_codegen.py", "tests/test_code
           "tests/test_runtime.py::test_plan_reports_a_tuned_kernel_of_the_registry",
           "tests/test_runtime.py::test_conv2d_layer_matches_conv2d",
           "tests/test_runtime.py::test_conv2d_layer_runs_tuned_kernels_on_prepacked_weights",
-          "tests/test_runtime.py::test_conv2d_layer_is_safe_to_share_between_threads",
-          "tests/test_semantics.py::test_nchw_depthwise_calls_run_the_nchw_kernel",
-          "tests/test_semantics.py::test_nchw_pointwise_calls_run_the_nchw_1x1_kernel"]
+          "tests/test_runtime.py::test_conv2d_layer_is_safe_to_share_between_threads"]
+# (test_guard_pages.py runs the NCHW pointwise and depthwise kernels with every epilogue
+# operand; test_semantics.py needs torch, which the sanitized environment does not have)
 #: Fig. 8 layers above ~1 GFLOP would only repeat what smaller ones cover, slowly, and
 #: MobileNetV3's layers what MobileNetV2's do (the same kernel families and epilogues).
 DESELECT = "not Yolo9000-0 and not Yolo9000-2 and not Yolo9000-4 and not Yolo9000-23 " \

@@ -281,6 +281,19 @@ def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
         ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
 
 
+cdef int _check_avx512_arrays(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y) except -1:
+    """What every AVX-512F entry point on 4-D arrays checks first: the CPU runs it, the
+    arrays are C-contiguous aligned float32 and y is writeable."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(x, "x")
+    _check_f32_c4(y, "y")
+    _check_f32_c4(w, "w")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y must be writeable")
+    return 0
+
+
 def depthwise_nchw_supported(int64_t s, int64_t stride_w):
     """True when the NCHW depthwise kernel serves kernels ``s`` taps wide at column stride
     ``stride_w`` (others are converted to NHWC for the NHWC kernel)."""
@@ -296,13 +309,7 @@ def conv2d_depthwise_nchw(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     """The AVX-512F depthwise kernel in torch's layout: x (N,C,H,W), weights (C,1,R,S) as
     torch holds them, y (N,C,Ho,Wo) (the residual too), nothing converted. Column
     strides 1 and 2 and kernels up to 8 taps wide (``depthwise_nchw_supported``)."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
-    _check_f32_c4(x, "x")
-    _check_f32_c4(y, "y")
-    _check_f32_c4(w, "w")
-    if not cnp.PyArray_ISWRITEABLE(y):
-        raise ValueError("y must be writeable")
+    _check_avx512_arrays(x, w, y)
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
@@ -345,13 +352,7 @@ def conv2d_pointwise_nchw(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthre
     """The AVX-512F 1x1 kernel in torch's layout (stride 1, no padding, one group): x
     (N,C,H,W), y and the residual (N,K,H,W), weights as torch holds them (K,C,1,1) or
     transposed (1,1,C,K) (RSCK, what a Conv2d keeps), nothing converted."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
-    _check_f32_c4(x, "x")
-    _check_f32_c4(y, "y")
-    _check_f32_c4(w, "w")
-    if not cnp.PyArray_ISWRITEABLE(y):
-        raise ValueError("y must be writeable")
+    _check_avx512_arrays(x, w, y)
     if nthreads < 1:
         raise ValueError("thread count must be >= 1")
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
