@@ -592,9 +592,9 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
 
     A searched kernel with an NCHW entry point (``choice.nchw``) reads the NCHW input and
     writes the NCHW output itself (tiles buffered and transposed in cache), the residual
-    as it is; so does the NCHW depthwise kernel (a depthwise choice with ``nchw``), with
-    torch's (C, 1, R, S) weights. Otherwise an NCHW input is converted to NHWC by one blocked, parallel pass
-    into a per-thread scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes
+    as it is; so do the NCHW pointwise kernel and the NCHW depthwise kernel (a depthwise
+    choice with ``nchw``), with torch's weights. Otherwise an NCHW input is converted to
+    NHWC by one blocked, parallel pass into a per-thread scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes
     the NCHW output directly (and takes the NCHW residual as it is), other kernels' NHWC
     output is converted back by a second pass (and an NCHW residual converted for them
     first)."""
@@ -604,8 +604,8 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         _run(choice, plan, x, weights, y, nthreads, fused.kwargs())
         return y
     if choice.kind is KernelKind.POINTWISE:
-        # the NCHW 1x1 kernel: x, y, the residual and the weights (torch's (K, C, 1, 1)
-        # per call, a Conv2d's RSCK) as they are
+        # the NCHW 1x1 kernel: x, y, the residual and torch's (K, C, 1, 1) weights as
+        # they are (family_weights gives a Conv2d's back in that layout)
         y = out if out is not None else aligned_empty(plan.out_shape)
         _kernels.conv2d_pointwise_nchw(x, weights, y, nthreads, **fused.kwargs())
         return y
@@ -653,9 +653,10 @@ def _layout_isa() -> Optional[int]:
 def family_weights(w: np.ndarray, layout: str, plan: _CallPlan,
                    choice: dispatch.KernelChoice) -> Optional[np.ndarray]:
     """The weights of a depthwise, grouped or NCHW pointwise call in its kernel's format
-    (None for any other dense call): (R, S, 1, C) for the NHWC depthwise kernel, torch's (C, 1, R, S) for the
-    NCHW one, KCRS for the vector generic kernel (its threads pack each group's panels),
-    RSCK for the portable one; torch's (K, C, 1, 1) for the NCHW pointwise kernel."""
+    (None for any other dense call): (R, S, 1, C) for the NHWC depthwise kernel, torch's
+    (C, 1, R, S) for the NCHW one, KCRS for the vector generic kernel (its threads pack
+    each group's panels), RSCK for the portable one; torch's (K, C, 1, 1) for the NCHW
+    pointwise kernel."""
     if choice.kind is KernelKind.POINTWISE:
         # KCRS as a per-call conv2d has it; a Conv2d's RSCK transposed back once: read as
         # (C, K), each input channel's weights are K floats apart, a page apart on wide
