@@ -17,7 +17,7 @@ from ttile.core.scheme import Scheme
 from ttile.core.spec import ConvSpec
 from conftest import random_tensors, requires_avx512
 from ttile.core.reference import assert_conv_close
-from ttile.runtime.scratch import line_aligned
+from ttile.runtime.scratch import aligned_empty
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on PATH")
 
@@ -292,7 +292,7 @@ def test_nchw_entry_point_stores_the_kernels_sums_in_nchw(case, small_tiles, mon
     for threads in (1, 2):
         y = np.full((spec.n, spec.ho, spec.wo, spec.k), np.nan, dtype=np.float32)
         library.run(kernel, x, w, y, nthreads=threads)
-        y_nchw = line_aligned(shape)   # so that streamed stores are taken
+        y_nchw = aligned_empty(shape)   # so that streamed stores are taken
         y_nchw.fill(np.nan)
         library.run(kernel, x_nchw, w, y_nchw, nthreads=threads, nchw=True)
         np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))

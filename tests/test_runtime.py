@@ -394,6 +394,42 @@ def test_plan_checks_its_arguments():
     assert ttile.plan((1, 3, 8, 8), (4, 3, 3, 3), padding=1).kind == "generic"
 
 
+# -- outputs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", ["dense", "pointwise", "depthwise", "grouped"])
+def test_outputs_and_scratch_start_on_a_cache_line(layout, case):
+    """Every output ttile allocates starts on a 64-byte line, and so does each reused
+    scratch buffer: numpy starts large arrays 16 bytes past one, where each 64-byte
+    vector store of a kernel would span two lines."""
+    from ttile.runtime.scratch import scratch
+    c, k, rs, groups = {"dense": (8, 24, 3, 1), "pointwise": (32, 48, 1, 1),
+                        "depthwise": (32, 32, 3, 32), "grouped": (16, 32, 3, 4)}[case]
+    rng = np.random.default_rng(3)
+    for hw in (9, 40):
+        if layout == "NCHW":
+            x, w = random_tensors(rng, (1, c, hw, hw), (k, c // groups, rs, rs))
+        else:
+            x, w = random_tensors(rng, (1, hw, hw, c), (rs, rs, c // groups, k))
+        for run in (lambda: ttile.conv2d(x, w, padding=rs // 2, groups=groups, layout=layout,
+                                         threads=1),
+                    ttile.Conv2d(w, padding=rs // 2, groups=groups, layout=layout, threads=1)):
+            y = run(x) if isinstance(run, ttile.Conv2d) else run()
+            assert y.ctypes.data % 64 == 0, (case, layout, hw)
+            assert y.flags.c_contiguous and y.flags.writeable
+            cg, kg = c // groups, k // groups
+            for g in range(groups):   # each group against the float64 reference
+                if layout == "NCHW":
+                    parts = (y[:, g * kg:(g + 1) * kg], x[:, g * cg:(g + 1) * cg],
+                             w[g * kg:(g + 1) * kg])
+                else:
+                    parts = (y[..., g * kg:(g + 1) * kg], x[..., g * cg:(g + 1) * cg],
+                             w[..., g * kg:(g + 1) * kg])
+                assert_conv_close(*map(np.ascontiguousarray, parts), (1, 1),
+                                  (rs // 2,) * 4, layout=layout)
+    for shape in ((7,), (3, 5), (1, 9, 9, 17)):
+        assert scratch("alignment-test", shape).ctypes.data % 64 == 0
+
+
 # -- Conv2d -------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_conv2d_layer_matches_conv2d(layout):

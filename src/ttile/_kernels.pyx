@@ -534,11 +534,27 @@ def registry_entries():
     return out
 
 
+def empty_aligned(tuple shape):
+    """A new float32 array of ``shape`` starting on a 64-byte cache line. numpy puts large
+    arrays 16 bytes past a line, so every 64-byte vector store of a kernel into them
+    spans two lines (a depthwise 3x3 layer on a Zen 4: 10-35 % slower); a view into a
+    buffer 64 bytes longer costs well under a microsecond here, against about two with
+    the address read through ``ndarray.ctypes``."""
+    cdef Py_ssize_t size = 1
+    for extent in shape:
+        size *= <Py_ssize_t>extent
+    if size < 0:
+        raise ValueError(f"negative extent in {shape}")
+    cdef cnp.ndarray buffer = np.empty(size + 16, np.float32)
+    cdef Py_ssize_t start = ((-<Py_ssize_t>cnp.PyArray_DATA(buffer)) & 63) >> 2
+    return buffer[start:start + size].reshape(shape)
+
+
 cdef cnp.ndarray _output(object out, tuple shape, str name):
     """``out`` checked to be a writeable C-contiguous float32 array of ``shape``, or a new
-    one (callers pass reused scratch buffers)."""
+    line-aligned one (callers pass reused scratch buffers)."""
     if out is None:
-        return np.empty(shape, np.float32)
+        return empty_aligned(shape)
     cdef cnp.ndarray arr = out
     if cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(arr) \
             or not cnp.PyArray_ISWRITEABLE(arr) or not cnp.PyArray_ISALIGNED(arr):

@@ -15,6 +15,8 @@ from typing import Optional
 
 import numpy as np
 
+from .. import _kernels
+
 #: Largest buffer kept per slot and thread; larger requests get a fresh array each call.
 MAX_BYTES = 128 << 20
 
@@ -35,32 +37,16 @@ def scratch(slot: str, shape: tuple[int, ...]) -> Optional[np.ndarray]:
         return None
     buffer = _local.slots.get(slot)
     if buffer is None or buffer.size < size:
-        buffer = np.empty(size, np.float32)
+        buffer = _kernels.empty_aligned((size,))   # on a line, like every output
         _local.slots[slot] = buffer
     return buffer[:size].reshape(shape)
 
 
-#: Outputs from this size on are allocated on a 64-byte line (see :func:`aligned_empty`):
-#: those the kernels stream to memory (``ttile.core.codegen.NCHW_STREAM_BYTES``).
-ALIGNED_OUTPUT_BYTES = 8 << 20
-
-
-def line_aligned(shape: tuple[int, ...]) -> np.ndarray:
-    """A new float32 array of ``shape`` starting on a 64-byte line (numpy gives large
-    arrays 16-byte alignment): kernels stream whole lines past the caches (non-temporal
-    stores) only on aligned lines."""
-    size = math.prod(shape)
-    buffer = np.empty(size + 16, np.float32)
-    start = (-buffer.ctypes.data % 64) // 4
-    return buffer[start:start + size].reshape(shape)
-
-
 def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
-    """A new output of ``shape``: :func:`line_aligned` when it is large enough to be
-    streamed, else plain ``np.empty`` (finding the address costs a microsecond)."""
-    if 4 * math.prod(shape) < ALIGNED_OUTPUT_BYTES:
-        return np.empty(shape, np.float32)
-    return line_aligned(shape)
+    """A new output of ``shape`` on a 64-byte line (see ``_kernels.empty_aligned``): the
+    kernels' vector stores then never span two lines, and those that stream whole lines
+    past the caches (non-temporal stores of large outputs) can."""
+    return _kernels.empty_aligned(tuple(shape))
 
 
 def release() -> None:
