@@ -4,7 +4,9 @@ Not a test: run it by hand (``python benchmarks/bench_semantics.py``) with torch
 onnxruntime and onnx installed. Batch 1 unless said otherwise; the process is pinned to
 as many CPUs as threads. Four tables, each a median over rounds that interleave every
 contender (``paired``: the ratio of each round, then the median, so that a slow spell of
-the shared machine hits both sides of a ratio alike):
+the shared machine hits both sides of a ratio alike), every timed call starting from the
+same cache state (``--cache warm``, the default: each call runs once untimed just before;
+``--cache cold``: a 64 MB buffer is rewritten before each):
 
 1. **Depthwise** (MobileNetV2's seven 3x3 depthwise layers): ttile.conv2d(groups=C) per
    call in NHWC and in NCHW against torch NCHW, torch channels_last and onnxruntime's CPU
@@ -24,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from enum import Enum
 
 import numpy as np
 
@@ -40,13 +43,46 @@ def pin(threads: int) -> None:
     os.sched_setaffinity(0, set(cpus[:threads]))
 
 
-def rounds(runs: dict, reps: int) -> dict:
-    """Times of each run, interleaved round by round, after one warm-up call each."""
+class Cache(Enum):
+    """The state of the caches each timed call starts from, the same for every contender.
+
+    Interleaving single calls (what this script did until the eleventh session) leaves
+    each call with whatever the previous contenders left behind: three of the five
+    depthwise contenders read the same NCHW input, so the second and third found it in
+    cache while ttile NHWC and torch channels_last read their own copies from memory,
+    and a 5 MB layer's time then said more about the order of the runs than about the
+    kernels (C=96 112x112 s2, ttile NHWC: 0.11 ms warm, 0.92 in the interleaved rounds).
+    """
+    WARM = "warm"   # the call runs once untimed just before it is timed: its input was
+                    # just read, as a layer's input was just written by the layer before
+    COLD = "cold"   # a 64 MB buffer is rewritten before each timed call: inputs,
+                    # weights and the interpreter's own data come from memory
+
+
+_SWEEP: list = []
+
+
+def _evict() -> None:
+    if not _SWEEP:
+        _SWEEP.append(np.zeros(16 << 20, np.float32))
+    np.add(_SWEEP[0], 1.0, out=_SWEEP[0])
+
+
+def rounds(runs: dict, reps: int, cache: Cache = Cache.WARM) -> dict:
+    """Times of each run, interleaved round by round in a rotating order (each timed call
+    from ``cache``), after one warm-up call each."""
     for fn in runs.values():
         fn()
     times = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, fn in runs.items():
+    order = list(runs.items())
+    for i in range(reps):
+        # each round starts one contender later, so that none always runs right after
+        # the same other one (torch's NCHW depthwise slowed the call after it by up to 2x)
+        for name, fn in order[i % len(order):] + order[:i % len(order)]:
+            if cache is Cache.WARM:
+                fn()
+            else:
+                _evict()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -87,7 +123,7 @@ def ort_session(x_shape, w: np.ndarray, stride: int, pad: int, groups: int, thre
     return session
 
 
-def depthwise_table(torch, threads: int, reps: int) -> list[str]:
+def depthwise_table(torch, threads: int, reps: int, cache: Cache) -> list[str]:
     F = torch.nn.functional
     lines = ["| layer | ttile NHWC ms | ttile NCHW ms | torch NCHW ms | torch channels_last ms "
              "| onnxruntime ms | GFLOP/s (ttile NHWC) | best peer / ttile NHWC | "
@@ -116,7 +152,7 @@ def depthwise_table(torch, threads: int, reps: int) -> list[str]:
             check("depthwise NHWC", runs["ttile"]().transpose(0, 3, 1, 2), expected)
             check("depthwise NCHW", runs["ttile_nchw"](), expected)
             check("onnxruntime", runs["ort"](), expected)
-            times = rounds(runs, reps)
+            times = rounds(runs, reps, cache)
         peers = ("nchw", "channels_last", "ort")
         ratio = paired(times, peers, "ttile")
         ratios.append(ratio)
@@ -132,7 +168,7 @@ def depthwise_table(torch, threads: int, reps: int) -> list[str]:
     return lines
 
 
-def fused_table(torch, threads: int, reps: int, layers) -> list[str]:
+def fused_table(torch, threads: int, reps: int, layers, cache: Cache) -> list[str]:
     F = torch.nn.functional
     lines = ["| layer | bare ms | bias+relu ms | fused / bare (conv2d NHWC) | "
              "fused / bare (Conv2d NHWC) | fused / bare (conv2d NCHW) | served by |",
@@ -168,7 +204,7 @@ def fused_table(torch, threads: int, reps: int, layers) -> list[str]:
         check(f"{layer.name} fused Conv2d", runs["fused_packed"]().transpose(0, 3, 1, 2),
               expected)
         check(f"{layer.name} fused NCHW", runs["fused_nchw"](), expected)
-        times = rounds(runs, reps)
+        times = rounds(runs, reps, cache)
         ratio = paired(times, ("fused",), "bare")
         ratio_packed = paired(times, ("fused_packed",), "bare_packed")
         ratios += [ratio, ratio_packed]
@@ -182,7 +218,7 @@ def fused_table(torch, threads: int, reps: int, layers) -> list[str]:
     return lines
 
 
-def dilation_table(threads: int, reps: int) -> list[str]:
+def dilation_table(threads: int, reps: int, cache: Cache) -> list[str]:
     lines = ["| layer | dilation 1 ms | dilation 2 ms | dilation 4 ms | d2 / d1 | d4 / d1 |",
              "|---|---|---|---|---|---|"]
     for c, k, hw in [(256, 256, 33), (128, 128, 65), (64, 64, 56)]:
@@ -191,14 +227,14 @@ def dilation_table(threads: int, reps: int) -> list[str]:
         w = rng.uniform(-1, 1, (3, 3, c, k)).astype(np.float32)
         runs = {d: (lambda d=d: ttile.conv2d(x, w, None, 1, d, d, layout="NHWC",
                                              threads=threads)) for d in (1, 2, 4)}
-        times = rounds(runs, reps)
+        times = rounds(runs, reps, cache)
         lines.append(f"| C=K={c} {hw}x{hw} 3x3 | {ms(times[1]):.3f} | {ms(times[2]):.3f} | "
                      f"{ms(times[4]):.3f} | {paired(times, (2,), 1):.2f} | "
                      f"{paired(times, (4,), 1):.2f} |")
     return lines
 
 
-def batch_table(threads: int, reps: int, layers) -> list[str]:
+def batch_table(threads: int, reps: int, layers, cache: Cache) -> list[str]:
     lines = ["| layer | N=1 ms | N=8 ms per image | per image N=8 / N=1 |", "|---|---|---|---|"]
     for layer in layers:
         spec = layer.spec()
@@ -210,7 +246,7 @@ def batch_table(threads: int, reps: int, layers) -> list[str]:
         kw = dict(stride=layer.stride, padding=pad, layout="NHWC", threads=threads)
         runs = {"one": lambda: ttile.conv2d(x1, w, **kw),
                 "eight": lambda: ttile.conv2d(x8, w, **kw)}
-        times = rounds(runs, reps)
+        times = rounds(runs, reps, cache)
         per_image = [t / 8 for t in times["eight"]]
         ratio = statistics.median(a / b for a, b in zip(per_image, times["one"]))
         lines.append(f"| {layer.name} | {ms(times['one']):.3f} | {ms(per_image):.3f} | "
@@ -223,13 +259,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--tables", nargs="+", default=["depthwise", "fused", "dilation", "batch"])
+    parser.add_argument("--cache", choices=[c.value for c in Cache], default=Cache.WARM.value,
+                        help="the caches each timed call starts from (see Cache)")
     args = parser.parse_args(argv)
+    cache = Cache(args.cache)
     import torch
     fig8 = [layer for name in ("yolo9000", "resnet18") for layer in NETWORKS[name]]
     batch_layers = [layer for layer in fig8 if layer.name in ("ResNet18-6", "ResNet18-9",
                                                               "Yolo9000-12")]
     print(f"# {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].split(chr(10))[0].strip()}"
-          f", ttile {ttile.__version__}, torch {torch.__version__}", flush=True)
+          f", ttile {ttile.__version__}, torch {torch.__version__}, caches {cache.value}",
+          flush=True)
     for threads in args.threads:
         pin(threads)
         torch.set_num_threads(threads)
@@ -237,13 +277,13 @@ def main(argv=None) -> int:
         for table in args.tables:
             print(f"\n### {table}\n", flush=True)
             if table == "depthwise":
-                lines = depthwise_table(torch, threads, args.reps)
+                lines = depthwise_table(torch, threads, args.reps, cache)
             elif table == "fused":
-                lines = fused_table(torch, threads, max(10, args.reps // 3), fig8)
+                lines = fused_table(torch, threads, max(10, args.reps // 3), fig8, cache)
             elif table == "dilation":
-                lines = dilation_table(threads, max(10, args.reps // 3))
+                lines = dilation_table(threads, max(10, args.reps // 3), cache)
             else:
-                lines = batch_table(threads, max(10, args.reps // 3), batch_layers)
+                lines = batch_table(threads, max(10, args.reps // 3), batch_layers, cache)
             print("\n".join(lines), flush=True)
     return 0
 
