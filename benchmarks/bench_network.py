@@ -12,8 +12,12 @@ al. 2018, width 1.0) and a YOLO-style backbone (Darknet-19 of YOLOv2/YOLO9000: c
 norm + leaky ReLU 0.1, max pools). Random weights and batch norm statistics, eval mode,
 224x224 inputs.
 
-Contenders, each timed in rounds that interleave all of them (the median of each round's
-ratio is reported, so a slow spell of the shared machine hits both sides alike):
+Contenders, each timed in rounds that interleave all of them in a rotating order (the
+median of each round's ratio is reported, so a slow spell of the shared machine hits both
+sides alike), each timed call right after an untimed one of its own (``bench_semantics``'s
+warm rounds: the thread pools of torch, onnxruntime and ttile's OpenMP spin for a while
+after each call, and took the two cores from whichever contender came next - ttile's
+MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 
 * torch eager, NCHW and channels_last (the best of the two is the anchor);
 * ``torch.compile`` (inductor) of the channels_last model, where it compiles;
@@ -34,6 +38,8 @@ import sys
 import time
 
 import numpy as np
+
+from bench_semantics import Cache, rounds
 
 
 def build(name: str):
@@ -163,16 +169,6 @@ def pin(threads: int) -> None:
     os.sched_setaffinity(0, set(cpus[:threads]))
 
 
-def rounds(runs: dict, reps: int) -> dict:
-    times = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def onnx_session(model, x, threads: int):
     import io
 
@@ -226,7 +222,7 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dic
                 raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
         for fn in runs.values():
             fn()
-        times = rounds(runs, reps)
+        times = rounds(runs, reps, Cache.WARM)
     eager = [min(a, b) for a, b in zip(times["torch NCHW"], times["torch channels_last"])]
     best_ttile = [min(a, b) for a, b in zip(times["ttile channels_last"], times["ttile NCHW"])]
     return dict(name=name, batch=batch, threads=threads, first=first, notes=notes,
