@@ -161,6 +161,31 @@ def test_custom_op_has_a_fake_kernel_so_export_sees_through_it():
         assert rel_error(exported.module()(x), converted(x)) < 1e-6
 
 
+def test_eager_calls_skip_the_custom_op_and_export_still_meets_it(monkeypatch):
+    """Eager calls on plain tensors run the packed layers directly (the op's dispatch cost
+    more than a small layer's kernel); export must still see the op, whose implementation
+    is the same packed layer."""
+    converted = tt.convert(small_net())
+    x = torch.randn(1, 3, 12, 12)
+    with torch.no_grad():
+        expected = converted(x)
+    calls = []
+    real = tt._PackedLayer.run
+    monkeypatch.setattr(tt._PackedLayer, "run",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call on plain tensors went through the custom op")
+
+    monkeypatch.setattr(tt, "conv2d_op", refuse)
+    with torch.no_grad():
+        assert torch.equal(converted(x), expected)
+    assert len(calls) == len(tt.served_layers(converted))
+    monkeypatch.undo()
+    exported = torch.export.export(converted, (x,))
+    assert any("ttile.conv2d" in str(node.target) for node in exported.graph.nodes)
+
+
 def test_example_input_tunes_every_layer_up_front_and_prints_what_serves_it(capsys):
     model = small_net()
     x = torch.randn(1, 3, 10, 10)
