@@ -113,7 +113,7 @@ DW_BLOCK(6) DW_BLOCK(5) DW_BLOCK(4) DW_BLOCK(3) DW_BLOCK(2) DW_BLOCK(1)
  * loaded with an empty mask (zeros, no access). Whole channel vectors only (plain loads:
  * a masked load cost 10 % here); the last, partial vector of a layer whose channels are
  * not a multiple of 16 goes to dw_block. 16 accumulators + 5 weights + 1 pixel: 22 zmm
- * registers at most. Feeding each output's S taps from S folded loads (one load per
+ * registers at most with one channel vector, 16 + 10 + 1 = 27 with two. Feeding each output's S taps from S folded loads (one load per
  * FMA, no accumulator shuffling) measured slower on every MobileNetV2 layer. */
 /* The FMAs input pixel q of the block feeds in channel vector cb: tap s of output j when
  * q = j * SW + s (all constants once unrolled). */
