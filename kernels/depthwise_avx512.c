@@ -29,8 +29,9 @@ static __attribute__((noinline)) __m512 dw_activate_exp(int activation, __m512 v
 }
 
 /* The epilogue on one block's accumulator, in registers before its one store: bias and
- * residual added, then the activation. Applying it after the store from memory, one call
- * per vector, took 40 % of the time of a 3x3 layer with bias + ReLU6 in MobileNetV2. */
+ * residual added, then the activation. Applied after the store from memory, one call
+ * per vector, bias + ReLU6 cost 27 % over the bare layer (MobileNetV2's C=96 s2 on a
+ * Zen 4); in registers, 7 %. */
 static inline __attribute__((always_inline)) __m512
 dw_epilogue(const ttile_epilogue *ep, __m512 v, __m512 bias, const float *res, __mmask16 m)
 {
