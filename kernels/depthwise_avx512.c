@@ -331,7 +331,9 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                      * C=96 112x112 s2 0.496 -> 0.184 ms, C=144 56x56 0.269 -> 0.142, the
                      * layers that fit in L2 the same or 2-5 % faster. A task that holds
                      * only some channel vectors (cparts > 1) has small rows; it does
-                     * without. */
+                     * without. The next output row's lines are prefetched too (into L1,
+                     * before the stores that would each wait for their line): C=96 s2
+                     * another 0.62x in the same rounds, the other six layers 0.94-1.04. */
                     const char *pf = NULL;
                     int64_t pf_lines = 0;
                     if (cparts == 1 && oh + 1 < oh_hi) {
@@ -347,9 +349,13 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                             pf_lines = ((hi - lo) * sh->w * C * 4 + 63) / 64;
                         }
                     }
+                    const char *pfy = (const char *)(y_row + WO * C);
+                    const int64_t pfy_lines = cparts == 1 && oh + 1 < oh_hi ? (WO * C * 4 + 63) / 64 : 0;
                     for (int64_t b = 0; b < nblocks; b++) {
                         for (int64_t l = pf_lines * b / nblocks; l < pf_lines * (b + 1) / nblocks; l++)
                             _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+                        for (int64_t l = pfy_lines * b / nblocks; l < pfy_lines * (b + 1) / nblocks; l++)
+                            _mm_prefetch(pfy + 64 * l, _MM_HINT_T0);
                         int nw;
                         int64_t ow0;
                         if (b < lchunks) {
