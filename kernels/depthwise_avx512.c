@@ -303,6 +303,10 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
         if (cparts > cvecs)
             cparts = cvecs;
     }
+    /* Prefetching the next row (see the row loop) pays only for an image that does not
+     * sit in L2 already; for the small ones it adds one instruction per line to the load
+     * ports (C=960 7x7: 840 per row against 1620 loads) and gains nothing. */
+    const int prefetch = cparts == 1 && sh->h * sh->w * C * 4 > ((int64_t)1 << 20);
 #pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t band = 0; band < bands; band++) {
@@ -329,14 +333,13 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                      * that the hardware prefetchers do not follow. Measured in the
                      * benchmark's warm rounds on a Zen 4 core (MobileNetV2, 1 thread):
                      * C=96 112x112 s2 0.496 -> 0.184 ms, C=144 56x56 0.269 -> 0.142, the
-                     * layers that fit in L2 the same or 2-5 % faster. A task that holds
-                     * only some channel vectors (cparts > 1) has small rows; it does
-                     * without. The next output row's lines are prefetched too (into L1,
-                     * before the stores that would each wait for their line): C=96 s2
-                     * another 0.62x in the same rounds, the other six layers 0.94-1.04. */
+                     * layers that fit in L2 the same or 2-5 % faster. Only for inputs
+                     * over 1 MiB (see prefetch). The next output row's lines are
+                     * prefetched too (into L1, before the stores that would each wait
+                     * for their line): C=96 s2 another 0.62x in the same rounds. */
                     const char *pf = NULL;
                     int64_t pf_lines = 0;
-                    if (cparts == 1 && oh + 1 < oh_hi) {
+                    if (prefetch && oh + 1 < oh_hi) {
                         const int64_t reach_h = (sh->r - 1) * sh->dil_h;
                         const int64_t first_next = (oh + 1) * sh->stride_h - sh->pad_top;
                         const int64_t last_this = first_next - sh->stride_h + reach_h;
@@ -350,7 +353,7 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                         }
                     }
                     const char *pfy = (const char *)(y_row + WO * C);
-                    const int64_t pfy_lines = cparts == 1 && oh + 1 < oh_hi ? (WO * C * 4 + 63) / 64 : 0;
+                    const int64_t pfy_lines = prefetch && oh + 1 < oh_hi ? (WO * C * 4 + 63) / 64 : 0;
                     for (int64_t b = 0; b < nblocks; b++) {
                         for (int64_t l = pf_lines * b / nblocks; l < pf_lines * (b + 1) / nblocks; l++)
                             _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
