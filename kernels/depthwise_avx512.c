@@ -20,6 +20,7 @@
 #include "ttile_runtime.h"
 
 #define DW_WIDEST 12
+#define DW_WRAP_TAPS 64
 
 /* The exp-based activations, out of line: inlined into each of the 76 block kernels
  * they would only bloat them. */
@@ -36,7 +37,7 @@ static inline __attribute__((always_inline)) __m512
 dw_epilogue(const ttile_epilogue *ep, __m512 v, __m512 bias, const float *res, __mmask16 m)
 {
     v = _mm512_add_ps(v, bias);
-    if (ep->residual)
+    if (res != NULL)
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, res));
     switch (ep->activation) {
     case TTILE_ACT_NONE:
@@ -51,7 +52,7 @@ dw_epilogue(const ttile_epilogue *ep, __m512 v, __m512 bias, const float *res, _
 }
 
 #define DW_BLOCK(NW)                                                                   \
-static inline __attribute__((always_inline)) void                                      \
+static __attribute__((noinline)) void                                                  \
 dw_block_##NW(const ttile_conv_shape *sh, const float *x_n, const float *w,            \
               float *y_row, int64_t oh, int64_t ow0, int64_t c0, __mmask16 m,          \
               const ttile_epilogue *ep)                            \
@@ -105,17 +106,26 @@ dw_block_##NW(const ttile_conv_shape *sh, const float *x_n, const float *w,     
 DW_BLOCK(12) DW_BLOCK(11) DW_BLOCK(10) DW_BLOCK(9) DW_BLOCK(8) DW_BLOCK(7)
 DW_BLOCK(6) DW_BLOCK(5) DW_BLOCK(4) DW_BLOCK(3) DW_BLOCK(2) DW_BLOCK(1)
 
-/* The fast path for the common kernels (S = 3 or 5 taps along w, stride 1 or 2, no
- * dilation along w): within one kernel row, each input pixel the block needs is loaded
+/* The fast path for the common kernels (square, S = 3 or 5 taps, stride 1 or 2 along w,
+ * no dilation along w): within one kernel row, each input pixel the block needs is loaded
  * once and feeds every (output, tap) pair that reads it (up to S FMAs per load, against
  * one in dw_block), with the S weight vectors of the row held in registers. The pixel
- * loop is unrolled at compile time (NW, S and the stride are constants), so which
- * accumulator each FMA goes to is decided by the compiler; a pixel in the padding is
- * loaded with an empty mask (zeros, no access). Whole channel vectors only (plain loads:
- * a masked load cost 10 % here); the last, partial vector of a layer whose channels are
- * not a multiple of 16 goes to dw_block. 16 accumulators + 5 weights + 1 pixel: 22 zmm
- * registers at most with one channel vector, 16 + 10 + 1 = 27 with two. Feeding each output's S taps from S folded loads (one load per
- * FMA, no accumulator shuffling) measured slower on every MobileNetV2 layer. */
+ * loop and the S kernel rows are unrolled at compile time (NW, S = R and the stride are
+ * constants), so which accumulator each FMA goes to is decided by the compiler; a pixel
+ * in the padding is loaded with an empty mask (zeros, no access). Whole channel vectors
+ * only (plain loads: a masked load cost 10 % here); the last, partial vector of a layer
+ * whose channels are not a multiple of 16 goes to dw_block. 16 accumulators + 5 weights
+ * + 1 pixel: 22 zmm registers at most with one channel vector, 16 + 10 + 1 = 27 with
+ * two. Feeding each output's S taps from S folded loads (one load per FMA, no
+ * accumulator shuffling) measured slower on every MobileNetV2 layer.
+ *
+ * The block kernels are functions of their own, not inlined into the row loop: inlined,
+ * the ~170 of them made one function that took GCC 3.7 minutes to compile (the row
+ * loop's register allocation); apart, 30 s. Each call runs all the channel vectors of a
+ * part (below), so the calls cost nothing measurable; with the rows unrolled (a runtime
+ * kernel height cost 9 % in a stand-alone loop) the layers ran 0-19 % faster than the
+ * inlined kernels with a runtime height (Zen 4, 1 thread, caches warm, best of 300:
+ * C=96 112x112 s2 141 -> 130 us, C=192 28x28 44.8 -> 36.4, C=960 7x7 10.2 -> 9.7). */
 /* The FMAs input pixel q of the block feeds in channel vector cb: tap s of output j when
  * q = j * SW + s (all constants once unrolled). */
 #define DW_FAST_TAPS(NW, S, SW, q, v, cb)                                              \
@@ -133,21 +143,25 @@ DW_BLOCK(6) DW_BLOCK(5) DW_BLOCK(4) DW_BLOCK(3) DW_BLOCK(2) DW_BLOCK(1)
  * accumulators. Rows of 7 outputs (7 accumulators with one vector: FMA latency showed)
  * ran 20-25 % faster with two. */
 #define DW_FAST(NW, S, SW, CB)                                                         \
-static inline __attribute__((always_inline)) void                                      \
+static __attribute__((noinline)) void                                                  \
 dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,         \
                                  const float *w, float *y_row, int64_t oh, int64_t ow0,\
-                                 int64_t c0, const ttile_epilogue *ep)                 \
+                                 int64_t c0, const ttile_epilogue *ep, const float *w0,\
+                                 int64_t w0_step, const float *b0, __mmask16 m0,      \
+                                 int64_t ngroups)                                      \
 {                                                                                      \
-    const int64_t H = sh->h, W = sh->w, C = sh->groups, R = sh->r;                     \
+    const int64_t H = sh->h, W = sh->w, C = sh->groups;                                \
     const int64_t iw0 = ow0 * SW - sh->pad_left;                                       \
     const int inside = iw0 >= 0 && iw0 + (NW - 1) * SW + S - 1 < W;                    \
+    for (int64_t g = 0; g < ngroups; g++) {                                            \
     __m512 acc[CB][NW];                                                                \
     _Pragma("GCC unroll 2")                                                            \
     for (int cb = 0; cb < CB; cb++)                                                    \
         _Pragma("GCC unroll 64")                                                       \
         for (int j = 0; j < NW; j++)                                                   \
             acc[cb][j] = _mm512_setzero_ps();                                          \
-    for (int64_t r = 0; r < R; r++) {                                                  \
+    _Pragma("GCC unroll 5")                                                          \
+    for (int r = 0; r < S; r++) {   /* R == S: square kernels only */                  \
         const int64_t ih = oh * sh->stride_h + r * sh->dil_h - sh->pad_top;            \
         if (ih < 0 || ih >= H)                                                         \
             continue;                                                                  \
@@ -157,7 +171,8 @@ dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,  
         for (int cb = 0; cb < CB; cb++)                                                \
             _Pragma("GCC unroll 8")                                                    \
             for (int s = 0; s < S; s++)                                                \
-                wv[cb][s] = _mm512_loadu_ps(w + (r * S + s) * C + c0 + 16 * cb);       \
+                wv[cb][s] = _mm512_loadu_ps(cb == 0 ? w0 + (r * S + s) * w0_step       \
+                                                    : w + (r * S + s) * C + c0 + 16 * cb); \
         /* A running pointer, and a step the compiler cannot see through: otherwise   \
          * it hoists one offset (and mask) per pixel out of the r loop, 2 * NW + S      \
          * live values, and spills them. */                                            \
@@ -196,8 +211,8 @@ dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,  
     _Pragma("GCC unroll 2")                                                            \
     for (int cb = 0; cb < CB; cb++) {                                                  \
         if (ep != NULL) {                                                              \
-            const __m512 bias = ep->bias ? _mm512_loadu_ps(ep->bias + c0 + 16 * cb)    \
-                                         : _mm512_setzero_ps();                        \
+            const float *b = cb == 0 ? b0 : ep->bias ? ep->bias + c0 + 16 * cb : NULL; \
+            const __m512 bias = b ? _mm512_loadu_ps(b) : _mm512_setzero_ps();          \
             _Pragma("GCC unroll 64")                                                   \
             for (int j = 0; j < NW; j++)                                               \
                 acc[cb][j] = dw_epilogue(ep, acc[cb][j], bias, ep->residual            \
@@ -205,8 +220,19 @@ dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,  
                                          : NULL, (__mmask16)0xFFFF);                   \
         }                                                                              \
         _Pragma("GCC unroll 64")                                                       \
-        for (int j = 0; j < NW; j++)                                                   \
-            _mm512_storeu_ps(y_row + (ow0 + j) * C + c0 + 16 * cb, acc[cb][j]);        \
+        for (int j = 0; j < NW; j++) {                                                 \
+            if (j == 0 && cb == 0 && m0 != (__mmask16)0xFFFF)                          \
+                _mm512_mask_storeu_ps(y_row + ow0 * C + c0, m0, acc[0][0]);            \
+            else                                                                       \
+                _mm512_storeu_ps(y_row + (ow0 + j) * C + c0 + 16 * cb, acc[cb][j]);    \
+        }                                                                              \
+    }                                                                                  \
+    /* the next group of CB vectors: plain weights, bias and stores */                 \
+    c0 += 16 * CB;                                                                     \
+    w0 = w + c0;                                                                       \
+    w0_step = C;                                                                       \
+    b0 = ep != NULL && ep->bias != NULL ? ep->bias + c0 : NULL;                        \
+    m0 = (__mmask16)0xFFFF;                                                            \
     }                                                                                  \
 }
 
@@ -221,9 +247,117 @@ DW_FAST_KINDS(DW_FAST_DEFINE)
 #define DW_FAST_WIDEST 16
 #define DW_FAST_PAIR_WIDEST 8
 
+/* An input whose lines are not on channel 0 (numpy's own arrays start 16 bytes into a
+ * line; NHWC with C a multiple of 16 keeps that offset at every pixel) makes every fast-
+ * path load straddle two lines: 1.20-1.28x the time of the same layer on a line-aligned
+ * input (MobileNetV2's C=32, C=144 s1 and C=96 s2 on a Zen 4). The fix without a copy:
+ * the channel vectors follow the input's lines instead of channel 0. With the input
+ * `off` floats into its line, vector k >= 1 of a pixel covers channels 16k - off ..
+ * 16k - off + 15 (inside the pixel: the fast path above with c0 = 16k - off, only its
+ * stores and the weights now straddle), and vector 0 (dw_fast0 below) covers the
+ * pixel's last `off` channels in its low lanes and channels 0 .. 15 - off in its high
+ * lanes: the line that starts `off` floats before the pixel. Its low lanes belong to the
+ * pixel one to the left, so for output j they are tap t - 1 of the shifted pixel that is
+ * tap t for the high lanes: taps 0 .. S with weights u[t] = (low: w[t - 1], high: w[t]),
+ * tap 0 on the high lanes only and tap S on the low lanes only (masked FMAs: a lane of
+ * a pixel outside the window is never multiplied, so an inf or NaN there stays out).
+ * The result vector holds channels C - off .. C - 1 (low) and 0 .. 15 - off (high) of
+ * one output pixel: two masked stores. With stride 1 along w, vector 0 can wrap instead,
+ * at no extra tap: the line `off` floats before output pixel o holds output o - 1's
+ * last channels and o's first ones, and the lines `off` floats before the input pixels
+ * are that pair's inputs tap by tap, so dw_fast with c0 = -off and the weights and bias
+ * rotated by `off` lanes computes it, stored as one vector (the block loop masks the
+ * low lanes of a block's first output where the block before did not wrap, and does
+ * the last channels of the last output of a row's run of wrapped blocks apart).
+ * dw_fast0 took C=32 112x112 from 1.20x to 1.28x the time of an aligned input (half its
+ * vectors have 4 taps of 3 and two stores); wrapping took it to 1.10x, C=144 56x56 from
+ * 1.23x to 1.01x, and dw_fast0 alone C=96 112x112 s2 from 1.26x to 1.05x (Zen 4).
+ * Each lane sums the same products in the same order as on an aligned input, so the
+ * results are bit-identical. */
+#define DW_FAST0_TAPS(NW, S, SW, q, v)                                                 \
+    do {                                                                               \
+        _Pragma("GCC unroll 8")                                                        \
+        for (int t = 0; t <= S; t++) {                                                 \
+            const int j = ((q) - t) / SW;                                              \
+            if ((q) >= t && ((q) - t) % SW == 0 && j < NW) {                           \
+                if (t == 0)                                                            \
+                    acc[j] = _mm512_mask3_fmadd_ps(v, u[t], acc[j], hi);               \
+                else if (t == S)                                                       \
+                    acc[j] = _mm512_mask3_fmadd_ps(v, u[t], acc[j], lo);               \
+                else                                                                   \
+                    acc[j] = _mm512_fmadd_ps(v, u[t], acc[j]);                         \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
+#define DW_FAST0(NW, S, SW, CB_UNUSED)                                                 \
+static __attribute__((noinline)) void                                                  \
+dw_fast0_##NW##_##S##_##SW(const ttile_conv_shape *sh, const float *x_n,               \
+                           const float *w, float *y_row, int64_t oh, int64_t ow0,      \
+                           int off, const ttile_epilogue *ep)                          \
+{                                                                                      \
+    const int64_t C = sh->groups;                                                      \
+    const __mmask16 hi = (__mmask16)(0xFFFFu << off), lo = (__mmask16)~hi;             \
+    const int64_t iw0 = ow0 * SW - sh->pad_left;                                       \
+    __m512 acc[NW];                                                                    \
+    _Pragma("GCC unroll 64")                                                           \
+    for (int j = 0; j < NW; j++)                                                       \
+        acc[j] = _mm512_setzero_ps();                                                  \
+    _Pragma("GCC unroll 5")                                                          \
+    for (int r = 0; r < S; r++) {   /* R == S: square kernels only */                  \
+        const int64_t ih = oh * sh->stride_h + r * sh->dil_h - sh->pad_top;            \
+        if (ih < 0 || ih >= sh->h)                                                     \
+            continue;                                                                  \
+        const float *wr = w + r * S * C;                                               \
+        __m512 u[S + 1];                                                               \
+        u[0] = _mm512_maskz_loadu_ps(hi, wr - off);                                    \
+        _Pragma("GCC unroll 8")                                                        \
+        for (int t = 1; t < S; t++)   /* (R, S, C): tap t - 1's last channels first */ \
+            u[t] = _mm512_loadu_ps(wr + t * C - off);                                  \
+        u[S] = _mm512_maskz_loadu_ps(lo, wr + S * C - off);                            \
+        int64_t step = C;                                                              \
+        __asm__("" : "+r"(step));                                                      \
+        const float *p = x_n + ih * sh->w * C + iw0 * step - off;                      \
+        _Pragma("GCC unroll 64")                                                       \
+        for (int q = 0; q <= (NW - 1) * SW + S; q++) {                                 \
+            __m512 v = q == 0 ? _mm512_maskz_loadu_ps(hi, p)                           \
+                     : q == (NW - 1) * SW + S ? _mm512_maskz_loadu_ps(lo, p)           \
+                     : _mm512_loadu_ps(p);                                             \
+            __asm__("" : "+v"(v));                                                     \
+            DW_FAST0_TAPS(NW, S, SW, q, v);                                            \
+            p += step;                                                                 \
+        }                                                                              \
+    }                                                                                  \
+    if (ep != NULL) {                                                                  \
+        __m512 bias = _mm512_setzero_ps();                                             \
+        if (ep->bias)                                                                  \
+            bias = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(hi, ep->bias - off), lo, \
+                                        ep->bias + C - off);                           \
+        _Pragma("GCC unroll 64")                                                       \
+        for (int j = 0; j < NW; j++) {                                                 \
+            __m512 v = _mm512_add_ps(acc[j], bias);                                    \
+            if (ep->residual) {                                                        \
+                const float *res = ep->residual + (ow0 + j) * C - off;                 \
+                v = _mm512_add_ps(v, _mm512_mask_loadu_ps(                             \
+                        _mm512_maskz_loadu_ps(hi, res), lo, res + C));                 \
+            }                                                                          \
+            acc[j] = dw_epilogue(ep, v, _mm512_setzero_ps(), NULL, 0);                 \
+        }                                                                              \
+    }                                                                                  \
+    _Pragma("GCC unroll 64")                                                           \
+    for (int j = 0; j < NW; j++) {                                                     \
+        _mm512_mask_storeu_ps(y_row + (ow0 + j) * C - off, hi, acc[j]);                \
+        _mm512_mask_storeu_ps(y_row + (ow0 + j) * C + C - off, lo, acc[j]);            \
+    }                                                                                  \
+}
+
+#define DW_FAST0_DEFINE(S, SW) DW_FAST_WIDTHS(DW_FAST0, S, SW, 0)
+DW_FAST_KINDS(DW_FAST0_DEFINE)
+
 #define DW_FAST_CASE(NW, S, SW, CB)                                                    \
     case NW:                                                                           \
-        dw_fast_##NW##_##S##_##SW##_##CB(sh, x_n, w, y_row, oh, ow0_f, c0, row_ep);    \
+        dw_fast_##NW##_##S##_##SW##_##CB(sh, x_n, w, y_row, oh, ow0_f, c0, row_ep,     \
+                                         w0, w0_step, b0, o == 0 ? m0 : full, groups); \
         break;
 /* One block of nw_f outputs from ow0_f over one channel vector, or two with pair. */
 #define DW_FAST_KIND_CASE(S, SW)                                                       \
@@ -233,6 +367,16 @@ DW_FAST_KINDS(DW_FAST_DEFINE)
         } else {                                                                       \
             switch (nw_f) { DW_FAST_WIDTHS(DW_FAST_CASE, S, SW, 1) }                   \
         }                                                                              \
+        break;
+
+#define DW_FAST0_CASE(NW, S, SW, CB_UNUSED)                                            \
+    case NW:                                                                           \
+        dw_fast0_##NW##_##S##_##SW(sh, x_n, w, y_row, oh, ow0, off, row_ep);           \
+        break;
+/* Vector 0 of a block of nw <= DW_FAST_WIDEST outputs on an input off its lines. */
+#define DW_FAST0_KIND_CASE(S, SW)                                                      \
+    case S * 16 + SW:                                                                  \
+        switch (nw) { DW_FAST_WIDTHS(DW_FAST0_CASE, S, SW, 0) }                        \
         break;
 
 #define DW_CASE(NW)                                                                    \
@@ -257,9 +401,16 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
     if (ttile_epilogue_is_empty(ep))
         ep = NULL;
     /* The fast path's kind (S * 16 + stride), or 0 for the general blocks. */
-    const int fast = (sh->dil_w == 1 && (sh->s == 3 || sh->s == 5)
+    const int fast = (sh->dil_w == 1 && sh->r == sh->s && (sh->s == 3 || sh->s == 5)
                       && (sh->stride_w == 1 || sh->stride_w == 2))
                      ? (int)(sh->s * 16 + sh->stride_w) : 0;
+    /* How far the input's lines are from channel 0, in floats: the same at every pixel
+     * when C is a multiple of 16 (see dw_fast0). Rows of one fast-path block keep the
+     * plain channel vectors (their block checks each pixel against the padding): split
+     * into edges and an inner block that follows the lines, C=384 14x14 took 1.34x and
+     * C=960 7x7 1.55x the time of the aligned input, against 1.15x and 1.10x as they are. */
+    const int off = (int)(((uintptr_t)x % 64) / sizeof(float));
+    const int lines = fast && off != 0 && C % 16 == 0 && WO > DW_FAST_WIDEST;
     /* Columns along w: the left and right edges (outputs whose taps reach into the
      * padding) in chunks of up to DW_WIDEST, run by the checked code; between them, the
      * outputs whose taps all read inside the input, in blocks of nearly equal width
@@ -269,11 +420,11 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
     int64_t left = (PL + SW - 1) / SW;
     if (left > WO)
         left = WO;
-    if (fast && WO <= DW_FAST_WIDEST)
+    if (fast && WO <= DW_FAST_WIDEST && !lines)
         left = 0;   /* one block with checks beats three small ones */
     int64_t last = sh->w - 1 + PL - reach;   /* last inside column is last / SW */
     last = last < 0 ? -1 : last / SW;
-    if (last > WO - 1 || (fast && WO <= DW_FAST_WIDEST))
+    if (last > WO - 1 || (fast && WO <= DW_FAST_WIDEST && !lines))
         last = WO - 1;
     const int64_t inner = last >= left ? last - left + 1 : 0;
     const int64_t right = WO - left - inner;
@@ -303,6 +454,20 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
         if (cparts > cvecs)
             cparts = cvecs;
     }
+    /* Stride 1 along w: vector 0 of a pixel wraps instead (see the block loop), with the
+     * weights and bias rotated by off lanes once here. */
+    const int wraps = lines && sh->stride_w == 1 && sh->r * sh->s <= DW_WRAP_TAPS;
+    float wrot[DW_WRAP_TAPS * 16] __attribute__((aligned(64)));
+    float brot[16] __attribute__((aligned(64)));
+    if (wraps) {
+        for (int64_t t = 0; t < sh->r * sh->s; t++)
+            for (int l = 0; l < 16; l++)
+                wrot[t * 16 + l] = w[t * C + (l < off ? C - off + l : l - off)];
+        for (int l = 0; l < 16; l++)
+            brot[l] = ep != NULL && ep->bias != NULL ? ep->bias[l < off ? C - off + l : l - off]
+                                                     : 0.0f;
+    }
+    const __mmask16 full = (__mmask16)0xFFFF;
     /* Prefetching the next row (see the row loop) pays only for an image that does not
      * sit in L2 already; for the small ones it adds one instruction per line to the load
      * ports (C=960 7x7: 840 per row against 1620 loads) and gains nothing. */
@@ -354,6 +519,9 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                     }
                     const char *pfy = (const char *)(y_row + WO * C);
                     const int64_t pfy_lines = prefetch && oh + 1 < oh_hi ? (WO * C * 4 + 63) / 64 : 0;
+                    /* The first block wraps too unless its vector 0 would reach before
+                     * the input (image 0's row 0) or the residual. */
+                    const int wrap_first = n > 0 || oh * sh->stride_h - sh->pad_top >= 1;
                     for (int64_t b = 0; b < nblocks; b++) {
                         for (int64_t l = pf_lines * b / nblocks; l < pf_lines * (b + 1) / nblocks; l++)
                             _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
@@ -373,21 +541,49 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                             ow0 = left + inner + i * DW_WIDEST;
                             nw = (int)(WO - ow0 < DW_WIDEST ? WO - ow0 : DW_WIDEST);
                         }
+                        /* The blocks between the edges follow the input's lines (see
+                         * dw_fast0 and dw_wrap): vector k >= 1 of each pixel from channel
+                         * 16k - off; vector 0 by dw_fast0 in the first block and, with
+                         * stride 1, by the wrapped vector in the others (the first of
+                         * them leaves the low lanes of its first output to dw_fast0, the
+                         * last has the last channels of its last output done apart). */
+                        const int64_t ib = b - lchunks;
+                        const int shift = lines && ib >= 0 && ib < iblocks ? off : 0;
+                        const int wrap = shift && wraps && (ib > 0 || wrap_first);
                         for (int64_t cv = cv_lo; cv < cv_hi; cv++) {
-                            const int64_t c0 = cv * 16;
-                            const __mmask16 m = C - c0 >= 16 ? (__mmask16)0xFFFF
+                            const int64_t c0 = cv * 16 - shift;
+                            if (shift && cv == 0 && !wrap) {
+                                switch (fast) { DW_FAST_KINDS(DW_FAST0_KIND_CASE) }
+                                continue;
+                            }
+                            const __mmask16 m = C - c0 >= 16 ? full
                                                              : (__mmask16)((1u << (C - c0)) - 1u);
-                            if (fast && m == (__mmask16)0xFFFF) {
+                            if (fast && m == full) {
+                                const int wrapped = wrap && cv == 0;
+                                const float *w0 = wrapped ? wrot : w + c0;
+                                const int64_t w0_step = wrapped ? 16 : C;
+                                const float *b0 = row_ep == NULL || row_ep->bias == NULL ? NULL
+                                                  : wrapped ? brot : row_ep->bias + c0;
+                                const __mmask16 m0 = wrapped && ib == (wrap_first ? 0 : 1)
+                                                     ? (__mmask16)(0xFFFFu << off) : full;
                                 /* two vectors at once while two whole ones are left,
-                                 * the block in parts of up to 8 outputs */
-                                const int pair = cv + 1 < cv_hi && C - c0 >= 32;
+                                 * the block in parts of up to 8 outputs; one call runs
+                                 * all the pairs of a part (a call per pair cost C=960
+                                 * 7x7 7 %) */
+                                int64_t whole = (C - c0) / 16;
+                                whole = whole < cv_hi - cv ? whole : cv_hi - cv;
+                                const int pair = whole >= 2;
+                                const int64_t groups = pair ? whole / 2 : 1;
                                 const int widest = pair ? DW_FAST_PAIR_WIDEST : DW_FAST_WIDEST;
                                 for (int o = 0; o < nw; o += widest) {
                                     const int nw_f = nw - o < widest ? nw - o : widest;
                                     const int64_t ow0_f = ow0 + o;
                                     switch (fast) { DW_FAST_KINDS(DW_FAST_KIND_CASE) }
                                 }
-                                cv += pair;
+                                if (wrapped && ib == iblocks - 1)
+                                    dw_block_1(sh, x_n, w, y_row, oh, ow0 + nw - 1, C - 16,
+                                               (__mmask16)(0xFFFFu << (16 - off)), row_ep);
+                                cv += pair ? 2 * groups - 1 : 0;
                                 continue;
                             }
                             /* dw_block is at most DW_WIDEST wide; a fast-path block

@@ -351,3 +351,68 @@ def test_nchw_pointwise_kernel_stays_in_bounds(case, side):
                                                activation=1)
             y = _guarded_epilogue_call(side, x, weights, bias, residual, (n, k, h, w), call)
             np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def _off_line(a: np.ndarray, off: int) -> np.ndarray:
+    """A copy of ``a`` that starts ``off`` floats into a 64-byte line of a buffer filled
+    with NaN, so that a kernel using any float outside the array (the rest of its first
+    and last lines, or further) puts NaN where the line-aligned copy has a number."""
+    flat = np.full(a.size + 64, np.nan, np.float32)
+    start = (-flat.ctypes.data // 4) % 16 + 16 + off
+    view = flat[start:start + a.size].reshape(a.shape)
+    view[...] = a
+    assert view.ctypes.data % 64 == 4 * off
+    return view
+
+
+#: (n, h, w, channels, r, stride, pad): NHWC depthwise layers whose rows are wider than
+#: one fast-path block, so the blocks between the edges follow the input's lines when it
+#: is off them: stride 1 (vector 0 wraps; several blocks, one) and 2 (dw_fast0), 3x3 and
+#: 5x5, one to seven channel vectors, no padding (no left edge), a batch.
+OFF_LINE_SHAPES = [
+    (2, 6, 40, 32, 3, 1, 1),
+    (1, 5, 19, 16, 3, 1, 1),
+    (1, 7, 37, 96, 3, 2, 1),
+    (1, 6, 30, 48, 5, 1, 2),
+    (2, 9, 45, 64, 5, 2, 2),
+    (1, 5, 35, 112, 3, 1, 0),
+    (1, 4, 36, 32, 3, 2, 0),
+]
+
+
+@requires_avx512
+@pytest.mark.parametrize("off", [1, 4, 8, 12, 15])
+@pytest.mark.parametrize("case", OFF_LINE_SHAPES,
+                         ids=lambda c: f"n{c[0]}w{c[2]}c{c[3]}r{c[4]}s{c[5]}p{c[6]}")
+def test_depthwise_input_off_its_lines_gives_the_line_aligned_result(case, off):
+    """An NHWC input that does not start on a line (numpy's own arrays start 16 bytes into
+    one) runs other code (channel vectors along the input's lines, dw_fast0 and the
+    wrapped vector 0): its results must be those of the same input on a line, bit for
+    bit, with every epilogue operand, inf and NaN in the input staying in the outputs
+    whose windows hold them, and nothing read from outside the array."""
+    n, h, w, c, r, stride, pad = case
+    rng = np.random.default_rng(off)
+    x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
+    x[0, h // 2, w // 3, 5] = np.inf
+    x[-1, 1, w - 2, c - 1] = np.nan
+    x[0, 0, 17, 0] = -np.inf
+    wt = rng.uniform(-1, 1, (r, r, 1, c)).astype(np.float32)
+    ho, wo = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
+    bias = rng.uniform(-1, 1, c).astype(np.float32)
+    residual = rng.uniform(-1, 1, (n, ho, wo, c)).astype(np.float32)
+    x_line = _off_line(x, 0)
+    for threads in (1, 2):
+        for epilogue in ({}, {"activation": "relu6", "residual": residual}):
+            b = bias if epilogue else None
+            expected = ttile.conv2d(x_line, wt, b, stride, pad, 1, c, layout="NHWC",
+                                    threads=threads, **epilogue)
+            got = ttile.conv2d(_off_line(x, off), wt, b, stride, pad, 1, c, layout="NHWC",
+                               threads=threads, **epilogue)
+            assert np.array_equal(got, expected, equal_nan=True)
+    # and the line-aligned result is the convolution (the finite outputs)
+    from ttile.core.reference import conv2d_nhwc_f64
+    reference = conv2d_nhwc_f64(x, wt, (stride, stride), (pad,) * 4, (1, 1), c)
+    plain = ttile.conv2d(x_line, wt, None, stride, pad, 1, c, layout="NHWC", threads=1)
+    finite = np.isfinite(reference)
+    assert np.array_equal(np.isnan(plain), np.isnan(reference))
+    np.testing.assert_allclose(plain[finite], reference[finite], rtol=1e-4, atol=1e-4)
