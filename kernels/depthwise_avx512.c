@@ -17,6 +17,7 @@
  * of a kernel with masked loads (C=32 112x112: 100 -> 81 us; C=960 7x7: 13.3 -> 11.6 us,
  * together with a block-column order since replaced, see the task loop). */
 #include <immintrin.h>
+#include <stdlib.h>
 #include "ttile_runtime.h"
 
 #define DW_WIDEST 12
@@ -142,28 +143,17 @@ DW_BLOCK(6) DW_BLOCK(5) DW_BLOCK(4) DW_BLOCK(3) DW_BLOCK(2) DW_BLOCK(1)
  * contiguous bytes and a block of NW <= 8 outputs still has 2 * NW independent
  * accumulators. Rows of 7 outputs (7 accumulators with one vector: FMA latency showed)
  * ran 20-25 % faster with two. */
-#define DW_FAST(NW, S, SW, CB)                                                         \
-static __attribute__((noinline)) void                                                  \
-dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,         \
-                                 const float *w, float *y_row, int64_t oh, int64_t ow0,\
-                                 int64_t c0, const ttile_epilogue *ep, const float *w0,\
-                                 int64_t w0_step, const float *b0, __mmask16 m0,      \
-                                 int64_t ngroups)                                      \
-{                                                                                      \
-    const int64_t H = sh->h, W = sh->w, C = sh->groups;                                \
-    const int64_t iw0 = ow0 * SW - sh->pad_left;                                       \
-    const int inside = iw0 >= 0 && iw0 + (NW - 1) * SW + S - 1 < W;                    \
-    for (int64_t g = 0; g < ngroups; g++) {                                            \
-    __m512 acc[CB][NW];                                                                \
-    _Pragma("GCC unroll 2")                                                            \
-    for (int cb = 0; cb < CB; cb++)                                                    \
-        _Pragma("GCC unroll 64")                                                       \
-        for (int j = 0; j < NW; j++)                                                   \
-            acc[cb][j] = _mm512_setzero_ps();                                          \
+/* The kernel rows of one group of CB vectors of a fast-path block: with CHECK 0, every
+ * tap of the block reads inside the input and nothing is tested. Testing the columns
+ * inside the unrolled rows, GCC moved registers around the two paths of each row:
+ * 1.16-1.2x the time of the same loop without the tests in a stand-alone copy (C=32
+ * 114x114, Zen 4), and the weights of vector 0 read through a pointer of their own
+ * (the wrapped vector once did) made it worse. */
+#define DW_FAST_ROWS(NW, S, SW, CB, CHECK)                                             \
     _Pragma("GCC unroll 5")                                                          \
     for (int r = 0; r < S; r++) {   /* R == S: square kernels only */                  \
         const int64_t ih = oh * sh->stride_h + r * sh->dil_h - sh->pad_top;            \
-        if (ih < 0 || ih >= H)                                                         \
+        if ((CHECK) && (ih < 0 || ih >= H))                                            \
             continue;                                                                  \
         const float *row = x_n + ih * W * C + c0;                                      \
         __m512 wv[CB][S];                                                              \
@@ -171,15 +161,14 @@ dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,  
         for (int cb = 0; cb < CB; cb++)                                                \
             _Pragma("GCC unroll 8")                                                    \
             for (int s = 0; s < S; s++)                                                \
-                wv[cb][s] = _mm512_loadu_ps(cb == 0 ? w0 + (r * S + s) * w0_step       \
-                                                    : w + (r * S + s) * C + c0 + 16 * cb); \
+                wv[cb][s] = _mm512_loadu_ps(wb + (r * S + s) * wstep + 16 * cb);       \
         /* A running pointer, and a step the compiler cannot see through: otherwise   \
          * it hoists one offset (and mask) per pixel out of the r loop, 2 * NW + S      \
          * live values, and spills them. */                                            \
         int64_t step = C;                                                              \
         __asm__("" : "+r"(step));                                                      \
         const float *p = row + iw0 * step;                                             \
-        if (inside) {                                                                  \
+        if (!(CHECK) || inside) {                                                      \
             _Pragma("GCC unroll 64")                                                   \
             for (int q = 0; q < (NW - 1) * SW + S; q++) {                              \
                 _Pragma("GCC unroll 2")                                                \
@@ -207,31 +196,66 @@ dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,  
                 iw++;                                                                  \
             }                                                                          \
         }                                                                              \
-    }                                                                                  \
+    }
+
+#define DW_FAST(NW, S, SW, CB)                                                         \
+static __attribute__((noinline)) void                                                  \
+dw_fast_##NW##_##S##_##SW##_##CB(const ttile_conv_shape *sh, const float *x_n,         \
+                                 const float *w, float *y_row, int64_t oh, int64_t ow0,\
+                                 int64_t c0, const ttile_epilogue *ep, __mmask16 m0,   \
+                                 int64_t ngroups)                                      \
+{                                                                                      \
+    const int64_t H = sh->h, W = sh->w, C = sh->groups;                                \
+    const int64_t iw0 = ow0 * SW - sh->pad_left;                                       \
+    const int inside = iw0 >= 0 && iw0 + (NW - 1) * SW + S - 1 < W;                    \
+    const int64_t ih0 = oh * sh->stride_h - sh->pad_top;                               \
+    const int rows_inside = ih0 >= 0 && ih0 + (S - 1) * sh->dil_h < H;                 \
+    for (int64_t g = 0; g < ngroups; g++) {                                            \
+    __m512 acc[CB][NW];                                                                \
+    _Pragma("GCC unroll 2")                                                            \
+    for (int cb = 0; cb < CB; cb++)                                                    \
+        _Pragma("GCC unroll 64")                                                       \
+        for (int j = 0; j < NW; j++)                                                   \
+            acc[cb][j] = _mm512_setzero_ps();                                          \
+    /* the weights' step hidden too (their 2S addresses were computed up front) */     \
+    int64_t wstep = C;                                                                 \
+    __asm__("" : "+r"(wstep));                                                         \
+    const float *wb = w + c0;                                                          \
+    if (inside && rows_inside)                                                         \
+        DW_FAST_ROWS(NW, S, SW, CB, 0)                                                 \
+    else                                                                               \
+        DW_FAST_ROWS(NW, S, SW, CB, 1)                                                 \
+    /* Running pointers with a step the compiler cannot see through, as for the loads: \
+     * with (ow0 + j) * C it computed all NW output (and residual) addresses before the  \
+     * first FMA and kept them on the stack, ~170 instructions a call: the pair kernel  \
+     * on C=32 112x112 took 1.35x the time of the same loop without them (Zen 4). */    \
+    int64_t ystep = C;                                                                 \
+    __asm__("" : "+r"(ystep));                                                         \
     _Pragma("GCC unroll 2")                                                            \
     for (int cb = 0; cb < CB; cb++) {                                                  \
         if (ep != NULL) {                                                              \
-            const float *b = cb == 0 ? b0 : ep->bias ? ep->bias + c0 + 16 * cb : NULL; \
-            const __m512 bias = b ? _mm512_loadu_ps(b) : _mm512_setzero_ps();          \
+            const __m512 bias = ep->bias ? _mm512_loadu_ps(ep->bias + c0 + 16 * cb)    \
+                                         : _mm512_setzero_ps();                        \
+            const float *res = ep->residual ? ep->residual + ow0 * C + c0 + 16 * cb    \
+                                            : NULL;                                    \
             _Pragma("GCC unroll 64")                                                   \
-            for (int j = 0; j < NW; j++)                                               \
-                acc[cb][j] = dw_epilogue(ep, acc[cb][j], bias, ep->residual            \
-                                         ? ep->residual + (ow0 + j) * C + c0 + 16 * cb \
-                                         : NULL, (__mmask16)0xFFFF);                   \
+            for (int j = 0; j < NW; j++) {                                             \
+                acc[cb][j] = dw_epilogue(ep, acc[cb][j], bias, res, (__mmask16)0xFFFF);\
+                if (res != NULL)                                                       \
+                    res += ystep;                                                      \
+            }                                                                          \
         }                                                                              \
+        float *yp = y_row + ow0 * C + c0 + 16 * cb;                                    \
         _Pragma("GCC unroll 64")                                                       \
         for (int j = 0; j < NW; j++) {                                                 \
             if (j == 0 && cb == 0 && m0 != (__mmask16)0xFFFF)                          \
-                _mm512_mask_storeu_ps(y_row + ow0 * C + c0, m0, acc[0][0]);            \
+                _mm512_mask_storeu_ps(yp, m0, acc[0][0]);                              \
             else                                                                       \
-                _mm512_storeu_ps(y_row + (ow0 + j) * C + c0 + 16 * cb, acc[cb][j]);    \
+                _mm512_storeu_ps(yp, acc[cb][j]);                                      \
+            yp += ystep;                                                               \
         }                                                                              \
     }                                                                                  \
-    /* the next group of CB vectors: plain weights, bias and stores */                 \
-    c0 += 16 * CB;                                                                     \
-    w0 = w + c0;                                                                       \
-    w0_step = C;                                                                       \
-    b0 = ep != NULL && ep->bias != NULL ? ep->bias + c0 : NULL;                        \
+    c0 += 16 * CB;   /* the next group of CB vectors */                               \
     m0 = (__mmask16)0xFFFF;                                                            \
     }                                                                                  \
 }
@@ -356,8 +380,8 @@ DW_FAST_KINDS(DW_FAST0_DEFINE)
 
 #define DW_FAST_CASE(NW, S, SW, CB)                                                    \
     case NW:                                                                           \
-        dw_fast_##NW##_##S##_##SW##_##CB(sh, x_n, w, y_row, oh, ow0_f, c0, row_ep,     \
-                                         w0, w0_step, b0, o == 0 ? m0 : full, groups); \
+        dw_fast_##NW##_##S##_##SW##_##CB(sh, x_n, wf, y_row, oh, ow0_f, c0, fast_ep,   \
+                                         o == 0 ? m0 : full, groups);                  \
         break;
 /* One block of nw_f outputs from ow0_f over one channel vector, or two with pair. */
 #define DW_FAST_KIND_CASE(S, SW)                                                       \
@@ -455,17 +479,21 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
             cparts = cvecs;
     }
     /* Stride 1 along w: vector 0 of a pixel wraps instead (see the block loop), with the
-     * weights and bias rotated by off lanes once here. */
-    const int wraps = lines && sh->stride_w == 1 && sh->r * sh->s <= DW_WRAP_TAPS;
-    float wrot[DW_WRAP_TAPS * 16] __attribute__((aligned(64)));
-    float brot[16] __attribute__((aligned(64)));
+     * weights and bias rotated by off lanes, here once per call: ws[t * C + i] is tap t's
+     * weight of channel i - off (mod C), and the wrapped blocks read all their vectors
+     * from ws + off (vector k >= 1 from channel 16k - off: the weights as they are).
+     * Without the memory, vector 0 runs dw_fast0 everywhere. */
+    float *ws = NULL;
+    if (lines && sh->stride_w == 1)
+        ws = malloc((size_t)(sh->r * sh->s + 1) * (size_t)C * sizeof(float));
+    const int wraps = ws != NULL;
+    float *bs = ws != NULL ? ws + sh->r * sh->s * C : NULL;
     if (wraps) {
         for (int64_t t = 0; t < sh->r * sh->s; t++)
-            for (int l = 0; l < 16; l++)
-                wrot[t * 16 + l] = w[t * C + (l < off ? C - off + l : l - off)];
-        for (int l = 0; l < 16; l++)
-            brot[l] = ep != NULL && ep->bias != NULL ? ep->bias[l < off ? C - off + l : l - off]
-                                                     : 0.0f;
+            for (int64_t i = 0; i < C; i++)
+                ws[t * C + i] = w[t * C + (i - off + C) % C];
+        for (int64_t i = 0; i < C; i++)
+            bs[i] = ep != NULL && ep->bias != NULL ? ep->bias[(i - off + C) % C] : 0.0f;
     }
     const __mmask16 full = (__mmask16)0xFFFF;
     /* Prefetching the next row (see the row loop) pays only for an image that does not
@@ -519,6 +547,14 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                     }
                     const char *pfy = (const char *)(y_row + WO * C);
                     const int64_t pfy_lines = prefetch && oh + 1 < oh_hi ? (WO * C * 4 + 63) / 64 : 0;
+                    ttile_epilogue wrap_copy;   /* row_ep with the rotated bias */
+                    const ttile_epilogue *wrap_ep = NULL;
+                    if (row_ep != NULL) {
+                        wrap_copy = shifted;
+                        if (wraps && ep->bias != NULL)
+                            wrap_copy.bias = bs + off;
+                        wrap_ep = &wrap_copy;
+                    }
                     /* The first block wraps too unless its vector 0 would reach before
                      * the input (image 0's row 0) or the residual. */
                     const int wrap_first = n > 0 || oh * sh->stride_h - sh->pad_top >= 1;
@@ -550,6 +586,8 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                         const int64_t ib = b - lchunks;
                         const int shift = lines && ib >= 0 && ib < iblocks ? off : 0;
                         const int wrap = shift && wraps && (ib > 0 || wrap_first);
+                        const float *wf = wrap ? ws + off : w;
+                        const ttile_epilogue *fast_ep = wrap ? wrap_ep : row_ep;
                         for (int64_t cv = cv_lo; cv < cv_hi; cv++) {
                             const int64_t c0 = cv * 16 - shift;
                             if (shift && cv == 0 && !wrap) {
@@ -560,10 +598,6 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                                                              : (__mmask16)((1u << (C - c0)) - 1u);
                             if (fast && m == full) {
                                 const int wrapped = wrap && cv == 0;
-                                const float *w0 = wrapped ? wrot : w + c0;
-                                const int64_t w0_step = wrapped ? 16 : C;
-                                const float *b0 = row_ep == NULL || row_ep->bias == NULL ? NULL
-                                                  : wrapped ? brot : row_ep->bias + c0;
                                 const __mmask16 m0 = wrapped && ib == (wrap_first ? 0 : 1)
                                                      ? (__mmask16)(0xFFFFu << off) : full;
                                 /* two vectors at once while two whole ones are left,
@@ -599,4 +633,5 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
             }
         }
     }
+    free(ws);
 }
