@@ -416,3 +416,18 @@ def test_depthwise_input_off_its_lines_gives_the_line_aligned_result(case, off):
     finite = np.isfinite(reference)
     assert np.array_equal(np.isnan(plain), np.isnan(reference))
     np.testing.assert_allclose(plain[finite], reference[finite], rtol=1e-4, atol=1e-4)
+
+
+@requires_avx512
+@pytest.mark.parametrize("off", [0, 4, 8, 12])
+def test_a_new_depthwise_output_is_placed_like_its_input(off):
+    """Without out=, the NHWC depthwise kernel's output starts as far into a line as its
+    input (its stores then follow whole lines, like its loads); other outputs start on a
+    line."""
+    x = _off_line(np.ones((1, 20, 40, 48), np.float32), off)
+    wt = np.ones((3, 3, 1, 48), np.float32)
+    y = ttile.conv2d(x, wt, None, 1, 1, 1, 48, layout="NHWC")
+    assert y.ctypes.data % 64 == 4 * off and y.flags.c_contiguous
+    assert y[0, 5, 5, 0] == 9.0 and y[0, 0, 0, 0] == 4.0
+    dense = ttile.conv2d(x, np.ones((3, 3, 48, 16), np.float32), None, 1, 1, layout="NHWC")
+    assert dense.ctypes.data % 64 == 0

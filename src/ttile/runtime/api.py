@@ -600,7 +600,12 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     first)."""
     spec = plan.spec
     if plan.layout == "NHWC":
-        y = out if out is not None else aligned_empty(plan.out_shape)
+        if out is not None:
+            y = out
+        elif choice.kind is KernelKind.DEPTHWISE and plan.out_shape[-1] % 16 == 0:
+            y = aligned_empty(plan.out_shape, x)   # stores along x's lines, as its loads
+        else:
+            y = aligned_empty(plan.out_shape)
         _run(choice, plan, x, weights, y, nthreads, fused.kwargs())
         return y
     if choice.kind is KernelKind.POINTWISE:

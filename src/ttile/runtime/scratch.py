@@ -42,11 +42,13 @@ def scratch(slot: str, shape: tuple[int, ...]) -> Optional[np.ndarray]:
     return buffer[:size].reshape(shape)
 
 
-def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], line_of: Optional[np.ndarray] = None) -> np.ndarray:
     """A new output of ``shape`` on a 64-byte line (see ``_kernels.empty_aligned``): the
     kernels' vector stores then never span two lines, and those that stream whole lines
-    past the caches (non-temporal stores of large outputs) can."""
-    return _kernels.empty_aligned(tuple(shape))
+    past the caches (non-temporal stores of large outputs) can. With ``line_of``, as far
+    into a line as that array starts (for the NHWC depthwise kernel, whose stores follow
+    its input's lines)."""
+    return _kernels.empty_aligned(tuple(shape), line_of)
 
 
 def release() -> None:
