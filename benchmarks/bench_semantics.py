@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -69,16 +70,25 @@ def _evict() -> None:
 
 
 def rounds(runs: dict, reps: int, cache: Cache = Cache.WARM) -> dict:
-    """Times of each run, interleaved round by round in a rotating order (each timed call
-    from ``cache``), after one warm-up call each."""
+    """Times of each run, interleaved round by round in an order drawn afresh for each
+    round (seeded: the same on every run of the script), each timed call from ``cache``,
+    after one warm-up call each.
+
+    A rotating order (each round starting one contender later, what this did until the
+    thirteenth session) leaves each contender right after the same one in all but one
+    round in len(runs), and the call before still shapes the timed one after a warm-up
+    call: two copies of ttile's NHWC depthwise kernel differing only in a software
+    prefetch measured 0.46-0.50 (the copy listed second over the first) on C=96 112x112
+    s2 in rotating rounds and 1.00 in shuffled ones, and two identical copies 0.93-0.97
+    warm, 0.72-0.83 cold (Zen 4, 1 thread)."""
     for fn in runs.values():
         fn()
     times = {name: [] for name in runs}
     order = list(runs.items())
-    for i in range(reps):
-        # each round starts one contender later, so that none always runs right after
-        # the same other one (torch's NCHW depthwise slowed the call after it by up to 2x)
-        for name, fn in order[i % len(order):] + order[:i % len(order)]:
+    shuffle = random.Random(len(order) * 1000 + reps).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for name, fn in order:
             if cache is Cache.WARM:
                 fn()
             else:
