@@ -523,13 +523,14 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                      * (below). Without it, an input that does not fit in L2 came from
                      * L3 or memory at the pace of the block loads: each channel pass
                      * reads one or two vectors of every pixel, a stride of 4C bytes
-                     * that the hardware prefetchers do not follow. Measured in the
-                     * benchmark's warm rounds on a Zen 4 core (MobileNetV2, 1 thread):
-                     * C=96 112x112 s2 0.496 -> 0.184 ms, C=144 56x56 0.269 -> 0.142, the
-                     * layers that fit in L2 the same or 2-5 % faster. Only for inputs
-                     * over 1 MiB (see prefetch). The next output row's lines are
-                     * prefetched too (into L1, before the stores that would each wait
-                     * for their line): C=96 s2 another 0.62x in the same rounds. */
+                     * that the hardware prefetchers do not follow. The next output
+                     * row's lines are prefetched too (into L1, before the stores that
+                     * would each wait for their line). Only for inputs over 1 MiB (see
+                     * prefetch). Measured in the benchmark's shuffled rounds on a Zen 4
+                     * core (MobileNetV2, 1 thread, prefetching / not): 0.82-0.87 with
+                     * the caches cold (C=32 112x112, C=96 112x112 s2, C=144 56x56),
+                     * 0.94-1.00 warm. (The twelfth session's 0.39-0.62 came from
+                     * rotating rounds, the variant always right after the base.) */
                     const char *pf = NULL;
                     int64_t pf_lines = 0;
                     if (prefetch && oh + 1 < oh_hi) {
