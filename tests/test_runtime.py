@@ -400,7 +400,9 @@ def test_plan_checks_its_arguments():
 def test_outputs_and_scratch_start_on_a_cache_line(layout, case):
     """Every output ttile allocates starts on a 64-byte line, and so does each reused
     scratch buffer: numpy starts large arrays 16 bytes past one, where each 64-byte
-    vector store of a kernel would span two lines."""
+    vector store of a kernel would span two lines. The NHWC depthwise kernel's output
+    starts as far into a line as its input instead (its vectors follow the input's lines;
+    see test_guard_pages.py)."""
     from ttile.runtime.scratch import scratch
     c, k, rs, groups = {"dense": (8, 24, 3, 1), "pointwise": (32, 48, 1, 1),
                         "depthwise": (32, 32, 3, 32), "grouped": (16, 32, 3, 4)}[case]
@@ -414,7 +416,9 @@ def test_outputs_and_scratch_start_on_a_cache_line(layout, case):
                                          threads=1),
                     ttile.Conv2d(w, padding=rs // 2, groups=groups, layout=layout, threads=1)):
             y = run(x) if isinstance(run, ttile.Conv2d) else run()
-            assert y.ctypes.data % 64 == 0, (case, layout, hw)
+            placed_like_x = case == "depthwise" and layout == "NHWC"
+            assert y.ctypes.data % 64 == (x.ctypes.data % 64 if placed_like_x else 0), \
+                (case, layout, hw)
             assert y.flags.c_contiguous and y.flags.writeable
             cg, kg = c // groups, k // groups
             for g in range(groups):   # each group against the float64 reference
