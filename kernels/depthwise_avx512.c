@@ -18,6 +18,7 @@
  * together with a block-column order since replaced, see the task loop). */
 #include <immintrin.h>
 #include <stdlib.h>
+#include <string.h>
 #include "ttile_runtime.h"
 
 #define DW_WIDEST 12
@@ -488,12 +489,15 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
         ws = malloc((size_t)(sh->r * sh->s + 1) * (size_t)C * sizeof(float));
     const int wraps = ws != NULL;
     float *bs = ws != NULL ? ws + sh->r * sh->s * C : NULL;
-    if (wraps) {
-        for (int64_t t = 0; t < sh->r * sh->s; t++)
-            for (int64_t i = 0; i < C; i++)
-                ws[t * C + i] = w[t * C + (i - off + C) % C];
-        for (int64_t i = 0; i < C; i++)
-            bs[i] = ep != NULL && ep->bias != NULL ? ep->bias[(i - off + C) % C] : 0.0f;
+    if (wraps) {   /* each row rotated by two copies (no division per weight) */
+        for (int64_t t = 0; t < sh->r * sh->s; t++) {
+            memcpy(ws + t * C, w + t * C + C - off, (size_t)off * sizeof(float));
+            memcpy(ws + t * C + off, w + t * C, (size_t)(C - off) * sizeof(float));
+        }
+        if (ep != NULL && ep->bias != NULL) {
+            memcpy(bs, ep->bias + C - off, (size_t)off * sizeof(float));
+            memcpy(bs + off, ep->bias, (size_t)(C - off) * sizeof(float));
+        }
     }
     const __mmask16 full = (__mmask16)0xFFFF;
     /* Prefetching the next row (see the row loop) pays only for an image that does not
