@@ -90,6 +90,8 @@ def per_call_overhead_us(calls: int = 20000) -> float:
 
 
 def bench_layer(layer, threads: int, reps: int, torch):
+    """Times of every contender over ``reps`` interleaved rounds, and the seconds of
+    ttile's first NHWC call (the run-time tuning of a shape when ``--tuning now``)."""
     import torch.utils.mkldnn  # noqa: F401  (a submodule torch does not import itself)
 
     F = torch.nn.functional
@@ -100,6 +102,11 @@ def bench_layer(layer, threads: int, reps: int, torch):
     w_kcrs = rng.uniform(-1, 1, (spec.k, spec.c, spec.r, spec.s)).astype(np.float32)
     x_nhwc = np.ascontiguousarray(x_nchw.transpose(0, 2, 3, 1))
     w_rsck = np.ascontiguousarray(w_kcrs.transpose(2, 3, 1, 0))
+
+    t0 = time.perf_counter()
+    ttile.conv2d(x_nhwc, w_rsck, stride=layer.stride, padding=pad, layout="NHWC",
+                 threads=threads)
+    first_call = time.perf_counter() - t0
 
     xt, wt = torch.from_numpy(x_nchw), torch.from_numpy(w_kcrs)
     xt_cl = xt.to(memory_format=torch.channels_last)
@@ -153,7 +160,7 @@ def bench_layer(layer, threads: int, reps: int, torch):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-    return spec, times
+    return spec, times, first_call
 
 
 #: torch's three ways; the per-round torch time is the fastest of them in that round.
@@ -186,12 +193,12 @@ def geomean(values) -> float:
 def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) -> list[str]:
     """Markdown rows, one per layer, and the geometric means; rows print as they come."""
     lines = ["| layer | ttile kernel | torch best | torch ms | conv2d ms | Conv2d ms | "
-             "conv2d NCHW ms | Conv2d NCHW ms | GFLOP/s | % peak | generic ms | "
+             "conv2d NCHW ms | Conv2d NCHW ms | GFLOP/s | % peak | generic ms | first call s | "
              + " | ".join(name for name, _, _ in RATIOS) + " |",
-             "|" + "---|" * (11 + len(RATIOS))]
+             "|" + "---|" * (12 + len(RATIOS))]
     ratios: dict[str, list[float]] = {name: [] for name, _, _ in RATIOS}
     for layer in layers:
-        spec, times = bench_layer(layer, threads, reps, torch)
+        spec, times, first_call = bench_layer(layer, threads, reps, torch)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         best = min(TORCH_WAYS, key=med.get)
         gflops = spec.flops / med["prepacked"] / 1e9
@@ -203,7 +210,7 @@ def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) 
                f"{med['ttile'] * 1e3:.3f} | {med['prepacked'] * 1e3:.3f} | "
                f"{med['ttile_nchw'] * 1e3:.3f} | {med['prepacked_nchw'] * 1e3:.3f} | "
                f"{gflops:.1f} | {100 * gflops / peak:.0f} | {med['generic'] * 1e3:.3f} | "
-               + " | ".join(row_ratios) + " |")
+               f"{first_call:.2f} | " + " | ".join(row_ratios) + " |")
         lines.append(row)
         print(row, flush=True)
     summary = "; ".join(f"{name} {geomean(values):.2f} (lowest {min(values):.2f})"
@@ -232,6 +239,11 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", nargs="+", default=None,
                         help="layer names (e.g. Yolo9000-12) or network names; default all")
     parser.add_argument("--output", help="also write the markdown tables to this file")
+    parser.add_argument("--tuning", choices=("never", "now"), default="never",
+                        help="never (default): what the wheel ships serves, a searched kernel "
+                        "or the generic one; now: a shape without a kernel for this CPU and "
+                        "thread count is tuned at its first call (ttile's default for users; "
+                        "the 'first call s' column says how long that took)")
     parser.add_argument("--isa", choices=("auto", "avx512f", "avx2", "portable"),
                         default="auto", help="ttile's kernel family (ttile.set_isa); with "
                         "avx2, torch's oneDNN and ATen are capped at AVX2 too")
@@ -253,7 +265,7 @@ def main(argv=None) -> int:
         return 2
     if not ttile.has_avx512f():
         print("note: no AVX-512F here, ttile runs its portable kernel", file=sys.stderr)
-    ttile.set_tuning(mode="never")  # what the wheel ships: no run-time tuning here
+    ttile.set_tuning(mode=args.tuning)
 
     layers = []
     for name in args.layers or [l.name for l in ALL_LAYERS]:
@@ -266,7 +278,8 @@ def main(argv=None) -> int:
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              f"torch {torch.__version__}, ttile {ttile.__version__} "
              f"({len(registry.ENTRIES)} registry verdicts for {len(registry.cpus())} CPU(s), this "
-             f"one {registry.serving_cpu()}; {ttile.get_isa()} kernel family"
+             f"one {registry.serving_cpu()}; {ttile.get_isa()} kernel family; run-time "
+             f"tuning {args.tuning}"
              + (", torch capped at AVX2: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2"
                 if args.isa == "avx2" else "") + "); "
              f"batch 1, fp32; {args.reps} interleaved rounds, warm cache (the "
