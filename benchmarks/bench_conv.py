@@ -6,14 +6,19 @@ this process may use) it pins the process to that many CPUs, then for every laye
 interleaved round by round, what users call:
 
 * ttile.conv2d per call in NHWC (input NHWC, weights RSCK: ttile's native layout) and in
-  NCHW (torch's layout, weights KCRS: the README's first example), packing per call,
+  NCHW (torch's layout, weights KCRS: the README's first example), packing per call
+  (the same arrays come back every round, as in inference, so from the second call on
+  conv2d runs on the weights it packed the first time, after checking them unchanged:
+  see src/ttile/runtime/weight_cache.py),
 * a ttile.Conv2d made once from the same weights (packed once), in both layouts,
 * torch.nn.functional.conv2d on NCHW tensors, on channels_last tensors, and an
   nn.Conv2d pre-packed by torch.utils.mkldnn.to_mkldnn on an mkldnn input (output left
   in oneDNN's blocked format, so no conversion is charged to torch),
 * ttile's generic kernel on the NHWC call (registry verdicts switched off), for reference,
 
-and reports medians, the best of torch's three ways, GFLOP/s, % of the FMA peak
+in a seeded shuffled order each round, each timed call right after an untimed one of
+the same contender (``bench_semantics.rounds``: a fixed order biases whoever follows
+whom), and reports medians, the best of torch's three ways, GFLOP/s, % of the FMA peak
 measured here by ttile's microbenchmark, and ratios (> 1: ttile faster), each the median
 over rounds of that round's ratio (see ``paired_ratio``): torch's best way over each
 ttile call, and torch NCHW over ttile NCHW (the like-for-like per-call comparison).
@@ -33,6 +38,7 @@ import time
 import numpy as np
 
 import ttile
+from bench_semantics import rounds
 from ttile import _kernels
 from ttile.runtime import registry
 from ttile.generator.networks import ALL_LAYERS, NETWORKS, layer as find_layer
@@ -152,14 +158,7 @@ def bench_layer(layer, threads: int, reps: int, torch):
             if error > 1e-4:
                 raise AssertionError(f"{layer.name}: ttile ({name}) differs from torch "
                                      f"(max rel {error:.2e})")
-        times = {name: [] for name in runs}
-        for fn in runs.values():  # warm-up: first-touch, thread pools, packing caches
-            fn()
-        for _ in range(reps):
-            for name, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
+        times = rounds(runs, reps)   # a shuffled order each round, each call warmed
     return spec, times, first_call
 
 

@@ -106,6 +106,9 @@ void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, f
 void ttile_pack_panel_rows(const float *w, int64_t k, int64_t panel, int64_t p, int64_t i0,
                            int64_t i1, float *out);
 
+/* 1 when the nbytes at a and b are equal, else 0 (parallel memcmp; pack_weights.c). */
+int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads);
+
 /* Activations between torch's layout and the kernels': src[n][c][hw] -> dst[n][hw][c]
  * and back (layout.c, blocked and parallel). isa 1: AVX-512 tiles (the caller checked
  * the CPU); 0: portable C. */

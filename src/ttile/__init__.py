@@ -1,7 +1,9 @@
 """ttile: convolution kernels for x86 CPUs generated from TTile optimization schemes.
 
 ``ttile.conv2d`` is the entry point; ``ttile.Conv2d`` packs fixed weights once;
-``ttile.plan`` says which kernel serves a call; ``ttile.set_tuning`` chooses how shapes
+``ttile.plan`` says which kernel serves a call (a per-call ``conv2d`` given the same
+weight array again runs on the weights it packed before, checked unchanged, as a
+``Conv2d`` would: ``ttile.set_weight_cache``); ``ttile.set_tuning`` chooses how shapes
 without a tuned kernel are handled (tuned on first call and cached on disk, tuned in the
 background, or never). Importing ttile loads numpy and the compiled extension only; the
 scheme language, code generator and search are imported on demand.
@@ -17,7 +19,7 @@ from ._version import __version__
 from .core.kinds import Isa, KernelKind
 from .core.spec import ConvSpec
 from .runtime.api import (KernelPlan, conv2d, get_isa, has_avx2, has_avx512f, plan, set_isa,
-                          tuned_kernels, use_tuned_kernels)
+                          set_weight_cache, tuned_kernels, use_tuned_kernels)
 from .runtime.conv_layer import Conv2d
 from .runtime.dispatch import TuningPolicy, restore_tuning, set_tuning, tuning_policy
 from .tuning.policy import ShipPolicy
@@ -39,4 +41,4 @@ __all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", 
            "get_isa",
            "set_isa", "tuned_kernels", "use_tuned_kernels", "set_tuning", "restore_tuning",
            "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind", "Isa", "cache_clear",
-           "__version__"]
+           "set_weight_cache", "__version__"]

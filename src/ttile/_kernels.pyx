@@ -62,6 +62,7 @@ cdef extern from "ttile_runtime.h" nogil:
     double ttile_read_seconds_avx2(const float *buffer, int64_t floats, int64_t reps)
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                             int nthreads)
+    int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
     void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
                             int nthreads, int isa)
     void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
@@ -596,6 +597,25 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1, out=None):
     with nogil:
         ttile_pack_weights(src, rsc, k, panel, dst, nthreads)
     return result
+
+
+def same_bytes(cnp.ndarray a, cnp.ndarray b, int nthreads=1) -> bool:
+    """Whether two C-contiguous arrays hold the same bytes (their dtypes and shapes aside:
+    the caller compares those), compared in parallel without the GIL. Bitwise, so a NaN
+    equals the same NaN and -0.0 differs from 0.0: what matters to a packed copy."""
+    if not (cnp.PyArray_IS_C_CONTIGUOUS(a) and cnp.PyArray_IS_C_CONTIGUOUS(b)):
+        raise ValueError("same_bytes needs C-contiguous arrays")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    cdef int64_t nbytes = cnp.PyArray_NBYTES(a)
+    if nbytes != cnp.PyArray_NBYTES(b):
+        return False
+    cdef const void *pa = cnp.PyArray_DATA(a)
+    cdef const void *pb = cnp.PyArray_DATA(b)
+    cdef int equal
+    with nogil:
+        equal = ttile_same_bytes(pa, pb, nbytes, nthreads)
+    return equal == 1
 
 
 cdef int _layout_isa(isa) except -1:

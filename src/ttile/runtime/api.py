@@ -26,7 +26,7 @@ from .. import _kernels
 from ..core.kinds import Activation, Isa, KernelKind
 from ..core.vectors import extension_code
 from ..core.spec import MIN_FLOPS_PER_THREAD, ConvSpec  # noqa: F401 (re-exported)
-from . import dispatch, registry
+from . import dispatch, registry, weight_cache
 from .scratch import aligned_empty, scratch
 
 IntPair = Union[int, tuple[int, int]]
@@ -761,9 +761,54 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
              ("residual", fused.residual))
     nthreads = plan.fit(threads if type(threads) is int and 0 < threads <= MAX_THREADS
                         else _threads(threads))
-    choice = _choice(plan, nthreads)
-    weights = _pack_per_call(w_arr, plan.layout, plan, choice, nthreads)
+    weights, choice = _call_weights(w_arr, w_arr is w, plan, nthreads)
     return _execute(plan, choice, x_arr, weights, nthreads, fused, y)
+
+
+def _call_weights(w: np.ndarray, callers: bool, plan: _CallPlan,
+                  nthreads: int) -> tuple[np.ndarray, dispatch.KernelChoice]:
+    """The weights of a per-call conv2d in its kernel's format, and that kernel: on
+    many threads, the packed weights a Conv2d would hold, with its kernel, when ``w``
+    (the caller's own array, ``callers``) holds the bytes they were packed from on an
+    earlier call (see weight_cache); else the per-call kernel, its weights packed for
+    this call."""
+    if callers and plan.family is Family.DENSE and w.nbytes >= weight_cache.MIN_BYTES \
+            and nthreads >= weight_cache.MIN_THREADS:
+        choice = _choice(plan, nthreads, per_call=False)
+        pack = _panel_packer(plan, choice, nthreads)
+        if pack is not None:
+            packed = weight_cache.CACHE.packed(w, (plan.layout, choice.panel), pack, nthreads)
+            if packed is not None:
+                return packed, choice
+    choice = _choice(plan, nthreads)
+    return _pack_per_call(w, plan.layout, plan, choice, nthreads), choice
+
+
+def _panel_packer(plan: _CallPlan, choice: dispatch.KernelChoice, nthreads: int):
+    """What packs a dense call's weights (RSCK for NHWC, KCRS for NCHW) into the panels of
+    ``choice`` as a Conv2d holds them, or None where nothing is packed (RSCK is already
+    the panel of a K-wide kernel; the NCHW pointwise and portable kernels take the
+    weights as they are)."""
+    panel = choice.panel
+    if panel == 0 or choice.kind is KernelKind.POINTWISE or not choice.isa.vector:
+        return None
+    if plan.layout == "NHWC":
+        if panel == plan.spec.k:
+            return None
+        return lambda w: _kernels.pack_weights(w, panel, nthreads)
+    return lambda w: _kernels.pack_weights_kcrs(w, panel, nthreads, None, _layout_isa())
+
+
+def set_weight_cache(max_bytes: int) -> int:
+    """Bound the memory that per-call ``conv2d`` keeps to reuse packed weights across
+    calls with the same weight array on 8 threads or more (a private copy of the weights
+    and the packed ones, for arrays of 128 KB and more; the least recently used dropped
+    first); 0 turns the reuse off. Returns the previous bound (default 256 MiB). The reuse is never wrong: a
+    call compares the caller's array with the copy, bit for bit, and packs again when
+    anything changed."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+    return weight_cache.CACHE.resize(max_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,171 @@
+"""Per-call conv2d reuses the weights it packed while the caller's array is unchanged, and
+never computes with stale weights (src/ttile/runtime/weight_cache.py)."""
+import threading
+
+import numpy as np
+import pytest
+
+import ttile
+from ttile import _kernels
+from ttile.core.reference import assert_conv_close
+from ttile.runtime import weight_cache
+from ttile.runtime.weight_cache import WeightCache
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    """Each test starts from an empty process cache of the default size, used from one
+    thread on (by default only calls on many threads use it)."""
+    cache = WeightCache()
+    monkeypatch.setattr(weight_cache, "CACHE", cache)
+    monkeypatch.setattr(weight_cache, "MIN_THREADS", 1)
+    return cache
+
+
+def test_calls_on_few_threads_pack_per_call(fresh_cache, monkeypatch):
+    monkeypatch.setattr(weight_cache, "MIN_THREADS", 3)
+    x, w = _problem(seed=6)
+    for threads in (1, 2, 1, 2):
+        ttile.conv2d(x, w, padding=1, layout="NHWC", threads=threads)
+    assert len(fresh_cache) == 0 and fresh_cache.misses == 0
+
+
+def _problem(k=128, c=64, hw=9, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, (1, hw, hw, c)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, c, k)).astype(np.float32)   # 295 KB: cached
+    return x, w
+
+
+def _check(y, x, w):
+    """y (NHWC) against the float64 reference of x (NHWC) and w (RSCK), padding 1."""
+    assert_conv_close(y, x, w, pads=(1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_repeated_call_reuses_the_packed_weights(fresh_cache, threads):
+    x, w = _problem()
+    first = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=threads)
+    packs = fresh_cache.misses
+    second = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=threads)
+    choice_plan = ttile.plan(x.shape, w.shape, padding=1, layout="NHWC", threads=threads,
+                             prepacked=True)
+    if choice_plan.kind is ttile.KernelKind.GENERIC and not ttile.has_avx512f() \
+            and not ttile.has_avx2():
+        pytest.skip("the portable kernel packs nothing")
+    assert packs == 1 and fresh_cache.misses == 1 and fresh_cache.hits == 1
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(
+        second, ttile.Conv2d(w, padding=1, layout="NHWC", threads=threads)(x))
+    _check(second, x, w)
+
+
+def _flip_one_bit(w, index, bit):
+    w.view(np.uint32).reshape(-1)[index] ^= np.uint32(1 << bit)
+
+
+@pytest.mark.parametrize("index, bit", [(0, 0), (5000, 31), (-1, 3)])
+def test_a_changed_bit_anywhere_packs_again(fresh_cache, index, bit):
+    x, w = _problem(seed=1)
+    ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
+    ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
+    if fresh_cache.hits == 0:
+        pytest.skip("this CPU's kernel packs nothing")
+    _flip_one_bit(w, index, bit)
+    y = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
+    assert fresh_cache.misses == 2
+    _check(y, x, w)
+    np.testing.assert_array_equal(
+        y, ttile.Conv2d(w.copy(), padding=1, layout="NHWC", threads=2)(x))
+
+
+def test_an_array_that_keeps_changing_is_not_cached(fresh_cache):
+    x, w = _problem(seed=2)
+    for step in range(5):
+        w *= np.float32(0.5)
+        y = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
+        _check(y, x, w)
+    # packed and copied on the first call and after the first change; then left alone
+    assert fresh_cache.misses <= weight_cache.MAX_CHANGES
+    assert len(fresh_cache) == 0 and fresh_cache.nbytes == 0
+
+
+def test_nchw_calls_reuse_torch_layout_weights_too(fresh_cache):
+    x, w = _problem(seed=3)
+    x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    w_kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+    first = ttile.conv2d(x_nchw, w_kcrs, padding=1, threads=2)
+    second = ttile.conv2d(x_nchw, w_kcrs, padding=1, threads=2)
+    np.testing.assert_array_equal(first, second)
+    w_kcrs[3, 7, 1, 2] += 1
+    third = ttile.conv2d(x_nchw, w_kcrs, padding=1, threads=2)
+    _check(third.transpose(0, 2, 3, 1), x, np.ascontiguousarray(w_kcrs.transpose(2, 3, 1, 0)))
+
+
+def test_what_is_not_cached(fresh_cache):
+    x, w = _problem(k=32, c=16)            # 18 KB of weights: packed per call
+    ttile.conv2d(x, w, padding=1, layout="NHWC")
+    x, w = _problem(seed=4)
+    y = ttile.conv2d(x, w.astype(np.float64), padding=1, layout="NHWC")   # a converted copy
+    ttile.conv2d(x, w[:, :, :, ::-1], padding=1, layout="NHWC")          # not contiguous
+    assert len(fresh_cache) == 0
+    _check(y, x, w)
+
+
+def test_the_bound_is_kept_and_zero_turns_the_reuse_off(fresh_cache):
+    entry = 2 * 3 * 3 * 64 * 128 * 4    # copy + packed of one 295 KB array
+    fresh_cache.resize(2 * entry + 1000)
+    arrays = [_problem(seed=s) for s in range(4)]
+    for x, w in arrays:
+        y = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
+        _check(y, x, w)
+    assert fresh_cache.nbytes <= 2 * entry + 1000
+    assert ttile.set_weight_cache(0) == 2 * entry + 1000
+    assert len(fresh_cache) == 0 and fresh_cache.nbytes == 0
+    x, w = arrays[0]
+    ttile.conv2d(x, w, padding=1, layout="NHWC")
+    assert len(fresh_cache) == 0
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError):
+            ttile.set_weight_cache(bad)
+
+
+def test_threads_sharing_one_weight_array(fresh_cache):
+    x, w = _problem(seed=5)
+    expected = ttile.Conv2d(w, padding=1, layout="NHWC", threads=1)(x)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(10):
+                results.append(ttile.conv2d(x, w, padding=1, layout="NHWC", threads=1))
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert not errors
+    for y in results:
+        np.testing.assert_array_equal(y, expected)
+
+
+@pytest.mark.parametrize("n", [1, 100, 65536, 65537, 300001])
+def test_same_bytes(n):
+    a = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    b = a.copy()
+    for threads in (1, 2, 3):
+        assert _kernels.same_bytes(a, b, threads)
+        for i in {0, n // 2, n - 1}:
+            c = b.copy()
+            c.view(np.uint32)[i] ^= np.uint32(1)
+            assert not _kernels.same_bytes(a, c, threads)
+    assert not _kernels.same_bytes(a, b[:-1], 1)
+    nan = np.full(4, np.nan, np.float32)
+    assert _kernels.same_bytes(nan, nan.copy(), 1)
+    assert not _kernels.same_bytes(np.zeros(4, np.float32), np.full(4, -0.0, np.float32), 1)
+    with pytest.raises(ValueError):
+        _kernels.same_bytes(a[::2], b[::2], 1) if n > 2 else _kernels.same_bytes(
+            np.zeros((4, 4), np.float32).T, np.zeros((4, 4), np.float32).T, 1)
