@@ -847,7 +847,9 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
     ``prepacked``, a ``Conv2d`` with these weights (a searched kernel that a per-call
     call would have to pack weights for may lose to the generic kernel there, see
     ``dispatch.for_call``) - without running or tuning anything (a disk cache entry from
-    an earlier tuning is reported as "jit").
+    an earlier tuning is reported as "jit"). A per-call ``conv2d`` on 8 threads or more
+    that is given a weight array it packed before, unchanged, runs what ``prepacked``
+    reports (see ``weight_cache``).
 
     ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
     (sequences of ints); ``bias`` and ``residual`` may be arrays or their shapes. Raises
