@@ -33,3 +33,25 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
         }
     }
 }
+
+int ttile_packed_rows_differ_avx512(const float *w, int64_t k, int64_t panel, int64_t p,
+                                    int64_t i0, int64_t i1, const float *out)
+{
+    /* Rows [i0, i1) of panel p (out points at the panel) against the RSCK rows they were
+     * packed from, as 32-bit words, 16 at a time (ttile_packed_matches). */
+    const int64_t valid = k - p * panel < panel ? k - p * panel : panel;
+    const int64_t whole = valid & ~(int64_t)15;
+    const __mmask16 tail = (__mmask16)((1u << (valid - whole)) - 1u);
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = i0; i < i1; i++) {
+        const float *a = w + i * k + p * panel, *q = out + i * panel;
+        for (int64_t j = 0; j < whole; j += 16)
+            acc = _mm512_or_si512(acc, _mm512_xor_si512(_mm512_loadu_si512(a + j),
+                                                         _mm512_loadu_si512(q + j)));
+        if (tail)
+            acc = _mm512_or_si512(acc, _mm512_xor_si512(
+                _mm512_maskz_loadu_epi32(tail, a + whole),
+                _mm512_maskz_loadu_epi32(tail, q + whole)));
+    }
+    return _mm512_test_epi32_mask(acc, acc) != 0;
+}

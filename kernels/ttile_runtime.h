@@ -108,6 +108,14 @@ void ttile_pack_panel_rows(const float *w, int64_t k, int64_t panel, int64_t p, 
 
 /* 1 when the nbytes at a and b are equal, else 0 (parallel memcmp; pack_weights.c). */
 int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads);
+/* 1 when RSCK weights hold bit for bit what their panels packed by ttile_pack_weights
+ * hold, else 0 (parallel, reading only; isa as for the layout conversions below;
+ * pack_weights.c). */
+int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
+                         const void *packed, int nthreads, int isa);
+/* Its rows [i0, i1) of panel p with AVX-512 (layout_avx512.c): nonzero if any differ. */
+int ttile_packed_rows_differ_avx512(const float *w, int64_t k, int64_t panel, int64_t p,
+                                    int64_t i0, int64_t i1, const float *out);
 
 /* Activations between torch's layout and the kernels': src[n][c][hw] -> dst[n][hw][c]
  * and back (layout.c, blocked and parallel). isa 1: AVX-512 tiles (the caller checked

@@ -113,14 +113,15 @@ def test_what_is_not_cached(fresh_cache):
 
 
 def test_the_bound_is_kept_and_zero_turns_the_reuse_off(fresh_cache):
-    entry = 2 * 3 * 3 * 64 * 128 * 4    # copy + packed of one 295 KB array
-    fresh_cache.resize(2 * entry + 1000)
-    arrays = [_problem(seed=s) for s in range(4)]
+    arrays = [_problem(seed=s) for s in range(5)]
+    bound = 4 * arrays[0][1].nbytes + 1000   # one array may take up to half the bound
+    fresh_cache.resize(bound)
     for x, w in arrays:
         y = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
         _check(y, x, w)
-    assert fresh_cache.nbytes <= 2 * entry + 1000
-    assert ttile.set_weight_cache(0) == 2 * entry + 1000
+        assert 0 < fresh_cache.nbytes <= bound
+    assert 1 <= len(fresh_cache) < len(arrays)    # the oldest were dropped
+    assert ttile.set_weight_cache(0) == bound
     assert len(fresh_cache) == 0 and fresh_cache.nbytes == 0
     x, w = arrays[0]
     ttile.conv2d(x, w, padding=1, layout="NHWC")
@@ -169,3 +170,57 @@ def test_same_bytes(n):
     with pytest.raises(ValueError):
         _kernels.same_bytes(a[::2], b[::2], 1) if n > 2 else _kernels.same_bytes(
             np.zeros((4, 4), np.float32).T, np.zeros((4, 4), np.float32).T, 1)
+
+
+@pytest.mark.parametrize("k, panel", [(128, 48), (96, 32), (40, 16), (64, 64)])
+def test_packed_matches(k, panel):
+    w = np.random.default_rng(k).standard_normal((3, 3, 24, k)).astype(np.float32)
+    packed = _kernels.pack_weights(w, panel, 1, np.empty(((k + panel - 1) // panel, 3, 3, 24,
+                                                           panel), np.float32))
+    for threads in (1, 2, 5):
+        assert _kernels.packed_matches(w, packed, threads)
+        for i in {0, 7, w.size // 2, w.size - 1}:   # first, last, middle panels' words
+            changed = w.copy()
+            changed.reshape(-1).view(np.uint32)[i] ^= np.uint32(1 << (i % 32))
+            assert not _kernels.packed_matches(changed, packed, threads)
+    if k % panel:   # the tail panel's zero fill is not the weights': not compared
+        tail = packed.copy()
+        tail[-1, ..., -1] = 1.0
+        assert _kernels.packed_matches(w, tail, 1)
+    with pytest.raises(ValueError):
+        _kernels.packed_matches(w[:, :, :12].copy(), packed, 1)
+    with pytest.raises(ValueError):
+        _kernels.packed_matches(w, packed.reshape(packed.shape[0], 9, 24, panel), 1)
+
+
+def test_a_searched_kernel_packing_apart_reuses_on_one_thread(fresh_cache, monkeypatch):
+    """Below MIN_THREADS, an NHWC call whose per-call kernel packs in a pass of its own
+    reuses (the check reads what that pass reads); a generic-kernel call does not."""
+    from ttile.generator.networks import ALL_LAYERS
+    from ttile.runtime import api
+    monkeypatch.setattr(weight_cache, "MIN_THREADS", 64)
+    found = None
+    for layer in sorted(ALL_LAYERS, key=lambda l: l.spec().flops):
+        spec, pad = layer.spec(), layer.rs // 2
+        w_shape = spec.weight_shape()
+        if 4 * np.prod(w_shape) < weight_cache.MIN_BYTES:
+            continue
+        plan = api._plan(spec.input_shape(), w_shape, layer.stride, pad, "NHWC")
+        if plan.family is not api.Family.DENSE:
+            continue
+        choice = api._choice(plan, 1)
+        if choice.kind in (ttile.KernelKind.TUNED, ttile.KernelKind.JIT) \
+                and choice.panel not in (0, spec.k):
+            found = layer
+            break
+    if found is None:
+        pytest.skip("no searched kernel packing apart serves a Fig. 8 layer on this CPU")
+    spec, pad = found.spec(), found.rs // 2
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
+    w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
+    first = ttile.conv2d(x, w, stride=found.stride, padding=pad, layout="NHWC", threads=1)
+    second = ttile.conv2d(x, w, stride=found.stride, padding=pad, layout="NHWC", threads=1)
+    assert fresh_cache.misses == 1 and fresh_cache.hits == 1
+    np.testing.assert_array_equal(first, second)
+    assert_conv_close(second, x, w, (found.stride, found.stride), (pad,) * 4)

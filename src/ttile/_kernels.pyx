@@ -63,6 +63,8 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                             int nthreads)
     int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
+    int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
+                             const void *packed, int nthreads, int isa)
     void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
                             int nthreads, int isa)
     void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
@@ -615,6 +617,33 @@ def same_bytes(cnp.ndarray a, cnp.ndarray b, int nthreads=1) -> bool:
     cdef int equal
     with nogil:
         equal = ttile_same_bytes(pa, pb, nbytes, nthreads)
+    return equal == 1
+
+
+def packed_matches(cnp.ndarray w, cnp.ndarray packed, int nthreads=1, isa=None) -> bool:
+    """Whether RSCK weights ``w`` (R, S, C, K) hold, bit for bit, what ``packed`` holds
+    (panels (ceil(K/P), R, S, C, P) as ``pack_weights`` writes them; its tail zero fill
+    is not compared), read in parallel without the GIL and without a copy. ``isa`` as
+    for the layout conversions (None: AVX-512 where the CPU has it)."""
+    _check_f32_c4(w, "w")
+    if cnp.PyArray_NDIM(packed) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(packed) \
+            or packed.dtype != np.float32:
+        raise ValueError("packed must be C-contiguous float32 panels (P, R, S, C, width)")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef cnp.npy_intp *ps = cnp.PyArray_DIMS(packed)
+    cdef int64_t k = ws[3], panel = ps[4], rsc = ws[0] * ws[1] * ws[2]
+    if panel < 1 or ps[0] != (k + panel - 1) // panel or ps[1] != ws[0] or ps[2] != ws[1] \
+            or ps[3] != ws[2]:
+        raise ValueError(f"packed {(<object>packed).shape} are not panels of weights "
+                         f"{(<object>w).shape}")
+    cdef const void *pw = cnp.PyArray_DATA(w)
+    cdef const void *pp = cnp.PyArray_DATA(packed)
+    cdef int flag = _layout_isa(isa)
+    cdef int equal
+    with nogil:
+        equal = ttile_packed_matches(pw, rsc, k, panel, pp, nthreads, flag)
     return equal == 1
 
 

@@ -6,22 +6,29 @@ it is worse than its bytes suggest: the threads that pack write lines that other
 kernel threads then read, and every call moves them back (ResNet18-10's 9.4 MB at 16
 threads on a Xeon: 0.33 ms of packing against 0.53 ms of convolution).
 
-This cache keeps, for the most recently used weight arrays, the packed weights and a
-private copy of the bytes they were packed from. A later call whose weights hold exactly
-those bytes (compared in full, in parallel, bit for bit: ``_kernels.same_bytes``) runs
-on the packed weights as a :class:`ttile.Conv2d` would; the comparison only reads, so on
-many cores both arrays stay in the caches of the threads that compare them. A caller
+This cache keeps, for the most recently used weight arrays, the packed weights. A later
+call whose weights hold exactly what they were packed from runs on them as a
+:class:`ttile.Conv2d` would. The check reads everything, in parallel, bit for bit: RSCK
+weights (an NHWC call) against the panels themselves, whose rows are RSCK's rows cut
+into panels (``_kernels.packed_matches``: nothing more is kept, and the panels the
+kernel reads next are in cache); torch's KCRS weights (an NCHW call), which packing
+transposes, against a private copy of the bytes packed (``_kernels.same_bytes``). The
+check only reads, so on many cores both arrays stay in the caches of the threads that
+compare them. A caller
 that changes a single bit of its weights gets them packed again, so the cache is never
 wrong, only sometimes useless: an array found changed on two calls is not cached any
-more (a training loop would pay a copy on every call for nothing).
+more (a training loop would pay for packing, and copying, on every call for nothing).
 
-It pays on many threads only, and is used from :data:`MIN_THREADS` on. On a 16-core
-Xeon (model 207) per-call calls with the cache took 0.76-0.96 of the time without it at
-16 threads, 0.86-1.00 at 8, but 0.96-1.26 at 4 and 1.08-1.38 at 1 (ResNet18-9/-10/-11/-12,
-Yolo9000-19): on few cores the comparison reads twice the bytes that packing reads,
-from memory (one server core reads at 10-15 GB/s), where the generic kernel's threads
-pack the panels they need as they go. On a 2-core Zen 4 it was 0.95-1.05 at 1 and 2
-threads, 0.69 on ResNet18-11 (a searched kernel's separate packing pass).
+It pays on many threads, and where a kernel's weights are packed in a pass of their
+own (an NHWC call on a searched kernel); ``api._call_weights`` uses it there only. Paired
+with it off, per-call NHWC calls took on a 16-core Xeon (model 207) 0.66-1.00 of the time
+at 16 threads, 0.79-1.02 at 8, but 0.96-1.11 at 4, 0.89-1.14 at 2 and 0.95-1.30 at 1
+(ResNet18-9/-10/-11/-12, Yolo9000-18/-19: on few cores the check reads the weights and
+the panels from memory, where the generic kernel's threads read the weights once and
+pack the panels they use as they go), except ResNet18-11, whose searched kernel packs in
+a pass of its own: 0.86-0.95 at every thread count (0.34-0.71 at 2 threads on a Zen 4).
+Checking against the panels took 0.81-1.05 of the time of checking against a copy on
+that Xeon (0.98-1.08 on the Zen 4), and half the memory: so it is done for RSCK.
 
 Only the caller's own float32 C-contiguous arrays are cached (a converted copy is new on
 every call), and only weights of at least :data:`MIN_BYTES`; the cache holds at most
@@ -41,7 +48,7 @@ from .. import _kernels
 
 #: Weights smaller than this are packed per call: it takes microseconds.
 MIN_BYTES = 128 << 10
-#: Calls on fewer threads pack per call (see the module text).
+#: From this many threads on, every dense per-call call reuses (see the module text).
 MIN_THREADS = 8
 #: Default bound of the cache (copies and packed weights together).
 DEFAULT_MAX_BYTES = 256 << 20
@@ -53,13 +60,20 @@ MAX_VOLATILE = 256
 
 @dataclass(frozen=True)
 class _Entry:
-    source: np.ndarray   # a private copy of the bytes ``packed`` was made from
-    packed: np.ndarray   # read-only
-    changes: int         # times the caller's array was found changed before this entry
+    packed: np.ndarray             # read-only
+    source: Optional[np.ndarray]   # a private copy of the bytes packed (KCRS weights)
+    changes: int                   # times the caller's array was found changed before
+
+    def matches(self, w: np.ndarray, nthreads: int, isa: Optional[int]) -> bool:
+        """Whether ``w`` holds, bit for bit, the weights ``packed`` was made from
+        (``isa``: that of the layout conversions, None for AVX-512 where the CPU has it)."""
+        if self.source is None:   # RSCK: the panels hold w's rows as they are
+            return _kernels.packed_matches(w, self.packed, nthreads, isa)
+        return _kernels.same_bytes(self.source, w, nthreads)
 
     @property
     def nbytes(self) -> int:
-        return self.source.nbytes + self.packed.nbytes
+        return self.packed.nbytes + (0 if self.source is None else self.source.nbytes)
 
 
 class WeightCache:
@@ -75,11 +89,13 @@ class WeightCache:
         self.misses = 0
 
     def packed(self, w: np.ndarray, fmt: Hashable, pack: Callable[[np.ndarray], np.ndarray],
-               nthreads: int) -> Optional[np.ndarray]:
+               nthreads: int, rsck: bool, isa: Optional[int] = None) -> Optional[np.ndarray]:
         """The packed weights of ``w`` in format ``fmt`` (what ``pack`` makes of an array
         of w's bytes), from the cache when w holds the bytes they were packed from; None
         when w is not to be cached (too small or too large, or found changing): the
-        caller packs it itself then."""
+        caller packs it itself then. ``rsck``: w is RSCK and ``pack`` writes the panels of
+        ``_kernels.pack_weights``, which are compared with w directly; otherwise (torch's
+        KCRS, transposed by packing) a copy of w is kept to compare with."""
         nbytes = w.nbytes
         if nbytes < MIN_BYTES or 4 * nbytes > self.max_bytes:   # copy + packed <= half
             return None
@@ -91,7 +107,7 @@ class WeightCache:
             if entry is not None:
                 self._entries.move_to_end(key)
         if entry is not None:
-            if _kernels.same_bytes(entry.source, w, nthreads):
+            if entry.matches(w, nthreads, isa):
                 self.hits += 1
                 return entry.packed
             changes = entry.changes + 1
@@ -105,11 +121,14 @@ class WeightCache:
         else:
             changes = 0
         self.misses += 1
-        source = w.copy()           # packed from the copy: the two agree whatever w does
-        packed = pack(source)
+        # packed from the copy, the two agree whatever w does meanwhile; without one,
+        # the next call compares w with what the panels hold, whatever that is
+        source = None if rsck else w.copy()
+        packed = pack(w if source is None else source)
         packed.flags.writeable = False
-        source.flags.writeable = False
-        entry = _Entry(source, packed, changes)
+        if source is not None:
+            source.flags.writeable = False
+        entry = _Entry(packed, source, changes)
         with self._lock:
             self._drop(key)
             self._entries[key] = entry
