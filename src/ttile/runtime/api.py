@@ -814,11 +814,12 @@ def _panel_packer(plan: _CallPlan, choice: dispatch.KernelChoice, nthreads: int)
 
 def set_weight_cache(max_bytes: int) -> int:
     """Bound the memory that per-call ``conv2d`` keeps to reuse packed weights across
-    calls with the same weight array on 8 threads or more (a private copy of the weights
-    and the packed ones, for arrays of 128 KB and more; the least recently used dropped
-    first); 0 turns the reuse off. Returns the previous bound (default 256 MiB). The reuse is never wrong: a
-    call compares the caller's array with the copy, bit for bit, and packs again when
-    anything changed."""
+    calls with the same weight array (the packed weights of arrays of 128 KB and more,
+    and for torch's KCRS weights a private copy to check them against; the least
+    recently used dropped first); 0 turns the reuse off. Returns the previous bound
+    (default 256 MiB). The reuse is never wrong: a call checks the caller's array bit for
+    bit and packs again when anything changed. Used on 8 threads or more, and for NHWC
+    calls whose searched kernel packs in a pass of its own (see ``_call_weights``)."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
     return weight_cache.CACHE.resize(max_bytes)
@@ -860,9 +861,9 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
     ``prepacked``, a ``Conv2d`` with these weights (a searched kernel that a per-call
     call would have to pack weights for may lose to the generic kernel there, see
     ``dispatch.for_call``) - without running or tuning anything (a disk cache entry from
-    an earlier tuning is reported as "jit"). A per-call ``conv2d`` on 8 threads or more
-    that is given a weight array it packed before, unchanged, runs what ``prepacked``
-    reports (see ``weight_cache``).
+    an earlier tuning is reported as "jit"). A per-call ``conv2d`` given a weight array
+    it packed before, unchanged, runs what ``prepacked`` reports where it reuses packed
+    weights (see ``_call_weights``).
 
     ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
     (sequences of ints); ``bias`` and ``residual`` may be arrays or their shapes. Raises
