@@ -737,7 +737,10 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
     background, or never: see :func:`ttile.set_tuning`. Weights are packed for the
-    kernel on every call (one parallel pass into a reused per-thread buffer);
+    kernel on every call (one parallel pass into a reused per-thread buffer, or by the
+    generic kernel's threads as they go), except where the same array comes back
+    unchanged on many threads (or for a searched kernel in NHWC): then the weights
+    packed on its first call are reused, see :func:`ttile.set_weight_cache`.
     :class:`ttile.Conv2d` packs them once.
 
     Returns:
