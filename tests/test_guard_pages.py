@@ -431,3 +431,20 @@ def test_a_new_depthwise_output_is_placed_like_its_input(off):
     assert y[0, 5, 5, 0] == 9.0 and y[0, 0, 0, 0] == 4.0
     dense = ttile.conv2d(x, np.ones((3, 3, 48, 16), np.float32), None, 1, 1, layout="NHWC")
     assert dense.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize("side", ["end", "start"])
+@pytest.mark.parametrize("k, panel", [(40, 16), (100, 48), (64, 32)])
+def test_the_weight_checks_stay_inside_their_arrays(side, k, panel):
+    """The checks of reused packed weights (runtime/weight_cache.py) read every word of
+    the weights and the panels, masked tails included, and nothing past them."""
+    w = np.random.default_rng(k).standard_normal((3, 3, 5, k)).astype(np.float32)
+    packed = _kernels.pack_weights(w, panel, 1, np.empty(
+        ((k + panel - 1) // panel, 3, 3, 5, panel), np.float32))
+    gw, gp, gc = guarded_copy(w, side), guarded_copy(packed, side), guarded_copy(w, side)
+    for isa in AVAILABLE_ISAS:   # AVX2 calls take the portable check
+        flag = None if isa == "avx512f" else _kernels.ISA_PORTABLE
+        for threads in (1, 3):
+            assert _kernels.packed_matches(gw.array, gp.array, threads, flag)
+    for threads in (1, 3):
+        assert _kernels.same_bytes(gw.array, gc.array, threads)
