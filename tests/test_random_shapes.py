@@ -62,12 +62,14 @@ def test_random_shape_matches_reference(isa, case, seed):
 
 @st.composite
 def pointwise_cases(draw):
-    """1x1, stride 1, no padding: the generic AVX-512 kernel runs every image as one row
-    of H*W pixels, split into register blocks (and among threads) across the old rows."""
+    """1x1, no padding: at stride 1 the generic AVX-512 kernel runs every image as one row
+    of H*W pixels, split into register blocks (and among threads) across the old rows;
+    in NCHW the pointwise kernel serves stride 1; strides 2 and 3 take the dense path."""
     return (draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.integers(1, 70)),
             draw(st.integers(1, 23)), draw(st.integers(1, 23)), draw(st.integers(1, 2)),
             draw(st.sampled_from([0, "valid"])), draw(st.booleans()),
-            draw(st.sampled_from(["NHWC", "NCHW"])))
+            draw(st.sampled_from(["NHWC", "NCHW"])),
+            (draw(st.sampled_from([1, 1, 2, 3])), draw(st.sampled_from([1, 1, 2, 3]))))
 
 
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS, indirect=True)
@@ -75,7 +77,7 @@ def pointwise_cases(draw):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=pointwise_cases(), seed=st.integers(0, 2**32 - 1))
 def test_pointwise_shape_matches_reference(isa, case, seed):
-    n, c, k, h, w, threads, padding, prepacked, layout = case
+    n, c, k, h, w, threads, padding, prepacked, layout, stride = case
     rng = np.random.default_rng(seed)
     x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
     wt = rng.uniform(-1, 1, (1, 1, c, k)).astype(np.float32)
@@ -83,7 +85,9 @@ def test_pointwise_shape_matches_reference(isa, case, seed):
         x, wt = np.ascontiguousarray(x.transpose(0, 3, 1, 2)), np.ascontiguousarray(
             wt.transpose(3, 2, 0, 1))
     if prepacked:
-        y = ttile.Conv2d(wt, padding=padding, layout=layout, threads=threads)(x)
+        y = ttile.Conv2d(wt, stride=stride, padding=padding, layout=layout,
+                         threads=threads)(x)
     else:
-        y = ttile.conv2d(x, wt, padding=padding, layout=layout, threads=threads)
-    assert_conv_close(y, x, wt, (1, 1), (0, 0, 0, 0), layout=layout)
+        y = ttile.conv2d(x, wt, stride=stride, padding=padding, layout=layout,
+                         threads=threads)
+    assert_conv_close(y, x, wt, stride, (0, 0, 0, 0), layout=layout)
