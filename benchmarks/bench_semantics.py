@@ -125,6 +125,9 @@ def ort_session(x_shape, w: np.ndarray, stride: int, pad: int, groups: int, thre
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # the IR version of opset 17 (onnx 1.12), not the newest this onnx writes: an older
+    # onnxruntime refuses a newer IR (onnx 1.23's 14 against onnxruntime 1.30's 13)
+    model.ir_version = 8
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
