@@ -12,7 +12,7 @@ al. 2018, width 1.0) and a YOLO-style backbone (Darknet-19 of YOLOv2/YOLO9000: c
 norm + leaky ReLU 0.1, max pools). Random weights and batch norm statistics, eval mode,
 224x224 inputs.
 
-Contenders, each timed in rounds that interleave all of them in a rotating order (the
+Contenders, each timed in rounds that interleave all of them in a seeded shuffled order (the
 median of each round's ratio is reported, so a slow spell of the shared machine hits both
 sides alike), each timed call right after an untimed one of its own (``bench_semantics``'s
 warm rounds: the thread pools of torch, onnxruntime and ttile's OpenMP spin for a while
