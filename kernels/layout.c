@@ -11,23 +11,36 @@
 #include "ttile_runtime.h"
 
 #define TILE 64
-/* The activations' tiles: 16 rows (one register transpose high) by 256 columns, and the
- * next tile's source rows prefetched. Each row read is 1 KB contiguous; with 64 x 64
- * tiles a 32-channel 272x272 image was read through 32 interleaved streams of 256 B and
- * converted at 16 GB/s from memory; this shape ran 26-30 GB/s, up to 2x faster, on the
- * Zen 5 it was measured on (warm-cache rates unchanged). */
+/* NCHW -> NHWC tiles: 16 channel rows (one register transpose high) by 256 pixel
+ * columns, and the next tile's source rows prefetched. Each row read is 1 KB
+ * contiguous; with 64 x 64 tiles a 32-channel 272x272 image was read through 32
+ * interleaved streams of 256 B and converted at 16 GB/s from memory; this shape ran
+ * 26-30 GB/s, up to 2x faster, on the Zen 5 it was measured on (warm-cache rates
+ * unchanged). */
 #define ROW_TILE 16
 #define COL_TILE 256
+/* NHWC -> NCHW tiles: up to 1024 pixel rows by 16 channel columns, so that each task
+ * writes 16 planes along up to 4 KB each; the next task (the next 16 channels of the
+ * same pixels) reads the lines after the ones this task read, which the adjacent-line
+ * prefetch has brought in. 16 pixels by 256 channels per tile (the tiles above,
+ * transposed) wrote a line into each of 64 planes per 16 pixels and ran a 272x272x64
+ * output at 16-21 GB/s; 1024 x 16 ran at 70 (with streaming stores past 8 MB), and at
+ * least as fast as any other tile shape tried on 544x544x32, 17x17x28269, 56x56x256
+ * and 7x7x1024 (Zen 5, 1 thread). */
+#define OUT_PIXEL_TILE 1024
+#define OUT_CHANNEL_TILE 16
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* One tile: dst[row(first + c) * dstride + r] = src[r * sstride + c], r < rows,
  * c < cols, with row(x) = (x % group) * groups + x / group (see layout_avx512.c), in
- * plain C (the AVX2 generic kernel's NCHW stores use it too). */
+ * plain C (the AVX2 generic kernel's NCHW stores use it too; `stream` is a hint it does
+ * not take). */
 void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst,
                                    int64_t dstride, int64_t rows, int64_t cols,
-                                   int64_t first, int64_t group, int64_t groups)
+                                   int64_t first, int64_t group, int64_t groups, int stream)
 {
+    (void)stream;
     for (int64_t c = 0; c < cols; c++) {
         const int64_t x = first + c;
         float *d = dst + ((x % group) * groups + x / group) * dstride;
@@ -38,35 +51,41 @@ void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst
 
 static void transpose_tile(const float *src, int64_t sstride, float *dst, int64_t dstride,
                            int64_t rows, int64_t cols, int64_t first, int64_t group,
-                           int64_t groups, int avx512)
+                           int64_t groups, int avx512, int stream)
 {
     if (avx512)
         ttile_transpose_tile_avx512(src, sstride, dst, dstride, rows, cols, first, group,
-                                    groups);
+                                    groups, stream);
     else
         ttile_transpose_tile_portable(src, sstride, dst, dstride, rows, cols, first, group,
-                                      groups);
+                                      groups, stream);
 }
 
-/* dst[b][c][r] = src[b][r][c] for `batch` matrices of rows x cols. */
+/* dst[b][c][r] = src[b][r][c] for `batch` matrices of rows x cols, in tiles of
+ * row_tile x col_tile (one per task); `prefetch`: the next tile's source rows are
+ * prefetched a line at a time (the NCHW -> NHWC direction, whose tiles are few rows
+ * long); `stream`: a destination past TTILE_STREAM_BYTES is stored past the caches (the
+ * NCHW output a call returns, not the NHWC input a kernel reads next). */
 static void transpose_batched(const float *src, float *dst, int64_t batch, int64_t rows,
-                              int64_t cols, int nthreads, int avx512)
+                              int64_t cols, int64_t row_tile, int64_t col_tile,
+                              int prefetch, int stream, int nthreads, int avx512)
 {
-    const int64_t rtiles = (rows + ROW_TILE - 1) / ROW_TILE;
-    const int64_t ctiles = (cols + COL_TILE - 1) / COL_TILE;
+    const int64_t rtiles = (rows + row_tile - 1) / row_tile;
+    const int64_t ctiles = (cols + col_tile - 1) / col_tile;
+    stream = stream && 4 * batch * rows * cols > TTILE_STREAM_BYTES;
 #pragma omp parallel for collapse(3) schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t rt = 0; rt < rtiles; rt++) {
             for (int64_t ct = 0; ct < ctiles; ct++) {
-                const int64_t r0 = rt * ROW_TILE, c0 = ct * COL_TILE;
-                const int64_t nr = min64(ROW_TILE, rows - r0);
+                const int64_t r0 = rt * row_tile, c0 = ct * col_tile;
+                const int64_t nr = min64(row_tile, rows - r0);
                 const float *s = src + b * rows * cols + r0 * cols + c0;
-                if (c0 + COL_TILE < cols)   /* the next tile's rows, a line at a time */
+                if (prefetch && c0 + col_tile < cols)   /* the next tile's rows */
                     for (int64_t r = 0; r < nr; r++)
-                        for (int64_t q = 0; q < min64(COL_TILE, cols - c0 - COL_TILE); q += 16)
-                            __builtin_prefetch(s + r * cols + COL_TILE + q, 0, 2);
+                        for (int64_t q = 0; q < min64(col_tile, cols - c0 - col_tile); q += 16)
+                            __builtin_prefetch(s + r * cols + col_tile + q, 0, 2);
                 transpose_tile(s, cols, dst + b * rows * cols + c0 * rows + r0, rows,
-                               nr, min64(COL_TILE, cols - c0), 0, 1, 1, avx512);
+                               nr, min64(col_tile, cols - c0), 0, 1, 1, avx512, stream);
             }
         }
     }
@@ -76,13 +95,14 @@ static void transpose_batched(const float *src, float *dst, int64_t batch, int64
 void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
                         int nthreads, int isa)
 {
-    transpose_batched(src, dst, n, c, hw, nthreads, isa);
+    transpose_batched(src, dst, n, c, hw, ROW_TILE, COL_TILE, 1, 0, nthreads, isa);
 }
 
 void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
                         int nthreads, int isa)
 {
-    transpose_batched(src, dst, n, hw, c, nthreads, isa);
+    transpose_batched(src, dst, n, hw, c, OUT_PIXEL_TILE, OUT_CHANNEL_TILE, 0, 1, nthreads,
+                      isa);
 }
 
 void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
@@ -96,7 +116,7 @@ void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
     const int64_t valid = min64(panel, k - p * panel);
     for (int64_t j0 = 0; j0 < valid; j0 += TILE)
         transpose_tile(w + (p * panel + j0) * cols + col0, cols, out + j0, panel,
-                       min64(TILE, valid - j0), col1 - col0, col0, rs, c, isa);
+                       min64(TILE, valid - j0), col1 - col0, col0, rs, c, isa, 0);
     for (int64_t col = col0; col < col1; col++) {
         float *d = out + ((col % rs) * c + col / rs) * panel;
         for (int64_t j = valid; j < panel; j++)

@@ -124,13 +124,19 @@ void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int6
                         int nthreads, int isa);
 void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
                         int nthreads, int isa);
-/* One tile of those conversions with AVX-512 (layout_avx512.c), and in plain C. */
+/* One tile of those conversions with AVX-512 (layout_avx512.c), and in plain C; with
+ * `stream`, whole aligned destination lines are stored past the caches (the portable
+ * loop ignores it). */
 void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                                  int64_t dstride, int64_t rows, int64_t cols,
-                                 int64_t first, int64_t group, int64_t groups);
+                                 int64_t first, int64_t group, int64_t groups, int stream);
 void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst,
                                    int64_t dstride, int64_t rows, int64_t cols,
-                                   int64_t first, int64_t group, int64_t groups);
+                                   int64_t first, int64_t group, int64_t groups, int stream);
+/* Destinations larger than this are written with non-temporal stores: their lines would
+ * leave the caches before anything read them (as the generated kernels' NCHW stores,
+ * ttile.core.codegen.NCHW_STREAM_BYTES). */
+#define TTILE_STREAM_BYTES ((int64_t)8 << 20)
 /* Columns [col0, col1) (x = ci * rs + t) of panel p of KCRS weights (out points at the
  * panel): what ttile_pack_weights_kcrs does per task, and the generic kernel's threads
  * for the panels they use. */

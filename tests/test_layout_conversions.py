@@ -39,6 +39,23 @@ def test_kcrs_weights_pack_like_rsck(isa, k, c, rs, panel, threads):
     np.testing.assert_array_equal(packed, expected)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(1, 64, 272, 272), (1, 35, 301, 299), (2, 17, 289, 310)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_outputs_convert_past_the_caches(isa, shape, offset):
+    """Past 8 MB the NCHW output is written with streaming stores where whole aligned
+    lines allow, the rest (planes off a line, masked edges, an output that starts
+    `offset` floats into a line) with ordinary ones; tiles of 1024 pixels."""
+    x = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+    nhwc = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    flat = np.full(x.size + 16, np.nan, np.float32)
+    out = flat[offset:offset + x.size].reshape(shape)
+    back = _kernels.nhwc_to_nchw(nhwc, 2, out, isa=isa)
+    assert back is out
+    np.testing.assert_array_equal(out, x)
+
+
 def test_conversions_check_their_output_buffers():
     x = np.zeros((1, 4, 5, 6), np.float32)
     with pytest.raises(ValueError, match="shape"):
@@ -49,3 +66,24 @@ def test_conversions_check_their_output_buffers():
         _kernels.nchw_to_nhwc(x, 1, out)
     with pytest.raises(ValueError, match="unknown isa"):
         _kernels.nchw_to_nhwc(x, 1, isa=7)
+
+
+@pytest.mark.skipif("avx512f" not in AVAILABLE_ISAS, reason="AVX-512F generic kernel")
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_generic_kernel_streams_a_large_nchw_output(residual):
+    """An NCHW output past 8 MB leaves the generic kernel's tiles with streaming stores,
+    except with a residual, whose pass reads the rows back at once; rows of 250 pixels
+    put most planes off a line."""
+    import ttile
+    from ttile.core.reference import assert_conv_close
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1, 1, (1, 3, 250, 250)).astype(np.float32)
+    w = rng.uniform(-1, 1, (40, 3, 3, 3)).astype(np.float32)
+    res = rng.uniform(-1, 1, (1, 40, 250, 250)).astype(np.float32) if residual else None
+    previous = ttile.set_tuning(mode="never")
+    try:
+        y = ttile.conv2d(x, w, padding=1, threads=2, residual=res)
+        assert ttile.plan(x.shape, w.shape, padding=1, threads=2).kind.value == "generic"
+    finally:
+        ttile.restore_tuning(previous)
+    assert_conv_close(y - res if residual else y, x, w, (1, 1), (1, 1, 1, 1), layout="NCHW")

@@ -64,3 +64,20 @@ def test_the_generic_kernel_splits_rows_for_many_threads(shape, threads):
     y_nchw = np.full((n, k, h, w_), np.nan, np.float32)
     _kernels.conv2d_generic_packed(x, packed, y_nchw, 1, 1, pad, pad, threads, True)
     np.testing.assert_array_equal(y_nchw, y.transpose(0, 3, 1, 2))
+
+
+@pytest.mark.skipif(not ttile.has_avx512f(), reason="AVX-512F NCHW pointwise kernel")
+@pytest.mark.parametrize("threads", [2, 3, 16, 64])
+@pytest.mark.parametrize("shape", [(1, 17, 17, 40, 100), (2, 13, 13, 24, 70), (1, 7, 7, 16, 7),
+                                   (3, 56, 56, 8, 13)], ids=lambda s: "n{}h{}w{}c{}k{}".format(*s))
+def test_the_nchw_pointwise_kernel_splits_channels_and_columns(shape, threads):
+    """Few 64-pixel columns for the threads: the work is cut into ranges of output
+    channels times ranges of columns (pw_split), each output written exactly once."""
+    from ttile import _kernels
+    n, h, w_, c, k = shape
+    rng = np.random.default_rng(threads + k)
+    x = rng.uniform(-1, 1, (n, c, h, w_)).astype(np.float32)
+    w = rng.uniform(-1, 1, (k, c, 1, 1)).astype(np.float32)
+    y = np.full((n, k, h, w_), np.nan, np.float32)
+    _kernels.conv2d_pointwise_nchw(x, w, y, threads)
+    assert_conv_close(y, x, w, (1, 1), (0, 0, 0, 0), layout="NCHW")
