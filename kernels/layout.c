@@ -105,6 +105,29 @@ void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int
                       isa);
 }
 
+/* dst[p][oh][ow] = src[p][oh * sh][ow * sw] for `planes` planes of h x w: the pixels a
+ * strided 1x1 layer reads, gathered so that the NCHW pointwise kernel runs it as a
+ * stride-1 layer (ResNet18-5, 64 -> 128 channels at 56x56, stride 2: 0.105 ms through
+ * the NHWC kernel and two conversions, 0.069 gathered with numpy and through the
+ * pointwise kernel, which the NHWC call takes 0.057; Zen 5, 1 thread). One output row
+ * per task; stride-2 rows with AVX-512 (isa 1), others in plain C. */
+void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t h,
+                          int64_t w, int64_t sh, int64_t sw, int64_t ho, int64_t wo,
+                          int nthreads, int isa)
+{
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t row = 0; row < planes * ho; row++) {
+        const int64_t p = row / ho, oh = row % ho;
+        const float *s = src + (p * h + oh * sh) * w;
+        float *d = dst + row * wo;
+        if (isa && sw == 2)
+            ttile_subsample_row2_avx512(s, d, wo);
+        else
+            for (int64_t ow = 0; ow < wo; ow++)
+                d[ow] = s[ow * sw];
+    }
+}
+
 void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
                              int64_t panel, int64_t p, int64_t col0, int64_t col1,
                              float *out, int isa)
@@ -114,9 +137,16 @@ void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
      * landing on row (t, ci); zero past k. */
     const int64_t cols = c * rs;
     const int64_t valid = min64(panel, k - p * panel);
-    for (int64_t j0 = 0; j0 < valid; j0 += TILE)
-        transpose_tile(w + (p * panel + j0) * cols + col0, cols, out + j0, panel,
-                       min64(TILE, valid - j0), col1 - col0, col0, rs, c, isa, 0);
+    for (int64_t j0 = 0; j0 < valid; j0 += TILE) {
+        const float *src = w + (p * panel + j0) * cols + col0;
+        const int64_t rows = min64(TILE, valid - j0);
+        if (isa)
+            ttile_regroup_tile_avx512(src, cols, out + j0, panel, rows, col1 - col0, col0,
+                                      rs, c);
+        else
+            ttile_transpose_tile_portable(src, cols, out + j0, panel, rows, col1 - col0,
+                                          col0, rs, c, 0);
+    }
     for (int64_t col = col0; col < col1; col++) {
         float *d = out + ((col % rs) * c + col / rs) * panel;
         for (int64_t j = valid; j < panel; j++)

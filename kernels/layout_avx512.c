@@ -7,13 +7,41 @@
 #include "ttile_epilogue.h"
 #include "ttile_runtime.h"
 
+void ttile_regroup_tile_avx512(const float *src, int64_t sstride, float *dst,
+                               int64_t dstride, int64_t rows, int64_t cols, int64_t first,
+                               int64_t group, int64_t groups)
+{
+    /* The weights' (c, rs) columns reordered to (rs, c) rows: rows outermost, 16 read
+     * streams along all the columns (columns outermost read 64 rows' streams at once and
+     * made per-call packing of ResNet18-12's 9.4 MB 1.7x slower). */
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+        const __mmask16 rmask = (__mmask16)((1u << nr) - 1u);
+        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+            const int64_t nc = cols - c0 < 16 ? cols - c0 : 16;
+            const __mmask16 cmask = (__mmask16)((1u << nc) - 1u);
+            __m512 v[16];
+            for (int64_t i = 0; i < 16; i++)
+                v[i] = i < nr ? _mm512_maskz_loadu_ps(cmask, src + (r0 + i) * sstride + c0)
+                              : _mm512_setzero_ps();
+            ttile_transpose16_512(v);
+            for (int64_t j = 0; j < nc; j++) {
+                const int64_t c = first + c0 + j;
+                const int64_t row = group == 1 ? c : (c % group) * groups + c / group;
+                _mm512_mask_storeu_ps(dst + row * dstride + r0, rmask, v[j]);
+            }
+        }
+    }
+}
+
 void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                                  int64_t dstride, int64_t rows, int64_t cols,
                                  int64_t first, int64_t group, int64_t groups, int stream)
 {
     /* dst[row(first + c) * dstride + r] = src[r * sstride + c] for r < rows, c < cols,
      * where row(x) = (x % group) * groups + x / group: the identity for group 1, and for
-     * the weights' (c, rs) columns the reordering to (rs, c).
+     * the weights' (c, rs) columns the reordering to (rs, c) (which
+     * ttile_regroup_tile_avx512 does in its own order).
      *
      * Columns outermost: 16 destination rows are written along all the tile's rows
      * before the next 16 start. Rows outermost wrote one line into each of the tile's
@@ -21,6 +49,11 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
      * planes at once - and ran at 16 GB/s where this order runs at 45 (272 x 272 x 64,
      * Zen 5, 1 thread). With `stream`, whole aligned destination lines go out with
      * non-temporal stores (outputs far larger than the caches: 75 GB/s there). */
+    if (group != 1) {
+        ttile_regroup_tile_avx512(src, sstride, dst, dstride, rows, cols, first, group,
+                                  groups);
+        return;
+    }
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
         const int64_t nc = cols - c0 < 16 ? cols - c0 : 16;
         const __mmask16 cmask = (__mmask16)((1u << nc) - 1u);
@@ -28,7 +61,7 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
             const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
             const __mmask16 rmask = (__mmask16)((1u << nr) - 1u);
             __m512 v[16];
-            if (nr == 16 && nc == 16 && group == 1) {
+            if (nr == 16 && nc == 16) {
                 /* a whole tile: constant trip counts, so v stays in registers */
 #pragma GCC unroll 16
                 for (int i = 0; i < 16; i++)
@@ -51,9 +84,7 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                               : _mm512_setzero_ps();
             ttile_transpose16_512(v);
             for (int64_t j = 0; j < nc; j++) {
-                const int64_t c = first + c0 + j;
-                const int64_t row = group == 1 ? c : (c % group) * groups + c / group;
-                float *d = dst + row * dstride + r0;
+                float *d = dst + (first + c0 + j) * dstride + r0;
                 if (stream && nr == 16 && ((uintptr_t)d & 63) == 0)
                     _mm512_stream_ps(d, v[j]);
                 else
@@ -63,6 +94,24 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
     }
     if (stream)
         _mm_sfence();   /* the streamed lines are in memory before anything reads them */
+}
+
+void ttile_subsample_row2_avx512(const float *src, float *dst, int64_t wo)
+{
+    /* dst[i] = src[2 i], i < wo: 32 floats in, the even ones out (vpermt2ps); the loads
+     * are masked to the 2 wo - 1 floats the row holds from src on */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                           26, 28, 30);
+    for (int64_t o = 0; o < wo; o += 16) {
+        const int64_t n = wo - o < 16 ? wo - o : 16;
+        const int64_t span = 2 * n - 1;   /* floats read: src[2 o] .. src[2 (o + n - 1)] */
+        const __mmask16 ma = (__mmask16)(span >= 16 ? 0xFFFFu : (1u << span) - 1u);
+        const __mmask16 mb = (__mmask16)(span > 16 ? (1u << (span - 16)) - 1u : 0u);
+        const __m512 a = _mm512_maskz_loadu_ps(ma, src + 2 * o);
+        const __m512 b = _mm512_maskz_loadu_ps(mb, src + 2 * o + 16);
+        _mm512_mask_storeu_ps(dst + o, (__mmask16)((1u << n) - 1u),
+                              _mm512_permutex2var_ps(a, even, b));
+    }
 }
 
 int ttile_packed_rows_differ_avx512(const float *w, int64_t k, int64_t panel, int64_t p,

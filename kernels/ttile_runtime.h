@@ -124,6 +124,13 @@ void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int6
                         int nthreads, int isa);
 void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
                         int nthreads, int isa);
+/* The pixels a strided 1x1 layer reads: dst[p][oh][ow] = src[p][oh sh][ow sw] for
+ * `planes` planes (layout.c, one output row per task; isa as above), a row at stride 2
+ * with AVX-512 (layout_avx512.c). */
+void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t h,
+                          int64_t w, int64_t sh, int64_t sw, int64_t ho, int64_t wo,
+                          int nthreads, int isa);
+void ttile_subsample_row2_avx512(const float *src, float *dst, int64_t wo);
 /* One tile of those conversions with AVX-512 (layout_avx512.c), and in plain C; with
  * `stream`, whole aligned destination lines are stored past the caches (the portable
  * loop ignores it). */
@@ -133,6 +140,11 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
 void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst,
                                    int64_t dstride, int64_t rows, int64_t cols,
                                    int64_t first, int64_t group, int64_t groups, int stream);
+/* The same transpose rows outermost, for the weights packed into panels (KCRS rows:
+ * 16 read streams at a time; layout_avx512.c). */
+void ttile_regroup_tile_avx512(const float *src, int64_t sstride, float *dst,
+                               int64_t dstride, int64_t rows, int64_t cols, int64_t first,
+                               int64_t group, int64_t groups);
 /* Destinations larger than this are written with non-temporal stores: their lines would
  * leave the caches before anything read them (as the generated kernels' NCHW stores,
  * ttile.core.codegen.NCHW_STREAM_BYTES). */

@@ -448,3 +448,22 @@ def test_the_weight_checks_stay_inside_their_arrays(side, k, panel):
             assert _kernels.packed_matches(gw.array, gp.array, threads, flag)
     for threads in (1, 3):
         assert _kernels.same_bytes(gw.array, gc.array, threads)
+
+
+@pytest.mark.parametrize("isa", ["portable"] + (["avx512f"] if "avx512f" in AVAILABLE_ISAS
+                                                else []))
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("shape,stride", [((1, 3, 7, 9), (2, 2)), ((2, 5, 33, 31), (2, 2)),
+                                          ((1, 4, 17, 40), (3, 2)), ((1, 2, 5, 5), (1, 3))],
+                         ids=lambda v: "x".join(map(str, v)))
+def test_strided_pixel_gathering_stays_in_bounds(isa, side, shape, stride):
+    """The strided 1x1 gather's masked stride-2 loads end at the row's last pixel read."""
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    flag = {"portable": _kernels.ISA_PORTABLE, "avx512f": _kernels.ISA_AVX512F}[isa]
+    gx = guarded_copy(x, side)
+    expected = x[:, :, ::stride[0], ::stride[1]]
+    for threads in (1, 2):
+        gy = guarded_copy(np.zeros(expected.shape, np.float32), side)
+        _kernels.subsample_nchw(gx.array, *stride, threads, gy.array, isa=flag)
+        assert gy.canary_intact() and gx.canary_intact()
+        np.testing.assert_array_equal(gy.array, expected)

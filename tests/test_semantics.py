@@ -217,9 +217,42 @@ def test_nchw_pointwise_calls_run_the_nchw_1x1_kernel(case, activation):
     assert_matches(out, expected, magnitude, c + 2)
 
 
+#: Strided NCHW 1x1 calls: the pixels they read gathered, then the pointwise kernel
+#: (ResNet18-5's and -11's shapes scaled down, odd sizes, unequal strides).
+NCHW_STRIDED_POINTWISE = [((1, 64, 24, 28, 28), (2, 2)), ((2, 20, 37, 15, 13), (2, 2)),
+                          ((1, 8, 10, 17, 33), (3, 2)), ((1, 5, 7, 9, 9), (1, 3)),
+                          ((1, 3, 6, 1, 1), (2, 2))]
+
+
+@requires_avx512
+@pytest.mark.parametrize("case,stride", NCHW_STRIDED_POINTWISE,
+                         ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_strided_nchw_pointwise_calls_gather_their_pixels(case, stride, activation):
+    n, c, k, h, w_ = case
+    rng = np.random.default_rng(c * k + h)
+    x = rng.uniform(-1, 1, (n, c, h, w_)).astype(np.float32)
+    w = rng.uniform(-1, 1, (k, c, 1, 1)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    ho, wo = (h - 1) // stride[0] + 1, (w_ - 1) // stride[1] + 1
+    residual = rng.uniform(-1, 1, (n, k, ho, wo)).astype(np.float32)
+    plan = ttile.plan(x.shape, w.shape, bias, stride, residual=residual, activation=activation)
+    assert plan.kind == ttile.KernelKind.POINTWISE and "gathered" in plan.note
+    expected, magnitude = torch_reference(x, w, bias, stride, 0, 1, 1, activation, 0.01,
+                                          residual)
+    for threads in (1, 2, 5):
+        y = ttile.conv2d(x, w, bias, stride, threads=threads, activation=activation,
+                         residual=residual)
+        assert_matches(y, expected, magnitude, c + 2)
+    layer = ttile.Conv2d(w, bias, stride, activation=activation)
+    out = np.full(expected.shape, np.nan, np.float32)
+    assert layer(x, residual=residual, out=out) is out
+    assert_matches(out, expected, magnitude, c + 2)
+
+
 @requires_avx512
 def test_other_nchw_1x1_calls_are_not_the_pointwise_kernels():
-    for stride, padding in ((2, 0), (1, 1)):
+    for stride, padding in ((1, 1), (2, 1)):
         plan = ttile.plan((1, 32, 16, 16), (48, 32, 1, 1), None, stride, padding)
         assert plan.kind != ttile.KernelKind.POINTWISE
     plan = ttile.plan((1, 16, 16, 32), (1, 1, 32, 48), layout="NHWC")

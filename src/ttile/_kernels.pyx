@@ -71,6 +71,9 @@ cdef extern from "ttile_runtime.h" nogil:
                             int nthreads, int isa)
     void ttile_pack_weights_kcrs(const float *w, int64_t k, int64_t c, int64_t rs,
                                  int64_t panel, float *out, int nthreads, int isa)
+    void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t h,
+                              int64_t w, int64_t sh, int64_t sw, int64_t ho, int64_t wo,
+                              int nthreads, int isa)
 
 cdef extern from "ttile_registry.h" nogil:
     ctypedef void (*ttile_kernel_fn)(const float *x, const float *w, float *y, int nthreads,
@@ -710,6 +713,30 @@ def nchw_to_nhwc(cnp.ndarray x, int nthreads=1, out=None, isa=None):
 def nhwc_to_nchw(cnp.ndarray y, int nthreads=1, out=None, isa=None):
     """(N,H,W,C) -> (N,C,H,W), blocked and parallel."""
     return _convert_activations(y, nthreads, out, isa, False)
+
+
+def subsample_nchw(cnp.ndarray x, int stride_h, int stride_w, int nthreads=1, out=None,
+                   isa=None):
+    """(N,C,H,W) -> (N,C,Ho,Wo), the pixels an unpadded 1x1 layer at these strides reads:
+    x[:, :, ::stride_h, ::stride_w], parallel, stride-2 rows in AVX-512 registers."""
+    _check_f32_c4(x, "x")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    if stride_h < 1 or stride_w < 1:
+        raise ValueError("strides must be >= 1")
+    n, c, h, w = (<object>x).shape
+    ho, wo = (h - 1) // stride_h + 1, (w - 1) // stride_w + 1
+    result = _output(out, (n, c, ho, wo), "out")
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef float *dst = <float *>cnp.PyArray_DATA(result)
+    cdef int64_t planes = n * c, hh = h, ww = w, sh = stride_h, sw = stride_w
+    cdef int64_t oho = ho, owo = wo
+    cdef int flag = _layout_isa(isa)
+    if planes * h * w == 0:
+        return result
+    with nogil:
+        ttile_subsample_nchw(src, dst, planes, hh, ww, sh, sw, oho, owo, nthreads, flag)
+    return result
 
 
 cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:

@@ -391,7 +391,7 @@ def _choice(plan: _CallPlan, nthreads: int, per_call: bool = True) -> dispatch.K
     cache_key = (nthreads, isa, _use_tuned, per_call)
     choice = plan.choices.get(cache_key)
     if choice is None:
-        choice = _family_choice(plan, isa)
+        choice = _family_choice(plan, isa, nthreads, per_call)
         if choice is None:
             choice = dispatch.for_call(
                 dispatch.choose(plan.spec, plan.layout, nthreads, isa, _use_tuned),
@@ -401,24 +401,45 @@ def _choice(plan: _CallPlan, nthreads: int, per_call: bool = True) -> dispatch.K
     return choice
 
 
-def _family_choice(plan: _CallPlan, isa: Isa) -> Optional[dispatch.KernelChoice]:
+def _searched_nchw_entry(spec: ConvSpec, nthreads: int, isa: Isa, per_call: bool) -> bool:
+    """Whether the registry serves an NCHW call of ``spec`` here with a searched kernel
+    through its NCHW entry point (and a per-call call keeps it rather than the generic
+    kernel, see ``dispatch.for_call``)."""
+    if not _use_tuned:
+        return False
+    entry = registry.lookup(spec, nthreads, isa=isa)
+    if entry is None or entry.kind is not KernelKind.TUNED or not entry.nchw:
+        return False
+    choice = dispatch.for_call(dispatch.registry_choice(entry, isa), spec, "NCHW", per_call,
+                               nthreads, isa)
+    return choice.kind is KernelKind.TUNED
+
+
+def _family_choice(plan: _CallPlan, isa: Isa, nthreads: int,
+                   per_call: bool) -> Optional[dispatch.KernelChoice]:
     """The kernel of a depthwise or grouped call, or of an NCHW 1x1 call (None for any
     other dense call: dispatch decides)."""
     if plan.family is Family.DENSE:
         spec = plan.spec
         if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \
-                and spec.stride_h == spec.stride_w == 1 and spec.pad_top == spec.pad_bottom \
-                == spec.pad_left == spec.pad_right == 0 \
+                and spec.pad_top == spec.pad_bottom == spec.pad_left == spec.pad_right == 0 \
                 and 4 * spec.k * spec.c <= POINTWISE_MAX_WEIGHT_BYTES:
             # a matrix product per image in torch's layout: on a Zen 4 core it took 0.35-0.9x
             # the time of the searched kernels' NCHW entry points and of converting around
             # the NHWC kernels (Yolo9000-5: 4.0 ms against 8.7; MobileNetV2's 96->24
-            # projection at 56x56: 0.15 against 0.41)
+            # projection at 56x56: 0.15 against 0.41). A strided layer runs on the pixels
+            # it reads, gathered first (ResNet18-5 and -11 on a Zen 5 core: 0.105 and 0.092
+            # ms converting around the NHWC kernel, 0.069 and 0.072 gathered by numpy)
+            strided = spec.stride_h > 1 or spec.stride_w > 1
+            if strided and _searched_nchw_entry(spec, nthreads, isa, per_call):
+                # a searched kernel's NCHW entry point reads just those pixels, with no
+                # gathering pass (ResNet18-5, Zen 5, 2 threads: 0.037 ms against 0.042)
+                return None
+            note = ("the NCHW pointwise kernel (a matrix product per image in torch's "
+                    "layout" + (", on the strided pixels gathered first)" if strided
+                                else ", nothing converted)"))
             return dispatch.KernelChoice(kind=KernelKind.POINTWISE, problem=spec, panel=0,
-                                         nchw=True,
-                                         note="the NCHW pointwise kernel (a matrix product "
-                                              "per image in torch's layout, nothing "
-                                              "converted)")
+                                         nchw=True, note=note)
         return None
     if plan.family is Family.DEPTHWISE and isa is Isa.AVX512F:
         if plan.layout == "NCHW" and plan.spec.wo >= DEPTHWISE_NCHW_MIN_WIDTH \
@@ -610,7 +631,11 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         return y
     if choice.kind is KernelKind.POINTWISE:
         # the NCHW 1x1 kernel: x, y, the residual and torch's (K, C, 1, 1) weights as
-        # they are (family_weights gives a Conv2d's back in that layout)
+        # they are (family_weights gives a Conv2d's back in that layout); a strided
+        # layer's pixels gathered into a scratch input first
+        if spec.stride_h > 1 or spec.stride_w > 1:
+            x = _kernels.subsample_nchw(x, spec.stride_h, spec.stride_w, nthreads,
+                                        scratch("x", (spec.n, spec.c, spec.ho, spec.wo)))
         y = out if out is not None else aligned_empty(plan.out_shape)
         _kernels.conv2d_pointwise_nchw(x, weights, y, nthreads, **fused.kwargs())
         return y
@@ -890,7 +915,7 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
     isa = get_isa()
     per_call = not prepacked
     choice = (call.choices.get((nthreads, isa, _use_tuned, per_call))
-              or _family_choice(call, isa)
+              or _family_choice(call, isa, nthreads, per_call)
               or dispatch.for_call(
                   dispatch.choose(call.spec, call.layout, nthreads, isa, _use_tuned,
                                   tune=False),
