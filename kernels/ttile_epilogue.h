@@ -343,6 +343,26 @@ static inline void ttile_store_nchw512(const float *t, int en, int eh, int ew, i
                 const int nk = kn - k < 16 ? (int)(kn - k) : 16;
                 for (int w = 0; w < ew; w += 16) {
                     const int nw = ew - w < 16 ? ew - w : 16;
+                    if (nw == 16 && nk == 16 && !epilogue) {
+                        /* a whole tile and no epilogue: constant trip counts, the rows
+                         * loaded as they are and the stores' kind chosen once */
+                        __m512 r[16];
+#pragma GCC unroll 16
+                        for (int i = 0; i < 16; i++)
+                            r[i] = _mm512_loadu_ps(src + (int64_t)(w + i) * ek + k);
+                        ttile_transpose16_512(r);
+                        float *d = y + base + k * plane + w;
+                        if (stream && ((uintptr_t)d & 63) == 0 && ((plane * 4) & 63) == 0) {
+#pragma GCC unroll 16
+                            for (int j = 0; j < 16; j++)
+                                _mm512_stream_ps(d + j * plane, r[j]);
+                        } else {
+#pragma GCC unroll 16
+                            for (int j = 0; j < 16; j++)
+                                _mm512_storeu_ps(d + j * plane, r[j]);
+                        }
+                        continue;
+                    }
                     const __mmask16 wm = (__mmask16)((1u << nw) - 1u);
                     /* rows past nw repeat the last one (their lanes are never
                      * stored): no select, and the tile stays in registers */
