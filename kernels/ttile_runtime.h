@@ -59,10 +59,11 @@ int64_t ttile_generic_panel_avx2(int64_t k, int64_t wo);
  * TTILE_RSCK_WEIGHTS: `packed` is the RSCK weights themselves; each thread packs the
  * panels it needs into a buffer of its own, group by group; TTILE_KCRS_WEIGHTS: the
  * same from KCRS weights (torch's layout, groups stacked along K). RSCK weights need
- * groups == 1 (-1 otherwise). */
+ * groups == 1 (-1 otherwise). TTILE_NCHW_IN: x is x[N][C][H][W], read as it is. */
 #define TTILE_NCHW_OUT 1
 #define TTILE_RSCK_WEIGHTS 2
 #define TTILE_KCRS_WEIGHTS 4
+#define TTILE_NCHW_IN 8
 int ttile_conv_generic_packed_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
                                      int flags, const ttile_epilogue *ep);
@@ -131,6 +132,10 @@ void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t 
                           int64_t w, int64_t sh, int64_t sw, int64_t ho, int64_t wo,
                           int nthreads, int isa);
 void ttile_subsample_row2_avx512(const float *src, float *dst, int64_t wo);
+/* NCHW -> NHWC pixels [p0, p1) of one image of c <= 4 channels, by permutes
+ * (layout_avx512.c). */
+void ttile_interleave_small_avx512(const float *src, float *dst, int64_t c, int64_t hw,
+                                   int64_t p0, int64_t p1);
 /* One tile of those conversions with AVX-512 (layout_avx512.c), and in plain C; with
  * `stream`, whole aligned destination lines are stored past the caches (the portable
  * loop ignores it). */

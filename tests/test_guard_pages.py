@@ -229,6 +229,61 @@ def test_generic_kernel_writing_nchw_stays_in_bounds(case, side):
                           (spec.stride_h, spec.stride_w), _pads(spec), layout="NHWC")
 
 
+#: Rows wide enough for the NCHW-input blocks of 12-24 pixels (K <= 32), whose interior
+#: blocks read through one pointer at stride 1 or 2, and their padded edge blocks.
+WIDE_ROW_SHAPES = [
+    (1, 9, 60, 12, 16, 3, 3, (1, 2), (1, 1, 1, 1)),
+    (2, 5, 50, 9, 16, 3, 3, (1, 1), (1, 1, 1, 1)),
+    (1, 4, 61, 8, 30, 5, 5, (2, 2), (2, 2, 2, 2)),
+    (1, 6, 45, 10, 20, 3, 3, (1, 3), (0, 0, 0, 0)),
+]
+
+
+@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512f") if i in AVAILABLE_ISAS])
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", TAIL_SHAPES + RSCK_SHAPES + WIDE_ROW_SHAPES,
+                         ids=lambda c: f"k{c[4]}c{c[3]}r{c[5]}s{c[6]}w{c[2]}")
+def test_generic_kernel_reading_nchw_stays_in_bounds(isa, case, side):
+    """The NCHW input path (TTILE_NCHW_IN): every pixel's channels a plane apart, padded
+    pixels read at stride 0 from the zero row, wide interior blocks through one pointer;
+    packed and KCRS weights, NCHW and NHWC outputs, dilation 1 and 2."""
+    spec = _spec(case)
+    x, w = _tensors(spec)
+    code = {"avx2": _kernels.ISA_AVX2, "avx512f": _kernels.ISA_AVX512F}[isa]
+    packed = _kernels.pack_weights(w, _kernels.generic_panel(spec.k, spec.wo, code))
+    kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+    gx = guarded_copy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), side)
+    for threads, weights, nchw_out in ((1, packed, True), (2, kcrs, True), (3, packed, False)):
+        gw = guarded_copy(weights, side)
+        shape = ((spec.n, spec.k, spec.ho, spec.wo) if nchw_out
+                 else (spec.n, spec.ho, spec.wo, spec.k))
+        gy = guarded_copy(np.zeros(shape, np.float32), side)
+        gy.array.view(np.uint32)[...] = 0xA5A5A5A5
+        _kernels.conv2d_generic_packed(gx.array, gw.array, gy.array, spec.stride_h,
+                                       spec.stride_w, spec.pad_top, spec.pad_left, threads,
+                                       nchw_out, weights is kcrs, isa=code, nchw_in=True)
+        assert gy.canary_intact() and gx.canary_intact() and gw.canary_intact()
+        y = gy.array.transpose(0, 2, 3, 1) if nchw_out else gy.array
+        assert_conv_close(np.ascontiguousarray(y), x, w, (spec.stride_h, spec.stride_w),
+                          _pads(spec), layout="NHWC")
+    # dilation 2 where the input is large enough for it
+    if spec.h >= 2 * spec.r and spec.w >= 2 * spec.s and spec.pad_top == spec.pad_bottom \
+            and spec.pad_left == spec.pad_right:
+        from ttile.core.reference import conv2d_nhwc_f64
+        ho = (spec.h + 2 * spec.pad_top - 2 * (spec.r - 1) - 1) // spec.stride_h + 1
+        wo = (spec.w + 2 * spec.pad_left - 2 * (spec.s - 1) - 1) // spec.stride_w + 1
+        gy = guarded_copy(np.zeros((spec.n, spec.k, ho, wo), np.float32), side)
+        panel = _kernels.generic_panel(spec.k, wo, code)
+        _kernels.conv2d_generic_packed(gx.array, _kernels.pack_weights(w, panel), gy.array,
+                                       spec.stride_h, spec.stride_w, spec.pad_top,
+                                       spec.pad_left, 2, True, isa=code, nchw_in=True,
+                                       dil_h=2, dil_w=2)
+        assert gy.canary_intact() and gx.canary_intact()
+        expected = conv2d_nhwc_f64(x, w, (spec.stride_h, spec.stride_w), _pads(spec), (2, 2))
+        np.testing.assert_allclose(gy.array.transpose(0, 2, 3, 1), expected, rtol=1e-4,
+                                   atol=1e-4 * spec.c * spec.r * spec.s)
+
+
 def _guarded_epilogue_call(side, x, w, bias, residual, out_shape, call) -> np.ndarray:
     """x, w, bias and residual copied against guard pages on ``side`` and an output of
     ``out_shape`` filled with a canary pattern; ``call(x, w, bias, residual, out)`` runs
@@ -467,3 +522,21 @@ def test_strided_pixel_gathering_stays_in_bounds(isa, side, shape, stride):
         _kernels.subsample_nchw(gx.array, *stride, threads, gy.array, isa=flag)
         assert gy.canary_intact() and gx.canary_intact()
         np.testing.assert_array_equal(gy.array, expected)
+
+
+@pytest.mark.parametrize("isa", ["portable"] + (["avx512f"] if "avx512f" in AVAILABLE_ISAS
+                                                else []))
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("shape", [(1, 3, 7, 9), (2, 1, 5, 5), (1, 2, 67, 65), (1, 4, 3, 1),
+                                   (3, 3, 70, 61)], ids=lambda v: "x".join(map(str, v)))
+def test_small_channel_conversion_stays_in_bounds(isa, side, shape):
+    """NCHW -> NHWC of 1-4 channels (an RGB image): masked loads of the last pixels of
+    each plane, masked stores of the last interleaved vectors, 4096-pixel tasks."""
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    flag = {"portable": _kernels.ISA_PORTABLE, "avx512f": _kernels.ISA_AVX512F}[isa]
+    gx = guarded_copy(x, side)
+    for threads in (1, 2, 3):
+        gy = guarded_copy(np.zeros(x.transpose(0, 2, 3, 1).shape, np.float32), side)
+        _kernels.nchw_to_nhwc(gx.array, threads, gy.array, isa=flag)
+        assert gy.canary_intact() and gx.canary_intact()
+        np.testing.assert_array_equal(gy.array, x.transpose(0, 2, 3, 1))
