@@ -179,15 +179,21 @@ cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
                      int64_t r, int64_t s, int64_t wc, int64_t k,
                      int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
                      int nthreads, bint nchw_out=False, int64_t dil_h=1, int64_t dil_w=1,
-                     int64_t groups=1) except -1:
-    """Fill ``shape`` from x (N,H,W,C), y (N,Ho,Wo,K), or (N,K,Ho,Wo) with ``nchw_out``,
-    and the weights' extents (``wc`` input channels per group, ``k`` output channels in
-    all), refusing any combination under which a kernel could index outside the arrays."""
+                     int64_t groups=1, bint nchw_in=False) except -1:
+    """Fill ``shape`` from x (N,H,W,C), or (N,C,H,W) with ``nchw_in``, y (N,Ho,Wo,K), or
+    (N,K,Ho,Wo) with ``nchw_out``, and the weights' extents (``wc`` input channels per
+    group, ``k`` output channels in all), refusing any combination under which a kernel
+    could index outside the arrays."""
     _check_f32_c4(x, "x")
     _check_f32_c4(y, "y")
     if not cnp.PyArray_ISWRITEABLE(y):
         raise ValueError("y must be writeable")
-    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp *xd = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp xs[4]
+    xs[0] = xd[0]
+    xs[1] = xd[2] if nchw_in else xd[1]
+    xs[2] = xd[3] if nchw_in else xd[2]
+    xs[3] = xd[1] if nchw_in else xd[3]
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
     if groups < 1 or dil_h < 1 or dil_w < 1:
         raise ValueError("groups and dilation must be >= 1")
@@ -419,13 +425,14 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           bint nchw_out=False, bint kcrs=False, *,
                           int64_t dil_h=1, int64_t dil_w=1, int64_t groups=1,
                           bias=None, residual=None, int activation=0, float slope=0.01,
-                          int isa=ISA_AVX512F):
+                          int isa=ISA_AVX512F, bint nchw_in=False):
     """The vector generic kernel of ``isa`` (ISA_AVX512F, or ISA_AVX2) on weights packed by
     ``pack_weights(w, generic_panel(K, Wo, isa))`` (with groups: each group's packed weights,
     concatenated along the first axis), or on RSCK weights (R,S,C,K) - KCRS
     (K,C/groups,R,S), torch's layout, with ``kcrs`` - which the kernel's threads then
     pack panel group by panel group into buffers of their own; with ``nchw_out``, y is
-    (N,K,Ho,Wo) and written in that layout from the tiles. The epilogue
+    (N,K,Ho,Wo) and written in that layout from the tiles; with ``nchw_in``, x is
+    (N,C,H,W), read in that layout. The epilogue
     y = act(conv + bias + residual) is fused (residual in y's layout)."""
     _require_isa(isa)
     _check_f32_c4(y, "y")
@@ -457,12 +464,12 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
         r, s, wc = ws[1], ws[2], ws[3]
     cdef ttile_conv_shape shape
     _fill_shape(&shape, x, y, r, s, wc, k, stride_h, stride_w, pad_top, pad_left,
-                nthreads, nchw_out, dil_h, dil_w, groups)
+                nthreads, nchw_out, dil_h, dil_w, groups, nchw_in)
     cdef ttile_epilogue epilogue
     cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
                                               y, k)
     cdef int out_flag = (1 if nchw_out else 0) | (2 if rsck and not kcrs else 0) \
-        | (4 if kcrs else 0)
+        | (4 if kcrs else 0) | (8 if nchw_in else 0)
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)

@@ -652,17 +652,23 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         _run_searched(choice, x, weights, y, nthreads, fused.kwargs(), nchw_out=True)
         return y
     isa = _layout_isa()
-    x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
-                                                   + (spec.c * plan.groups,)), isa)
     if choice.kind is KernelKind.GENERIC and choice.panel:
         # the vector generic kernel writes NCHW from its tiles: no second pass; it
-        # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
+        # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d), and reads the
+        # NCHW input as it is where that measured faster than converting it
+        nchw_in = _generic_reads_nchw(plan, nthreads, choice.isa)
+        if not nchw_in:
+            x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
+                                                           + (spec.c * plan.groups,)), isa)
         y = out if out is not None else aligned_empty(plan.out_shape)
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
                                        weights.ndim == 4, groups=plan.groups,
                                        dil_h=spec.dilation_h, dil_w=spec.dilation_w,
-                                       **fused.kwargs(), isa=extension_code(choice.isa))
+                                       **fused.kwargs(), isa=extension_code(choice.isa),
+                                       nchw_in=nchw_in)
         return y
+    x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
+                                                   + (spec.c * plan.groups,)), isa)
     nhwc = _nhwc_shape(plan)
     residual = None
     if fused.residual is not None:
@@ -672,6 +678,35 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         y = np.empty(nhwc, dtype=_FLOAT32)
     _run(choice, plan, x, weights, y, nthreads, fused.kwargs(residual))
     return _kernels.nhwc_to_nchw(y, nthreads, out, isa)
+
+
+#: Input bytes per FLOP from which the AVX-512 generic kernel reads a one-thread NCHW
+#: call's input as it is rather than converting it first (see _generic_reads_nchw).
+GENERIC_NCHW_IN_BYTES_PER_FLOP = 2e-3
+
+
+def _generic_reads_nchw(plan: _CallPlan, nthreads: int, isa: Isa) -> bool:
+    """Whether the vector generic kernel reads this NCHW call's input in place.
+
+    Reading NCHW, each pixel's channels are a plane apart, and a register block's
+    broadcasts come from as many lines as it has pixels: 2-9 % slower than the NHWC call
+    on the Fig. 8 layers (Zen 5), against a conversion pass over the input. On several
+    threads the pass also costs the kernel: split among the threads by pixels, its
+    output is read by threads that take panel groups across all rows, half of it from
+    the other core's cache (ResNet18-7, 2 threads: conversion + kernel 0.30 ms, reading
+    NCHW 0.245, NHWC 0.230). On one thread the pass pays where the input is large for
+    the work: from 3.4e-3 input bytes per FLOP (Yolo9000-2, ResNet18-2, -4, -7) reading
+    NCHW was 3-7 % faster; at 1.7e-3, 4 % faster (Yolo9000-4), even (ResNet18-6) or 4 %
+    slower (ResNet18-10); below, 1-5 % slower. Inputs of fewer than 8 channels convert: NHWC's contiguous (s, c) steps
+    served a 3-channel 7x7 layer 10 % faster. Measured on the AVX-512 family only; the
+    AVX2 one converts."""
+    spec = plan.spec
+    if isa is not Isa.AVX512F or spec.c < 8:
+        return False
+    if nthreads > 1:
+        return True
+    input_bytes = 4 * spec.n * spec.c * spec.h * spec.w   # per group, as spec.flops
+    return input_bytes >= GENERIC_NCHW_IN_BYTES_PER_FLOP * spec.flops
 
 
 def _layout_isa() -> Optional[int]:
