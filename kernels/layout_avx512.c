@@ -7,6 +7,16 @@
 #include "ttile_epilogue.h"
 #include "ttile_runtime.h"
 
+/* v = the transpose of the nr x 16 block at src (rows sstride apart, columns masked by
+ * cmask; rows past nr zero). */
+static inline void load_transposed(const float *src, int64_t sstride, int64_t nr,
+                                   __mmask16 cmask, __m512 v[16])
+{
+    for (int64_t i = 0; i < 16; i++)
+        v[i] = i < nr ? _mm512_maskz_loadu_ps(cmask, src + i * sstride) : _mm512_setzero_ps();
+    ttile_transpose16_512(v);
+}
+
 void ttile_regroup_tile_avx512(const float *src, int64_t sstride, float *dst,
                                int64_t dstride, int64_t rows, int64_t cols, int64_t first,
                                int64_t group, int64_t groups)
@@ -21,10 +31,7 @@ void ttile_regroup_tile_avx512(const float *src, int64_t sstride, float *dst,
             const int64_t nc = cols - c0 < 16 ? cols - c0 : 16;
             const __mmask16 cmask = (__mmask16)((1u << nc) - 1u);
             __m512 v[16];
-            for (int64_t i = 0; i < 16; i++)
-                v[i] = i < nr ? _mm512_maskz_loadu_ps(cmask, src + (r0 + i) * sstride + c0)
-                              : _mm512_setzero_ps();
-            ttile_transpose16_512(v);
+            load_transposed(src + r0 * sstride + c0, sstride, nr, cmask, v);
             for (int64_t j = 0; j < nc; j++) {
                 const int64_t c = first + c0 + j;
                 const int64_t row = group == 1 ? c : (c % group) * groups + c / group;
@@ -67,22 +74,10 @@ void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                 for (int i = 0; i < 16; i++)
                     v[i] = _mm512_loadu_ps(src + (r0 + i) * sstride + c0);
                 ttile_transpose16_512(v);
-                float *d = dst + (first + c0) * dstride + r0;
-                if (stream && ((uintptr_t)d & 63) == 0 && ((dstride * 4) & 63) == 0) {
-#pragma GCC unroll 16
-                    for (int j = 0; j < 16; j++)
-                        _mm512_stream_ps(d + j * dstride, v[j]);
-                } else {
-#pragma GCC unroll 16
-                    for (int j = 0; j < 16; j++)
-                        _mm512_storeu_ps(d + j * dstride, v[j]);
-                }
+                ttile_store_rows512(dst + (first + c0) * dstride + r0, dstride, v, stream);
                 continue;
             }
-            for (int64_t i = 0; i < 16; i++)
-                v[i] = i < nr ? _mm512_maskz_loadu_ps(cmask, src + (r0 + i) * sstride + c0)
-                              : _mm512_setzero_ps();
-            ttile_transpose16_512(v);
+            load_transposed(src + r0 * sstride + c0, sstride, nr, cmask, v);
             for (int64_t j = 0; j < nc; j++) {
                 float *d = dst + (first + c0 + j) * dstride + r0;
                 if (stream && nr == 16 && ((uintptr_t)d & 63) == 0)

@@ -314,6 +314,22 @@ static inline void ttile_transpose16_512(__m512 r[16])
     }
 }
 
+/* Rows v[0..15] of a transposed tile to d, d + stride, ..., d + 15 stride: with
+ * `stream` and every row on a line, past the caches (non-temporal). */
+static inline void ttile_store_rows512(float *d, int64_t stride, const __m512 v[16],
+                                       int stream)
+{
+    if (stream && ((uintptr_t)d & 63) == 0 && ((stride * 4) & 63) == 0) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++)
+            _mm512_stream_ps(d + j * stride, v[j]);
+    } else {
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++)
+            _mm512_storeu_ps(d + j * stride, v[j]);
+    }
+}
+
 /* The NCHW store of a tile of outputs (the AVX-512F generated kernels' NCHW entry
  * points): the tile was computed in NHWC order into a buffer on the stack, t[n][h][w][k]
  * with extents en, eh, ew, ek (ek whole vectors: channels at or past K are dropped), and
@@ -351,16 +367,7 @@ static inline void ttile_store_nchw512(const float *t, int en, int eh, int ew, i
                         for (int i = 0; i < 16; i++)
                             r[i] = _mm512_loadu_ps(src + (int64_t)(w + i) * ek + k);
                         ttile_transpose16_512(r);
-                        float *d = y + base + k * plane + w;
-                        if (stream && ((uintptr_t)d & 63) == 0 && ((plane * 4) & 63) == 0) {
-#pragma GCC unroll 16
-                            for (int j = 0; j < 16; j++)
-                                _mm512_stream_ps(d + j * plane, r[j]);
-                        } else {
-#pragma GCC unroll 16
-                            for (int j = 0; j < 16; j++)
-                                _mm512_storeu_ps(d + j * plane, r[j]);
-                        }
+                        ttile_store_rows512(y + base + k * plane + w, plane, r, stream);
                         continue;
                     }
                     const __mmask16 wm = (__mmask16)((1u << nw) - 1u);
