@@ -136,22 +136,28 @@ void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int
  * strided 1x1 layer reads, gathered so that the NCHW pointwise kernel runs it as a
  * stride-1 layer (ResNet18-5, 64 -> 128 channels at 56x56, stride 2: 0.105 ms through
  * the NHWC kernel and two conversions, 0.069 gathered with numpy and through the
- * pointwise kernel, which the NHWC call takes 0.057; Zen 5, 1 thread). One output row
- * per task; stride-2 rows with AVX-512 (isa 1), others in plain C. */
+ * pointwise kernel, which the NHWC call takes 0.057; Zen 5, 1 thread). A plane per task,
+ * or a row where there are fewer planes than threads; stride-2 planes with AVX-512 (isa
+ * 1), others in plain C. */
 void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t h,
                           int64_t w, int64_t sh, int64_t sw, int64_t ho, int64_t wo,
                           int nthreads, int isa)
 {
+    const int64_t rows_per_task = planes >= nthreads ? ho : 1;
+    const int64_t tasks = planes * (ho / rows_per_task);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t row = 0; row < planes * ho; row++) {
-        const int64_t p = row / ho, oh = row % ho;
-        const float *s = src + (p * h + oh * sh) * w;
-        float *d = dst + row * wo;
-        if (isa && sw == 2)
-            ttile_subsample_row2_avx512(s, d, wo);
-        else
-            for (int64_t ow = 0; ow < wo; ow++)
-                d[ow] = s[ow * sw];
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t p = t / (ho / rows_per_task);
+        const int64_t oh0 = t % (ho / rows_per_task) * rows_per_task;
+        const float *s = src + (p * h + oh0 * sh) * w;
+        float *d = dst + (p * ho + oh0) * wo;
+        if (isa && sw == 2) {
+            ttile_subsample_plane2_avx512(s, d, w, sh, rows_per_task, wo);
+        } else {
+            for (int64_t oh = 0; oh < rows_per_task; oh++)
+                for (int64_t ow = 0; ow < wo; ow++)
+                    d[oh * wo + ow] = s[oh * sh * w + ow * sw];
+        }
     }
 }
 

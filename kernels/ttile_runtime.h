@@ -126,12 +126,13 @@ void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int6
 void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
                         int nthreads, int isa);
 /* The pixels a strided 1x1 layer reads: dst[p][oh][ow] = src[p][oh sh][ow sw] for
- * `planes` planes (layout.c, one output row per task; isa as above), a row at stride 2
- * with AVX-512 (layout_avx512.c). */
+ * `planes` planes (layout.c, parallel; isa as above), ho rows of a plane at column
+ * stride 2 with AVX-512 (layout_avx512.c). */
 void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t h,
                           int64_t w, int64_t sh, int64_t sw, int64_t ho, int64_t wo,
                           int nthreads, int isa);
-void ttile_subsample_row2_avx512(const float *src, float *dst, int64_t wo);
+void ttile_subsample_plane2_avx512(const float *src, float *dst, int64_t w, int64_t sh,
+                                   int64_t ho, int64_t wo);
 /* NCHW -> NHWC pixels [p0, p1) of one image of c <= 4 channels, by permutes
  * (layout_avx512.c). */
 void ttile_interleave_small_avx512(const float *src, float *dst, int64_t c, int64_t hw,
