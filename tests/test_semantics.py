@@ -373,3 +373,37 @@ def test_a_depthwise_call_uses_threads_by_the_bytes_it_moves():
     assert big.threads == 2
     tiny = ttile.plan((1, 16, 4, 4), (16, 1, 3, 3), None, 1, 1, 1, 16, threads=2)
     assert tiny.threads == 1
+
+
+@requires_avx512
+@pytest.mark.parametrize("reads_nchw", [False, True])
+@pytest.mark.parametrize("case", [(16, 24, 1, 1, 1), (32, 48, 2, 1, 2), (24, 36, 1, 2, 3)],
+                         ids=lambda c: "c{}k{}s{}d{}g{}".format(*c))
+def test_nchw_generic_calls_read_the_input_either_way(monkeypatch, case, reads_nchw):
+    """The generic kernel's NCHW calls, the input converted first or read in place (the
+    choice forced both ways), with bias, residual, activation, stride, dilation, groups;
+    per call and pre-packed, 1 and 2 threads."""
+    from ttile.runtime import api
+    c, k, stride, dilation, groups = case
+    monkeypatch.setattr(api, "_generic_reads_nchw", lambda *args: reads_nchw)
+    rng = np.random.default_rng(c + k)
+    x = rng.uniform(-1, 1, (2, c, 19, 23)).astype(np.float32)
+    w = rng.uniform(-1, 1, (k, c // groups, 3, 3)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    expected, magnitude = torch_reference(x, w, bias, stride, dilation, dilation, groups,
+                                          "relu", 0.01, None)
+    residual = rng.uniform(-1, 1, expected.shape).astype(np.float32)
+    expected, magnitude = torch_reference(x, w, bias, stride, dilation, dilation, groups,
+                                          "relu", 0.01, residual)
+    previous = ttile.set_tuning(mode="never")
+    try:
+        for threads in (1, 2):
+            y = ttile.conv2d(x, w, bias, stride, dilation, dilation, groups, threads=threads,
+                             activation="relu", residual=residual)
+            assert_matches(y, expected, magnitude, 9 * c // groups + 2)
+            layer = ttile.Conv2d(w, bias, stride, dilation, dilation, groups, threads=threads,
+                                 activation="relu")
+            assert_matches(layer(x, residual=residual), expected, magnitude,
+                           9 * c // groups + 2)
+    finally:
+        ttile.restore_tuning(previous)

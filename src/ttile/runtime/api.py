@@ -680,9 +680,11 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     return _kernels.nhwc_to_nchw(y, nthreads, out, isa)
 
 
-#: Input bytes per FLOP from which the AVX-512 generic kernel reads a one-thread NCHW
-#: call's input as it is rather than converting it first (see _generic_reads_nchw).
+#: Input bytes per FLOP from which the AVX-512 generic kernel reads an NCHW call's input
+#: as it is rather than converting it first, on one thread and on several (see
+#: _generic_reads_nchw).
 GENERIC_NCHW_IN_BYTES_PER_FLOP = 2e-3
+GENERIC_NCHW_IN_BYTES_PER_FLOP_THREADS = 0.6e-3
 
 
 def _generic_reads_nchw(plan: _CallPlan, nthreads: int, isa: Isa) -> bool:
@@ -694,19 +696,21 @@ def _generic_reads_nchw(plan: _CallPlan, nthreads: int, isa: Isa) -> bool:
     threads the pass also costs the kernel: split among the threads by pixels, its
     output is read by threads that take panel groups across all rows, half of it from
     the other core's cache (ResNet18-7, 2 threads: conversion + kernel 0.30 ms, reading
-    NCHW 0.245, NHWC 0.230). On one thread the pass pays where the input is large for
-    the work: from 3.4e-3 input bytes per FLOP (Yolo9000-2, ResNet18-2, -4, -7) reading
-    NCHW was 3-7 % faster; at 1.7e-3, 4 % faster (Yolo9000-4), even (ResNet18-6) or 4 %
-    slower (ResNet18-10); below, 1-5 % slower. Inputs of fewer than 8 channels convert: NHWC's contiguous (s, c) steps
-    served a 3-channel 7x7 layer 10 % faster. Measured on the AVX-512 family only; the
-    AVX2 one converts."""
+    NCHW 0.245, NHWC 0.230). So reading in place pays where the input is large for the
+    work. On one thread: from 3.4e-3 input bytes per FLOP (Yolo9000-2, ResNet18-2, -4,
+    -7) it was 3-7 % faster; at 1.7e-3, 4 % faster (Yolo9000-4), even (ResNet18-6) or 4 %
+    slower (ResNet18-10); below, 1-5 % slower. On two: 1-6 % faster down to 0.87e-3
+    (ResNet18-9), even or 3-5 % slower at 0.43e-3 and 0.22e-3 (Yolo9000-12, ResNet18-12,
+    Yolo9000-18). Inputs of fewer than 8 channels convert: NHWC's contiguous (s, c)
+    steps served a 3-channel 7x7 layer 10 % faster. Measured on the AVX-512 family only;
+    the AVX2 one converts."""
     spec = plan.spec
     if isa is not Isa.AVX512F or spec.c < 8:
         return False
-    if nthreads > 1:
-        return True
     input_bytes = 4 * spec.n * spec.c * spec.h * spec.w   # per group, as spec.flops
-    return input_bytes >= GENERIC_NCHW_IN_BYTES_PER_FLOP * spec.flops
+    per_flop = (GENERIC_NCHW_IN_BYTES_PER_FLOP_THREADS if nthreads > 1
+                else GENERIC_NCHW_IN_BYTES_PER_FLOP)
+    return input_bytes >= per_flop * spec.flops
 
 
 def _layout_isa() -> Optional[int]:
