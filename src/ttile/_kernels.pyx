@@ -547,6 +547,76 @@ def registry_entries():
     return out
 
 
+#: Outputs from this size on come from memory that earlier outputs of ttile gave back:
+#: glibc maps each allocation past 32 MiB anew and unmaps it on free, so every call paid
+#: for the kernel zeroing fresh pages (Yolo9000-0's 38 MB output: 4.8 ms per NHWC call,
+#: 3.0 with `out=`; Zen 5, 1 thread). Smaller ones glibc already reuses.
+RECYCLE_MIN_BYTES = 32 << 20
+#: At most this much memory is kept for reuse once its outputs are gone.
+RECYCLE_KEEP_BYTES = 256 << 20
+cdef list _recycled = []   # 1-D float32 buffers whose outputs are gone, oldest first
+
+
+cdef class _RecycledBuffer:
+    """The owner of a large output's memory, which the output views through the buffer
+    protocol: when the last array viewing it goes, the memory is kept for a later output
+    (up to RECYCLE_KEEP_BYTES) instead of going back to the OS. Nothing else holds it, so
+    a buffer is reused only once no array can see it."""
+    cdef cnp.ndarray data
+    cdef Py_ssize_t extent[1]
+    cdef Py_ssize_t stride[1]
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        view.buf = cnp.PyArray_DATA(self.data)
+        view.obj = self
+        view.len = self.extent[0] * 4
+        view.itemsize = 4
+        view.readonly = 0
+        view.ndim = 1
+        view.format = "f"
+        view.shape = self.extent
+        view.strides = self.stride
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+    def __dealloc__(self):
+        if self.data is None or _recycled is None:   # (None: interpreter shutdown)
+            return
+        kept = sum(b.nbytes for b in _recycled)
+        while _recycled and kept + self.data.nbytes > RECYCLE_KEEP_BYTES:
+            kept -= _recycled.pop(0).nbytes   # the oldest make room
+        if kept + self.data.nbytes <= RECYCLE_KEEP_BYTES:
+            _recycled.append(self.data)
+
+
+cdef cnp.ndarray _large_buffer(Py_ssize_t size):
+    """A 1-D float32 array of at least ``size`` floats owned by a _RecycledBuffer: a kept
+    one of up to 1.25x the size, else a new one."""
+    cdef Py_ssize_t i, best = -1
+    for i in range(len(_recycled)):
+        n = (<cnp.ndarray>_recycled[i]).shape[0]
+        if size <= n <= size + size // 4 and (best < 0 or n < _recycled[best].shape[0]):
+            best = i
+    cdef _RecycledBuffer owner = _RecycledBuffer()
+    owner.data = _recycled.pop(best) if best >= 0 else np.empty(size, np.float32)
+    owner.extent[0] = owner.data.shape[0]
+    owner.stride[0] = 4
+    return np.frombuffer(owner, np.float32)
+
+
+def recycled_bytes():
+    """Bytes of memory kept for later large outputs (tests, diagnostics)."""
+    return sum(b.nbytes for b in _recycled)
+
+
+def release_recycled():
+    """Give the memory kept for later large outputs back (``scratch.release``)."""
+    del _recycled[:]
+
+
 def empty_aligned(tuple shape, cnp.ndarray line_of=None):
     """A new float32 array of ``shape`` starting on a 64-byte cache line. numpy puts large
     arrays 16 bytes past a line, so every 64-byte vector store of a kernel into them
@@ -567,7 +637,8 @@ def empty_aligned(tuple shape, cnp.ndarray line_of=None):
     cdef Py_ssize_t offset = 0
     if line_of is not None:
         offset = ((<Py_ssize_t>cnp.PyArray_DATA(line_of)) & 63) >> 2
-    cdef cnp.ndarray buffer = np.empty(size + 32, np.float32)
+    cdef cnp.ndarray buffer = (_large_buffer(size + 32) if 4 * size >= RECYCLE_MIN_BYTES
+                               else np.empty(size + 32, np.float32))
     cdef Py_ssize_t start = (((-<Py_ssize_t>cnp.PyArray_DATA(buffer)) & 63) >> 2) + offset
     return buffer[start:start + size].reshape(shape)
 

@@ -43,7 +43,8 @@ def scratch(slot: str, shape: tuple[int, ...]) -> Optional[np.ndarray]:
 
 
 def aligned_empty(shape: tuple[int, ...], line_of: Optional[np.ndarray] = None) -> np.ndarray:
-    """A new output of ``shape`` on a 64-byte line (see ``_kernels.empty_aligned``): the
+    """A new output of ``shape`` on a 64-byte line (see ``_kernels.empty_aligned``; past
+    32 MiB in memory an earlier output gave back, ``_kernels.RECYCLE_MIN_BYTES``): the
     kernels' vector stores then never span two lines, and those that stream whole lines
     past the caches (non-temporal stores of large outputs) can. With ``line_of``, as far
     into a line as that array starts (for the NHWC depthwise kernel, whose stores follow
@@ -52,5 +53,7 @@ def aligned_empty(shape: tuple[int, ...], line_of: Optional[np.ndarray] = None) 
 
 
 def release() -> None:
-    """Drop this thread's buffers (tests, or a thread done with large layers)."""
+    """Drop this thread's buffers and the memory kept for large outputs (tests, or a
+    thread done with large layers)."""
     _local.slots.clear()
+    _kernels.release_recycled()
