@@ -615,10 +615,11 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
     writes the NCHW output itself (tiles buffered and transposed in cache), the residual
     as it is; so do the NCHW pointwise kernel and the NCHW depthwise kernel (a depthwise
     choice with ``nchw``), with torch's weights. Otherwise an NCHW input is converted to
-    NHWC by one blocked, parallel pass into a per-thread scratch buffer; the vector generic kernel (AVX-512F or AVX2) writes
-    the NCHW output directly (and takes the NCHW residual as it is), other kernels' NHWC
-    output is converted back by a second pass (and an NCHW residual converted for them
-    first)."""
+    NHWC by one blocked, parallel pass into a per-thread scratch buffer, unless the
+    vector generic kernel reads it as it is (``_generic_reads_nchw``); that kernel
+    (AVX-512F or AVX2) writes the NCHW output directly (and takes the NCHW residual as it
+    is), other kernels' NHWC output is converted back by a second pass (and an NCHW
+    residual converted for them first)."""
     spec = plan.spec
     if plan.layout == "NHWC":
         if out is not None:
@@ -652,14 +653,16 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
         _run_searched(choice, x, weights, y, nthreads, fused.kwargs(), nchw_out=True)
         return y
     isa = _layout_isa()
-    if choice.kind is KernelKind.GENERIC and choice.panel:
+    vector_generic = choice.kind is KernelKind.GENERIC and choice.panel
+    # the vector generic kernel reads the NCHW input as it is where that measured faster
+    # than converting it
+    nchw_in = vector_generic and _generic_reads_nchw(plan, nthreads, choice.isa)
+    if not nchw_in:
+        x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
+                                                       + (spec.c * plan.groups,)), isa)
+    if vector_generic:
         # the vector generic kernel writes NCHW from its tiles: no second pass; it
-        # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d), and reads the
-        # NCHW input as it is where that measured faster than converting it
-        nchw_in = _generic_reads_nchw(plan, nthreads, choice.isa)
-        if not nchw_in:
-            x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
-                                                           + (spec.c * plan.groups,)), isa)
+        # takes KCRS weights (a per-call conv2d) or packed ones (Conv2d)
         y = out if out is not None else aligned_empty(plan.out_shape)
         _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
                                        weights.ndim == 4, groups=plan.groups,
@@ -667,8 +670,6 @@ def _execute(plan: _CallPlan, choice: dispatch.KernelChoice, x: np.ndarray,
                                        **fused.kwargs(), isa=extension_code(choice.isa),
                                        nchw_in=nchw_in)
         return y
-    x = _kernels.nchw_to_nhwc(x, nthreads, scratch("x", spec.input_shape()[:3]
-                                                   + (spec.c * plan.groups,)), isa)
     nhwc = _nhwc_shape(plan)
     residual = None
     if fused.residual is not None:
