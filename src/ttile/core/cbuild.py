@@ -1,8 +1,18 @@
 """Compile generated kernels with the system C compiler and load them.
 
-Used by the tests and the generator to run a kernel straight from its source, and the
-base the run-time tuner will build on. Many kernels go into one shared object per call
-to :func:`build` so the compiler starts once per batch, not once per kernel.
+Used by the tests, the generator and the run-time tuner to run a kernel straight from
+its source. Many kernels go into one shared object per call to :func:`build` so the
+compiler starts once per batch, not once per kernel.
+
+Loading a shared object runs its code in this process, so a library is loaded only from
+a folder nobody else can write, and only if this process compiled it: the default folder
+is made by ``mkdtemp`` for this process alone (mode 0700, removed at exit); a folder the
+caller names is used only when it is a real directory of this user that neither group nor
+others may write, else a warning says why and the private one is used. A library already
+in the folder under the expected name is compiled again unless this process wrote it
+(a predictable name in a shared folder would let another user plant code). The disk
+cache of the run-time tuner vouches for its own libraries by checksum
+(:mod:`ttile.runtime.cache`).
 """
 from __future__ import annotations
 
@@ -10,8 +20,11 @@ import ctypes
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,10 +267,11 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
     flags = (*(kernel_cflags(isa) if isa else kernel_cflags()), *extra_flags, *includes)
     digest = hashlib.sha1((compiler + "|" + " ".join(flags) + "|" + header + "|"
                            + source).encode()).hexdigest()
-    workdir = Path(workdir or Path(tempfile.gettempdir()) / f"ttile-build-{os.getuid()}")
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = build_directory(workdir)
     lib_path = workdir / f"kernels_{digest[:16]}.so"
-    if not lib_path.exists():
+    with _built_lock:
+        built_here = lib_path in _built
+    if not built_here:
         c_path = workdir / f"kernels_{digest[:16]}.c"
         atomic_write(c_path, source)
         tmp_path = workdir / f".{lib_path.name}.{os.getpid()}.tmp"
@@ -272,7 +286,63 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
         if proc.returncode != 0:
             raise BuildError(f"compiling {c_path} failed", proc.stderr)
         publish(tmp_path, lib_path)  # a concurrent builder sees all or nothing
+        with _built_lock:
+            _built.add(lib_path)
     return BuiltLibrary(lib_path, ctypes.CDLL(str(lib_path)))
+
+
+#: Libraries this process compiled (the only ones :func:`build` loads without compiling).
+_built: set[Path] = set()
+_built_lock = threading.Lock()
+_private_dir: Path | None = None
+
+
+def private_directory_problem(path: Path) -> str | None:
+    """Why ``path`` is not a folder to load code from (None: a real directory of this
+    user that neither group nor others may write)."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"cannot inspect it ({exc.strerror or exc})"
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if info.st_uid != os.getuid():
+        return f"it belongs to user id {info.st_uid}, not {os.getuid()}"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"others may write it (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def _process_directory() -> Path:
+    """This process's own build folder (``mkdtemp``: 0700, a fresh name), removed at exit."""
+    global _private_dir
+    with _built_lock:
+        if _private_dir is None or not _private_dir.is_dir():
+            import atexit
+            _private_dir = Path(tempfile.mkdtemp(prefix="ttile-build-"))
+            atexit.register(shutil.rmtree, _private_dir, True)
+        return _private_dir
+
+
+def build_directory(requested: Path | None = None) -> Path:
+    """The folder :func:`build` compiles into: ``requested`` when it is private (created
+    with mode 0700 if missing), else, with a warning, this process's own folder."""
+    if requested is None:
+        return _process_directory()
+    requested = Path(requested)
+    try:
+        requested.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        pass   # the check below says what is wrong with it
+    problem = private_directory_problem(requested)
+    if problem is None:
+        return requested
+    private = _process_directory()
+    warnings.warn(f"ttile: not building kernels in {requested}: {problem}; building in "
+                  f"the private folder {private} instead", RuntimeWarning, stacklevel=3)
+    return private
 
 
 def build_batches(batches: list[list[KernelSource]], jobs: int = 2, timers: bool = False,
