@@ -20,8 +20,16 @@ symmetric.
 Tensors are handed over without copies: a channels_last input is ttile's native NHWC
 (``x.permute(0, 2, 3, 1)`` is contiguous, viewed by numpy), a contiguous NCHW input is
 served by the NCHW entry; the output has the input's memory format, so a channels_last
-model stays channels_last from layer to layer. Weights are packed once per layout, and
-packed again if the module's weight tensor is changed in place (its version counter).
+model stays channels_last from layer to layer.
+
+Each :class:`TTileConv2d` owns its packed weights (one ttile layer per layout, packed on
+first use) and packs again whenever its ``weight`` or ``bias`` is not the tensor it packed:
+another tensor (``load_state_dict(assign=True)``, ``module.weight = ...``, ``.to()``), other
+memory, or an in-place change torch counts (``load_state_dict``, ``weight.mul_()``,
+``weight.copy_()``). A copy (``copy.deepcopy``, ``pickle``, ``torch.save`` / ``torch.load``)
+starts with nothing packed and packs its own weights; the packed memory goes with the
+module. Writes through ``weight.data`` are invisible to torch's version counter (as they
+are to autograd): call :func:`repack` after them.
 
 Importing ``ttile`` never imports this module or torch; ``import ttile.torch`` needs
 torch (the optional extra ``ttile[torch]``).
@@ -32,6 +40,8 @@ import itertools
 import operator
 import sys
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,12 +53,21 @@ from torch import nn
 from .runtime.conv_layer import Conv2d
 from .runtime.api import plan as _ttile_plan
 
-__all__ = ["convert", "TTileConv2d", "served_layers"]
+__all__ = ["convert", "TTileConv2d", "served_layers", "repack"]
 
-# layer id -> the packed ttile layers of one TTileConv2d. The custom operator takes
-# tensors and plain values only, so it reaches the packed weights through this id.
-_LAYERS: dict[int, "_PackedLayer"] = {}
+# layer id -> the packed state of one live TTileConv2d. The custom operator takes tensors
+# and plain values only, so it reaches the packed weights through this id; the module
+# owns the state, and the entry goes when the module does.
+_LAYERS: "weakref.WeakValueDictionary[int, _PackedLayer]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
+
+
+def _packed_state(layer: int) -> "_PackedLayer":
+    packed = _LAYERS.get(layer)
+    if packed is None:
+        raise RuntimeError(f"ttile::conv2d: layer {layer} belongs to a TTileConv2d that no "
+                           f"longer exists (a graph traced from a module that was deleted)")
+    return packed
 
 
 def _output_size(size: int, pad: int, dilation: int, kernel: int, stride: int) -> int:
@@ -63,7 +82,7 @@ def conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """``act(conv2d(x, weight) + bias + residual)`` by ttile's kernels. ``layer`` names
     the packed weights (made from ``weight`` and ``bias`` when the module was built);
     ``activation`` is "" for none; ``threads`` 0 for torch's thread count."""
-    return _LAYERS[layer].run(x, residual, threads or torch.get_num_threads())
+    return _packed_state(layer).run(x, residual, threads or torch.get_num_threads())
 
 
 @conv2d_op.register_fake
@@ -80,36 +99,56 @@ def _conv2d_fake(x, weight, bias, residual, layer, stride, padding, dilation, gr
                        else torch.contiguous_format)
 
 
-class _PackedLayer:
-    """The ttile layers of one module, one per layout, packed on first use."""
+def _identity(tensor: Optional[torch.Tensor]):
+    """What says a tensor is still the one whose values were packed: the object, its
+    memory and layout, and torch's count of in-place changes to it."""
+    if tensor is None:
+        return None
+    return (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape),
+            tuple(tensor.stride()))
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding,
-                 dilation, groups: int, activation: Optional[str], negative_slope: float):
-        self.weight = weight
-        self.bias = bias
-        self.options = dict(stride=tuple(stride), padding=tuple(padding),
-                            dilation=tuple(dilation), groups=groups, activation=activation,
-                            negative_slope=negative_slope)
+
+class _PackedLayer:
+    """The ttile layers of one :class:`TTileConv2d`, one per layout, packed on first use
+    from the module's current ``weight`` and ``bias`` and packed again when either is not
+    the tensor (or the values) they were packed from."""
+
+    def __init__(self, owner: "TTileConv2d"):
+        self._owner = weakref.ref(owner)
+        self.options = dict(stride=owner.stride, padding=owner.padding,
+                            dilation=owner.dilation, groups=owner.groups,
+                            activation=owner.activation,
+                            negative_slope=owner.negative_slope)
         self._layers: dict[str, Conv2d] = {}
-        self._version = None
+        self._source: tuple = ()      # (weight, bias) identities the layers were packed from
+        self._tensors: tuple = ()     # the tensors themselves (so an id is not reused)
         self._lock = threading.Lock()
 
+    def forget(self) -> None:
+        with self._lock:
+            self._layers.clear()
+            self._source = self._tensors = ()
+
     def layer(self, layout: str) -> Conv2d:
-        version = (self.weight._version, None if self.bias is None else self.bias._version)
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("ttile: the TTileConv2d of these packed weights is gone")
+        weight, bias = owner.weight, owner.bias
+        source = (_identity(weight), _identity(bias))
         layer = self._layers.get(layout)
-        if layer is not None and version == self._version:
+        if layer is not None and source == self._source:
             return layer
         with self._lock:
-            if version != self._version:   # weights changed in place: pack again
+            if source != self._source:   # other tensors or changed values: pack again
                 self._layers.clear()
-                self._version = version
+                self._source, self._tensors = source, (weight, bias)
             layer = self._layers.get(layout)
             if layer is None:
-                w = self.weight.detach().numpy()
+                w = weight.detach().numpy()
                 if layout == "NHWC":
                     w = w.transpose(2, 3, 1, 0)
-                bias = None if self.bias is None else self.bias.detach().numpy()
-                layer = Conv2d(np.ascontiguousarray(w), bias, layout=layout, **self.options)
+                b = None if bias is None else np.ascontiguousarray(bias.detach().numpy())
+                layer = Conv2d(np.ascontiguousarray(w), b, layout=layout, **self.options)
                 self._layers[layout] = layer
         return layer
 
@@ -162,12 +201,16 @@ def _numeric_padding(conv: nn.Conv2d) -> Optional[tuple[int, int]]:
 
 class TTileConv2d(nn.Module):
     """A convolution (with its folded batch norm, residual add and activation) served by
-    ttile. Made by :func:`convert`; ``forward(x, residual=None)``."""
+    ttile. Made by :func:`convert`; ``forward(x, residual=None)``.
+
+    ``source`` names the torch modules it replaces; ``not_fused`` says why a following
+    batch norm, residual add or activation could not be looked for ("" when the graph
+    was traced)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding,
                  dilation, groups: int, activation: Optional[str] = None,
                  negative_slope: float = 0.01, residual: bool = False,
-                 threads: Optional[int] = None, source: str = ""):
+                 threads: Optional[int] = None, source: str = "", not_fused: str = ""):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(),
                                    requires_grad=False)
@@ -180,11 +223,30 @@ class TTileConv2d(nn.Module):
         self.residual = residual
         self.threads = threads
         self.source = source   # what it replaced, e.g. "layer1.0.conv2+bn2+add+relu"
-        self.layer_id = next(_ids)
-        _LAYERS[self.layer_id] = _PackedLayer(self.weight, self.bias, self.stride,
-                                              self.padding, self.dilation, self.groups,
-                                              activation, self.negative_slope)
+        self.not_fused = not_fused
+        self._attach()
         self.eval()
+
+    def _attach(self) -> None:
+        """A fresh id and packed state of this module's own (at creation and in a copy)."""
+        self.layer_id = next(_ids)
+        self._packed = _PackedLayer(self)
+        _LAYERS[self.layer_id] = self._packed
+
+    def __getstate__(self):
+        # copies and pickles carry the parameters, never the packed state or its id
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._attach()
+
+    def repack(self) -> None:
+        """Pack the weights again on the next call (after writes through ``.data``,
+        which torch does not count as changes)."""
+        self._packed.forget()
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if self.training:
@@ -205,8 +267,7 @@ class TTileConv2d(nn.Module):
             # eager, on plain tensors: what the custom op would run, without its dispatch
             # (24 of the 44 us a 1x1 layer on a 4x4 input took; 1.2 ms of MobileNetV2's
             # forward at 1 thread). Tracing, export and fake tensors still meet the op.
-            return _LAYERS[self.layer_id].run(x, residual, self.threads or
-                                              torch.get_num_threads())
+            return self._packed.run(x, residual, self.threads or torch.get_num_threads())
         return conv2d_op(x, self.weight, self.bias, residual, self.layer_id,
                          list(self.stride), list(self.padding), list(self.dilation),
                          self.groups, self.activation or "", self.negative_slope,
@@ -303,11 +364,11 @@ def _foldable(bn, channels: int) -> bool:
 
 
 def _module_for(conv: nn.Conv2d, weight, bias, activation: Optional[_Activation],
-                residual: bool, threads, source: str) -> TTileConv2d:
+                residual: bool, threads, source: str, not_fused: str = "") -> TTileConv2d:
     return TTileConv2d(weight, bias, conv.stride, _numeric_padding(conv), conv.dilation,
                        conv.groups, None if activation is None else activation.name,
                        0.01 if activation is None else activation.negative_slope,
-                       residual, threads, source)
+                       residual, threads, source, not_fused)
 
 
 def _rewrite_graph(gm: torch.fx.GraphModule, threads) -> int:
@@ -368,18 +429,27 @@ def _rewrite_graph(gm: torch.fx.GraphModule, threads) -> int:
     return count
 
 
-def _swap_modules(model: nn.Module, threads, prefix: str = "") -> int:
-    """The fallback for models that do not trace: each eligible nn.Conv2d alone."""
+def _swap_modules(model: nn.Module, threads, not_fused: str, prefix: str = "") -> int:
+    """The fallback for models that do not trace: each eligible nn.Conv2d alone
+    (``not_fused`` says why nothing around it was fused)."""
     count = 0
     for name, child in model.named_children():
         path = f"{prefix}{name}"
         if isinstance(child, nn.Conv2d) and _serve_check(child) is None:
             setattr(model, name, _module_for(child, child.weight, child.bias, None, False,
-                                             threads, path))
+                                             threads, path, not_fused))
             count += 1
         else:
-            count += _swap_modules(child, threads, path + ".")
+            count += _swap_modules(child, threads, not_fused, path + ".")
     return count
+
+
+def repack(model: nn.Module) -> None:
+    """Have every ttile layer of ``model`` pack its weights again on its next call: for
+    writes through ``.data``, which torch's version counter does not see. (Other changes
+    of weights and biases are noticed by themselves.)"""
+    for _, module in served_layers(model):
+        module.repack()
 
 
 def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
@@ -415,16 +485,24 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
         import copy
         model = copy.deepcopy(model)
     converted = None
+    not_fused = "trace=False"
     if trace:
         try:
             gm = torch.fx.symbolic_trace(model)
-        except Exception:   # data-dependent control flow and the like: swap modules
+        except Exception as exc:   # data-dependent control flow and the like: swap modules
             gm = None
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            not_fused = f"torch.fx could not trace the model ({type(exc).__name__}: " \
+                        f"{first_line[:200]})"
+            warnings.warn(f"ttile.torch.convert: {not_fused}; each convolution is served "
+                          f"alone, without folding batch norms or fusing residual adds and "
+                          f"activations (trace=False asks for this without the warning)",
+                          RuntimeWarning, stacklevel=2)
         if gm is not None:
             _rewrite_graph(gm, threads)
             converted = gm.eval()
     if converted is None:
-        _swap_modules(model, threads)
+        _swap_modules(model, threads, not_fused)
         converted = model
     if example_input is not None:
         tune(converted, example_input, progress=progress)
@@ -485,18 +563,23 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
                          layout=layout, threads=module.threads or torch.get_num_threads(),
                          activation=module.activation, negative_slope=module.negative_slope,
                          residual=out_shape if residual else None, prepacked=True)
-        rows.append((names.get(id(module), "?"), module.source, shape, layout, kp))
+        rows.append((names.get(id(module), "?"), module.source, shape, layout, kp,
+                     module.not_fused))
     if progress:
         print(format_table(rows), file=sys.stderr)
     return rows
 
 
 def format_table(rows) -> str:
-    lines = ["| layer | replaces | input | layout | kernel | threads | tuned for | epilogue |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, source, shape, layout, kp in rows:
+    """The table :func:`tune` prints; its last column says what was lost (fusion that
+    could not be tried, a degraded kernel choice), empty when nothing was."""
+    lines = ["| layer | replaces | input | layout | kernel | threads | tuned for | epilogue "
+             "| lost |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, source, shape, layout, kp, not_fused in rows:
         tuned = ("" if kp.tuned_cpu is None else
                  f"{kp.tuned_cpu} x{kp.tuned_threads}")
+        lost = "; ".join(x for x in (f"not fused: {not_fused}" if not_fused else "",
+                                     kp.degraded) if x)
         lines.append(f"| {name} | {source} | {'x'.join(map(str, shape))} | {layout} | "
-                     f"{kp.kind.value} | {kp.threads} | {tuned} | {kp.epilogue} |")
+                     f"{kp.kind.value} | {kp.threads} | {tuned} | {kp.epilogue} | {lost} |")
     return "\n".join(lines)
