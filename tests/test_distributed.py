@@ -101,3 +101,22 @@ def test_workers_of_another_cpu_are_refused(tmp_path):
         cluster = client.cluster
         client.close()
         cluster.close()
+
+
+def test_records_measured_on_another_cpu_are_dropped_with_a_warning(tmp_path):
+    """A worker that passed the CPU check but measured on another CPU (replaced between
+    the check and the task): its records are not evidence for this CPU's set, so they
+    are dropped - and the user is told, not left with a silently thinner search."""
+    from ttile.core.spec import ConvSpec
+    spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
+    database = TuningDatabase(tmp_path / "records", cpu_id="another-cpu-0-0-00000000")
+    client = dist.connect("local:1")
+    try:
+        allowed, _ = dist.measuring_workers(client, fingerprint().id)
+        search = dist.DistributedSearch(client, database, allowed)
+        with pytest.warns(RuntimeWarning, match="record\\(s\\) are dropped"):
+            search.measure_generic("g", spec, 1, calls=3, drop=1)
+    finally:
+        search.close()
+    assert search.dropped == 1
+    assert not database.path.exists() or database.path.read_text() == ""

@@ -91,11 +91,11 @@ def test_first_call_measures_the_learned_rankings_picks(jit_cache):
     spec = ttile.ConvSpec(1, 40, 24, 23, 23, 3, 3, 1, 1, 1, 1, 1, 1)
     settings = jit.JitSettings(budget_seconds=4.0, ship=SHIP_ANY)
     ranked = jit.tune(spec, 1, settings, cache_root=jit_cache)
-    assert ranked.ranked and ranked.wrong == 0
-    assert 1 <= ranked.measured + ranked.failed <= settings.ranked_measure
+    assert ranked.ranked and ranked.wrong == 0 and ranked.failed == 0
+    assert 1 <= ranked.measured <= settings.ranked_measure
     full = jit.tune(spec, 1, jit.JitSettings(ranked=False, budget_seconds=4.0, ship=SHIP_ANY),
                     cache_root=jit_cache)
-    assert not full.ranked and full.wrong == 0
+    assert not full.ranked and full.wrong == 0 and full.failed == 0 and full.measured >= 1
 
 
 def test_later_process_reuses_the_entry_without_searching(jit_cache, prefer_jit):
@@ -152,17 +152,67 @@ def test_damaged_or_foreign_entry_is_not_loaded(jit_cache, prefer_jit, damage):
     cache = KernelCache(jit_cache)
     key = dispatch.cache_key(ttile.runtime.api.make_spec(X_SHAPE, W_SHAPE, 1, 1, "NHWC"), "NHWC", 1,
                              dispatch.compiler_identity())
+    saved = {p: (p.read_bytes(), p.stat().st_mode) for p in (meta, library) if p.exists()}
     assert cache.lookup(key) is None            # refused ...
-    y = _call(x, w)                              # ... so the call tunes again
+    assert cache.rejected
+    for path, (payload, mode) in saved.items():  # (put the damage back for the call)
+        path.write_bytes(payload)
+        os.chmod(path, mode)
+    with pytest.warns(RuntimeWarning, match="was refused"):
+        y = _call(x, w)                          # ... so the call tunes again, and says so
     assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
     assert cache.lookup(key) is not None         # and leaves a valid entry
-    assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
+    plan = ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1)
+    assert plan.kind == "jit" and "cache entry refused" in plan.degraded
 
 
 def _expect_one_warning(record, fragment):
     messages = [str(r.message) for r in record if issubclass(r.category, RuntimeWarning)]
     assert len(messages) == 1, messages
     assert fragment in messages[0]
+
+
+def test_candidates_that_do_not_build_are_reported(jit_cache, prefer_jit, monkeypatch):
+    """Every candidate fails to compile (a flag the compiler refuses): the call still
+    computes (generic kernel), a warning counts the failures and plan() shows them."""
+    monkeypatch.setenv("TTILE_JIT_CFLAGS", "-fttile-no-such-flag")
+    x, w = random_tensors(np.random.default_rng(9), X_SHAPE, W_SHAPE)
+    with pytest.warns(RuntimeWarning, match=r"did not build"):
+        y = _call(x, w)
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    plan = ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1)
+    assert plan.kind == "generic" and "did not build" in plan.degraded, plan
+    [meta] = _entries(jit_cache)
+    assert json.loads(meta.read_text())["failed"] >= 1
+
+
+def test_tuning_without_the_ranker_warns_and_plan_says_so(jit_cache, prefer_jit, monkeypatch):
+    from ttile.generator import data
+    real_installed = data.installed_directory
+    monkeypatch.setattr(data, "installed_directory", lambda kind: None
+                        if kind is data.DataKind.RANKER else real_installed(kind))
+    monkeypatch.setattr(data, "_ranker_warned", set())
+    jit._load_ranker.cache_clear()
+    try:
+        x, w = random_tensors(np.random.default_rng(10), X_SHAPE, W_SHAPE)
+        with pytest.warns(RuntimeWarning, match="no learned ranking"):
+            y = _call(x, w)
+    finally:
+        jit._load_ranker.cache_clear()
+    assert_conv_close(y, x, w, (1, 1), (1, 1, 1, 1), layout="NHWC")
+    plan = ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1)
+    assert "without the learned ranking (no ranker.json" in plan.degraded, plan
+
+
+def test_an_unreadable_ranker_is_named_in_a_warning(tmp_path, monkeypatch):
+    from ttile.generator import data
+    monkeypatch.setattr(data, "_ranker_warned", set())
+    (tmp_path / "ranker").mkdir()
+    (tmp_path / "ranker" / "ranker.json").write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="ranker.json cannot be read"):
+        assert data.load_ranker(tmp_path) is None
+    assert "cannot be read" in data.ranker_problem()
+    assert data.load_ranker() is not None and data.ranker_problem() == ""
 
 
 def test_unwritable_cache_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, tmp_path):
@@ -351,18 +401,28 @@ def test_jit_kernels_on_random_shapes_match_reference(case, seed, tmp_path_facto
         assert_conv_close(y, x, w, (stride, stride), (pad,) * 4, layout="NHWC")
         [meta] = _entries(cache_dir)
         entry = json.loads(meta.read_text())
-        # Every candidate the search compiled was right: a generator bug that made them
-        # all wrong would otherwise pass as "the generic kernel won".
-        assert entry["wrong"] == 0, entry
+        # Every candidate the search compiled was right and built: a generator bug that
+        # made them all wrong or unbuildable would otherwise pass as "the generic kernel
+        # won".
+        assert entry["wrong"] == 0 and entry["failed"] == 0, entry
+        # Each candidate the ranking picked was measured: the generic kernel may serve
+        # without a measurement only where no scheme of the space fits the shape at all.
+        spec = ttile.runtime.api.make_spec(x_shape, w_shape, stride, pad, "NHWC")
+        settings_ = jit.JitSettings(budget_seconds=2.0, ship=SHIP_ANY)
+        fitted = ttile.plan(x_shape, w_shape, stride=stride, padding=pad, layout="NHWC",
+                            threads=threads).threads
+        picked = jit.ranked_candidates(spec, fitted, settings_, cache_dir,
+                                       ttile.get_isa(), jit._load_ranker(cache_dir))
+        # (the budget may stop the timing after the first pick, never before it)
+        assert min(1, len(picked)) <= entry["measured"] <= len(picked), (entry, len(picked))
         kind = ttile.plan(x_shape, w_shape,
                           stride=stride, padding=pad, layout="NHWC", threads=threads).kind
-        # With every correct kernel shipped, the generic kernel serves only when the
-        # search measured nothing (no scheme of the space fits the shape).
-        assert kind == ("jit" if entry["measured"] else "generic"), entry
+        # With every correct kernel shipped, a measured kernel serves.
+        assert kind == ("jit" if picked else "generic"), entry
         assert entry["kind"] == kind
     finally:
         ttile.restore_tuning(previous)
-        dispatch.forget_choices()
+        forget_choices()
 
 
 # -- plan ---------------------------------------------------------------------------------

@@ -81,15 +81,43 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+#: Why the last :func:`load_ranker` found no ranking ("" : it found one).
+_ranker_problem = ""
+_ranker_warned: set[str] = set()
+
+
+def ranker_problem() -> str:
+    """Why no learned ranking was loaded ("" when one was)."""
+    return _ranker_problem
+
+
 def load_ranker(*directories: Optional[Path]):
     """The learned ranking of schemes (``ranker/ranker.json``) from ``directories`` or
-    shipped with ttile; None if there is none or it cannot be read (callers then rank
-    with the IOOpt model alone)."""
+    shipped with ttile; None if there is none or it cannot be read. Callers then rank
+    with the IOOpt model alone: the run-time tuner's search then takes about ten times
+    as long and the offline search measures in a slower order, so that is said once per
+    cause with a warning (and :func:`ranker_problem` keeps the reason)."""
+    global _ranker_problem
     from ..tuning.ranker import Ranker
     path = find_file(DataKind.RANKER, "ranker", *directories)
     if path is None:
-        return None
-    try:
-        return Ranker.load(path)
-    except (OSError, ValueError, KeyError):
-        return None
+        places = [str(d) for d in search_path(DataKind.RANKER, *directories)] or [
+            "no ranker directory"]
+        problem = f"no ranker.json in {', '.join(places)}"
+    else:
+        try:
+            ranker = Ranker.load(path)
+            _ranker_problem = ""
+            return ranker
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problem = f"{path} cannot be read ({type(exc).__name__}: {exc})"
+    _ranker_problem = problem
+    if problem not in _ranker_warned:
+        _ranker_warned.add(problem)
+        import warnings
+        warnings.warn(f"ttile: no learned ranking of schemes: {problem}; schemes are "
+                      f"ranked by the IOOpt model alone, which makes run-time tuning "
+                      f"about 10x slower and the offline search measure in a slower "
+                      f"order (ttile-generate train-ranker makes one)", RuntimeWarning,
+                      stacklevel=2)
+    return None

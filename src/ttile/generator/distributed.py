@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -155,6 +156,8 @@ class DistributedSearch:
         self.workers = list(workers)
         self.chunk = chunk
         self.retries = retries
+        #: records measured on another CPU and so not written (each one warned about)
+        self.dropped = 0
         #: called with the futures just submitted (tests kill a worker here)
         self.on_submitted: Callable[[list], None] = lambda futures: None
 
@@ -174,6 +177,11 @@ class DistributedSearch:
             pending.discard(future)
             cpu, records = future.result()
             if cpu != self.database.cpu_id:    # a worker swapped under us: not evidence here
+                self.dropped += len(records)
+                warnings.warn(f"ttile-generate --dask: a worker measured on CPU {cpu}, not "
+                              f"{self.database.cpu_id} (replaced after the check?): its "
+                              f"{len(records)} record(s) are dropped, not written",
+                              RuntimeWarning, stacklevel=2)
                 continue
             for record in records:
                 if record.protocol is Protocol.PAPER and \

@@ -904,7 +904,10 @@ class KernelPlan:
     kernels); ``expected_gflops`` is what the kernel measured when it was tuned (None
     when unknown); ``note`` says why this kernel was chosen. ``problem`` is one group's
     convolution (``groups`` of them side by side); ``epilogue`` what is fused into the
-    store ("" for none, else e.g. "bias+residual+relu").
+    store ("" for none, else e.g. "bias+residual+relu"). ``degraded`` says what was lost
+    on the way to this kernel ("" when nothing was): run-time tuning that failed or ran
+    without the learned ranking, a cache entry that could not be loaded, candidates that
+    did not build or computed wrong results.
     """
 
     kind: KernelKind
@@ -919,6 +922,7 @@ class KernelPlan:
     tuned_threads: Optional[int] = None  # and the thread count
     groups: int = 1
     epilogue: str = ""
+    degraded: str = ""
 
 
 def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
@@ -966,7 +970,7 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
         parts.append(act.value)
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
                       nthreads, isa, call.spec, choice.note, choice.tuned_cpu,
-                      choice.tuned_threads, call.groups, "+".join(parts))
+                      choice.tuned_threads, call.groups, "+".join(parts), choice.degraded)
 
 
 def _shape_tuple(shape, name: str) -> tuple[int, ...]:

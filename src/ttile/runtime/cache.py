@@ -136,6 +136,8 @@ class KernelCache:
     def __init__(self, directory: Optional[Path] = None):
         self.root = Path(directory) if directory is not None else default_directory()
         self.directory = self.root / f"kernels-v{CACHE_FORMAT}"
+        #: why the last :meth:`lookup` refused an entry it found ("" : it refused none)
+        self.rejected = ""
 
     # -- paths -------------------------------------------------------------------------
     def _paths(self, key: CacheKey) -> tuple[Path, Path, Path]:
@@ -160,25 +162,29 @@ class KernelCache:
         """The valid entry for ``key``, or None. An invalid one (corrupted, truncated,
         for another key, not ours) is removed when we may, and never returned."""
         meta_path, lib_path, _ = self._paths(key)
+        self.rejected = ""
         if not meta_path.exists():
             return None
         entry = self._read(key, meta_path, lib_path)
-        if entry is None:
+        if isinstance(entry, str):
+            self.rejected = entry
             self._discard(meta_path, lib_path)
+            return None
         return entry
 
-    def _read(self, key: CacheKey, meta_path: Path, lib_path: Path) -> Optional[CacheEntry]:
+    def _read(self, key: CacheKey, meta_path: Path, lib_path: Path) -> "CacheEntry | str":
+        """The entry, or why it is refused."""
         if not _trusted(meta_path):
-            return None
+            return "its record is not a private file of this user"
         try:
             data = json.loads(meta_path.read_text())
         except (OSError, ValueError, UnicodeDecodeError):
-            return None
+            return "its record does not read as JSON"
         if not isinstance(data, dict) or data.get("writer") != WRITER \
                 or data.get("format") != CACHE_FORMAT or data.get("checksum") != _json_checksum(data):
-            return None
+            return "its record's checksum or format does not match"
         if data.get("key") != asdict(key):
-            return None
+            return "its record is for another key"
         try:
             entry = CacheEntry(key=key, problem=ConvSpec.from_json(data["problem"]),
                                kind=KernelKind(data["kind"]), **{k: data[k] for k in (
@@ -186,22 +192,22 @@ class KernelCache:
                                    "generic_gflops", "search_seconds", "measured", "wrong",
                                    "failed")})
         except (KeyError, TypeError, ValueError):
-            return None
+            return "its record lacks fields"
         if entry.problem.key() != key.problem or entry.kind not in ENTRY_KINDS:
-            return None
+            return "its record is for another problem"
         if entry.kind is KernelKind.GENERIC:
             return entry
         if not entry.function or entry.panel < 1:
-            return None
+            return "its record names no kernel"
         if not _trusted(lib_path):
-            return None
+            return "its library is not a private file of this user"
         try:
             payload = lib_path.read_bytes()
         except OSError:
-            return None
+            return "its library cannot be read"
         if len(payload) != data.get("library_size") \
                 or hashlib.sha256(payload).hexdigest() != data.get("library_sha256"):
-            return None
+            return "its library's bytes differ from the checksum in its record"
         # The caller loads these verified bytes, not the file, which may change after
         # this check (and which another process may replace while we run).
         return replace(entry, library=lib_path, payload=payload)

@@ -56,6 +56,7 @@ class KernelChoice:
     isa: Isa = Isa.AVX512F              # the vector family (or portable) it runs
     address_nchw: int = 0               # a JIT kernel's NCHW-output entry point (0: none)
     nchw: bool = False                  # the kernel can store an NCHW output itself
+    degraded: str = ""                  # what was lost on the way here ("" : nothing)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def forget_choices() -> None:
 
 
 def warn_once(cause: str, message: str) -> None:
+    """Warn about a degraded path once per cause (``forget_choices`` resets it)."""
     if cause not in _warned:
         _warned.add(cause)
         warnings.warn(f"ttile: {message}", RuntimeWarning, stacklevel=4)
@@ -317,7 +319,9 @@ def cached_choice(spec: ConvSpec, layout: str, threads: int,
         return None
     try:
         return _load(entry, spec)
-    except (OSError, AttributeError, ValueError):
+    except (OSError, AttributeError, ValueError) as exc:
+        warn_once("cache-load", f"the cached kernel for {spec.key()} did not load "
+                                f"({type(exc).__name__}: {exc})")
         return None
 
 
@@ -342,7 +346,8 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
     if compiler is None:
         warn_once("compiler", "no C compiler on PATH: shapes without a tuned kernel run "
                               "the generic kernel (set CC or install gcc/clang to tune them)")
-        return generic_choice(isa, spec, "no C compiler to tune with")
+        return replace(generic_choice(isa, spec, "no C compiler to tune with"),
+                       degraded="not tuned: no C compiler")
     key = cache_key(spec, layout, threads, compiler, isa)
     cache = _open_cache()
     policy = _policy
@@ -355,11 +360,19 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
 
     def tune_once() -> KernelChoice:
         entry = cache.lookup(key)
+        lost = []
+        if cache.rejected:
+            lost.append(f"cache entry refused ({cache.rejected})")
+            warn_once("cache-entry", f"the cached kernel for {spec.key()} was refused "
+                                     f"({cache.rejected}); tuning the shape again")
         if entry is not None:
             try:
                 return _load(entry, spec)
-            except (OSError, AttributeError, ValueError):
-                pass  # unloadable: tune again and overwrite
+            except (OSError, AttributeError, ValueError) as exc:
+                lost.append(f"cache entry did not load ({type(exc).__name__})")
+                warn_once("cache-load", f"the cached kernel for {spec.key()} did not load "
+                                        f"({type(exc).__name__}: {exc}); tuning the shape "
+                                        f"again")
         try:
             # "now": the call waits, so the learned ranking picks the few to measure;
             # "background": nobody waits, so the fuller model-ranked search runs
@@ -369,7 +382,8 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
                           cache_root=cache.root if persistent else None, isa=isa)
         except JitUnavailable as exc:
             warn_once("jit", f"{exc}; shapes without a tuned kernel run the generic kernel")
-            return generic_choice(isa, spec, str(exc))
+            return replace(generic_choice(isa, spec, str(exc)),
+                           degraded=f"not tuned: {exc}")
         new = CacheEntry(key=key, problem=result.problem, kind=result.kind,
                          function=result.function, panel=result.panel, scheme=result.scheme,
                          microkernels=result.microkernels, gflops=result.gflops,
@@ -380,14 +394,27 @@ def _tune_and_store(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> Kern
             warn_once("wrong-kernels", f"{result.wrong} generated kernel(s) for "
                                        f"{spec.key()} computed wrong results and were "
                                        f"discarded (a code generator bug: please report it)")
+        if result.failed:
+            warn_once("failed-kernels", f"{result.failed} generated kernel(s) for "
+                                        f"{spec.key()} did not build or ran past the "
+                                        f"compiler's time limit and were not measured")
+        if not result.ranked and policy.mode != "background":
+            from .jit import ranker_problem
+            lost.append(f"tuned without the learned ranking ({ranker_problem()})")
+        lost += [f"{n} candidate(s) {what}" for n, what in (
+            (result.wrong, "computed wrong results"), (result.failed, "did not build"))
+            if n]
         library = result.library
+        chosen = None
         if persistent:
             try:
-                return _load(cache.store(new, library), spec)
+                chosen = _load(cache.store(new, library), spec)
             except CacheUnavailable as exc:
                 warn_once("cache", f"{exc}; tuned kernels are kept in memory for this "
                                    f"process only")
-        return _load(replace(new, library=library), spec)
+        if chosen is None:
+            chosen = _load(replace(new, library=library), spec)
+        return replace(chosen, degraded="; ".join(lost))
 
     if not persistent:
         return tune_once()
@@ -412,7 +439,8 @@ def _tune_safely(spec: ConvSpec, layout: str, threads: int, isa: Isa) -> KernelC
         warn_once(f"tuning-error:{type(exc).__name__}",
                   f"run-time tuning failed ({type(exc).__name__}: {exc}); "
                   f"using the generic kernel")
-        return generic_choice(isa, spec, f"tuning failed: {exc}")
+        return replace(generic_choice(isa, spec, f"tuning failed: {exc}"),
+                       degraded=f"run-time tuning failed ({type(exc).__name__})")
 
 
 def _background_tune(key: tuple, spec: ConvSpec, layout: str, threads: int, isa: Isa) -> None:

@@ -147,6 +147,12 @@ def _load_ranker(cache_root: Optional[Path]):
     return load_ranker(cache_root)
 
 
+def ranker_problem() -> str:
+    """Why the learned ranking is not loaded ("" : it is)."""
+    from ..generator.data import ranker_problem as problem
+    return problem() or "none loaded"
+
+
 def ranked_candidates(spec: ConvSpec, threads: int, settings: JitSettings,
                       cache_root: Optional[Path], isa: Isa, model) -> list:
     """The learned ranking's first picks among the completions of the best classes'
