@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -6,6 +8,13 @@ import ttile
 # Tests must not tune on the first call of every shape, nor touch the user's cache:
 # tuning is off unless a test turns it on (with its own cache directory).
 _SESSION_POLICY = ttile.set_tuning(mode="never")
+
+# TTILE_TEST_AS_CPU=<fingerprint id> runs the suite as if this machine were that CPU for
+# the registry (e.g. a stranger the wheel ships no set for: the user's usual case), to
+# check that the tests of the shipped sets run and assert there too.
+if os.environ.get("TTILE_TEST_AS_CPU"):
+    from ttile.runtime import registry as _registry
+    _registry._serving_cpu = os.environ["TTILE_TEST_AS_CPU"]
 
 requires_avx512 = pytest.mark.skipif(not ttile.has_avx512f(),
                                      reason="this CPU (or OS) does not support AVX-512F")
@@ -54,3 +63,34 @@ def forget_choices():
     dispatch.forget_choices()
     for call_plan in list(api._plans.values()):
         call_plan.choices.clear()
+
+
+def shipped_cpu(isa=None) -> str:
+    """The CPU whose shipped kernel set the registry tests exercise: this CPU's own when
+    the wheel carries one (with verdicts in ``isa``, default AVX-512F), else the shipped
+    set with the most searched kernels in that family. A kernel searched on one CPU
+    computes the same result on any CPU of its vector family, so the registry path (lookup,
+    dispatch, packing, the tuned kernels themselves) is tested on every CPU that runs the
+    family, not only on the machines the sets were searched on."""
+    from collections import Counter
+    from ttile.runtime import registry
+    isa = isa or ttile.Isa.AVX512F
+    here = registry.serving_cpu()
+    if any(e.cpu == here and e.isa is isa for e in registry.KERNELS):
+        return here
+    counts = Counter(e.cpu for e in registry.KERNELS if e.isa is isa)
+    assert counts, f"the wheel ships no {isa.value} kernel set"
+    return counts.most_common(1)[0][0]
+
+
+@pytest.fixture
+def shipped_set():
+    """Serve calls from :func:`shipped_cpu`'s set for the test's duration; yields its id."""
+    from ttile.runtime import registry
+    if not ttile.has_avx512f():
+        pytest.skip("the shipped AVX-512F sets need an AVX-512F CPU")
+    cpu = shipped_cpu()
+    forget_choices()
+    with registry.pretend_cpu(cpu):
+        yield cpu
+    forget_choices()

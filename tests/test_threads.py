@@ -24,9 +24,10 @@ def test_a_registry_verdict_serves_only_its_own_thread_count():
     entry = next(e for e in registry.KERNELS if e.threads == 2)
     spec = entry.spec
     with registry.pretend_cpu(entry.cpu):
-        for threads in (1, 2, 3, 8):
+        assert registry.lookup(spec, 2) is entry
+        for threads in (1, 3, 8):
             found = registry.lookup(spec, threads)
-            assert (found is not None and found.threads == threads) or found is None
+            assert found is None or (found.threads == threads and found is not entry)
         assert registry.lookup(spec, 3) is None and registry.lookup(spec, 8) is None
 
 
