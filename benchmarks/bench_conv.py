@@ -31,6 +31,7 @@ import argparse
 import datetime
 import os
 import platform
+from pathlib import Path
 import statistics
 import sys
 import threading
@@ -54,6 +55,21 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def commit() -> str:
+    """The checkout's commit (short id, "+dirty" with uncommitted changes), so a table can
+    be tied to the code that made it; "unknown" outside a git checkout."""
+    import subprocess
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=here,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def fma_peak_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 3,

@@ -184,3 +184,106 @@ def test_asymmetric_padding_argument(tmp_path):
                                ttile.conv2d(padded, w, stride=2), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="padding must be >= 0"):
         ttile.conv2d(x, w, padding=((2, -1), (1, 3)))
+
+
+def _graph_file(tmp_path, name, nodes, inputs, inits=(), outputs=None):
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, name, inputs,
+                              outputs or [helper.make_tensor_value_info("y", f, None)],
+                              list(inits))
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    return path
+
+
+def _claimed_tensor(name, dims):
+    """An initializer that claims ``dims`` and holds no data (as a forged file would)."""
+    tensor = TensorProto(name=name, data_type=TensorProto.FLOAT)
+    tensor.dims.extend(dims)
+    tensor.raw_data = b""
+    return tensor
+
+
+def _hostile_files(tmp_path):
+    """(file, fragment of the one error it must get) for each kind of hostile file."""
+    f, conv = TensorProto.FLOAT, lambda *io: helper.make_node("Conv", *io, name="c")
+    w = helper.make_tensor("w", f, (4, 3, 3, 3), np.zeros(108, np.float32))
+    x = helper.make_tensor_value_info("x", f, (1, 3, 8, 8))
+    model, _ = _conv_model("whole", (3, 8, 8), (4, 3, 3, 3), {"pads": [1, 1, 1, 1]})
+    payload = model.SerializeToString()
+    out = []
+    for cut in (1, 7, len(payload) // 2, len(payload) - 3):
+        path = tmp_path / f"truncated{cut}.onnx"
+        path.write_bytes(payload[:cut])
+        out.append((path, "not an ONNX model|no graph nodes|shape inference|Conv node"))
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    out.append((empty, "not an ONNX model|no graph nodes"))
+    out.append((_graph_file(tmp_path, "int_weights", [conv(["x", "w"], ["y"])], [x], [
+        helper.make_tensor("w", TensorProto.INT64, (4, 3, 3, 3), np.zeros(108, np.int64))]),
+        "weights 'w' are INT64, the input FLOAT"))
+    out.append((_graph_file(tmp_path, "double_input", [conv(["x", "w"], ["y"])], [
+        helper.make_tensor_value_info("x", TensorProto.DOUBLE, (1, 3, 8, 8))], [w]),
+        "shape inference failed|no 2-D float32 Conv node"))
+    for dims, what in (((1, 3, 2**40, 2**40), "too large"), ((1, 3, -5, 8), "has a size below 1"),
+                       ((2**40, 3, 8, 8), "too large")):
+        out.append((_graph_file(tmp_path, f"dims{len(out)}", [conv(["x", "w"], ["y"])],
+                                [helper.make_tensor_value_info("x", f, dims)], [w]), what))
+    out.append((_graph_file(tmp_path, "huge_weights", [conv(["x", "w"], ["y"])], [
+        helper.make_tensor_value_info("x", f, (1, 2**20, 8, 8))], [
+        _claimed_tensor("w", (2**20, 2**20, 3, 3))]),
+        "shape inference failed|too large|not an ONNX model"))
+    out.append((_graph_file(tmp_path, "cycle", [
+        helper.make_node("Relu", ["b"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+        conv(["b", "w"], ["y"])], [x], [w]), "shape inference failed|cycle"))
+    out.append((_graph_file(tmp_path, "no_initializer", [conv(["x", "w"], ["y"])], [x]),
+                "shape inference failed|no shape for 'w'"))
+    out.append((_graph_file(tmp_path, "one_input", [helper.make_node("Conv", ["x"], ["y"],
+                                                                     name="c")], [x], [w]),
+                "shape inference failed|needs an input X and weights W"))
+    return out
+
+
+def test_hostile_files_get_one_clear_error_each(tmp_path):
+    import re
+    import signal
+
+    def hang(signum, frame):
+        raise TimeoutError("read_onnx_layers hung")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    try:
+        for path, fragment in _hostile_files(tmp_path):
+            signal.alarm(20)
+            try:
+                with pytest.raises(OnnxImportError) as raised:
+                    read_onnx_layers(path)
+            finally:
+                signal.alarm(0)
+            message = str(raised.value)
+            assert re.search(fragment, message), (path.name, message)
+            assert message.startswith(str(path)) and "\n" not in message.strip(), message
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_flipped_bytes_give_a_result_or_an_import_error(tmp_path):
+    """200 copies of a valid file with 1-4 random bytes changed: each reads as layers or
+    gets an OnnxImportError - never another exception (a crash of the reader)."""
+    model, _ = _conv_model("flip", (3, 8, 8), (4, 3, 3, 3), {"pads": [1, 1, 1, 1]})
+    payload = bytearray(model.SerializeToString())
+    rng = np.random.default_rng(0)
+    outcomes = {"layers": 0, "error": 0}
+    for i in range(200):
+        damaged = bytearray(payload)
+        for at in rng.integers(0, len(damaged), int(rng.integers(1, 5))):
+            damaged[at] = int(rng.integers(0, 256))
+        path = tmp_path / f"flip{i}.onnx"
+        path.write_bytes(bytes(damaged))
+        try:
+            read_onnx_layers(path)
+            outcomes["layers"] += 1
+        except OnnxImportError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 0 and sum(outcomes.values()) == 200, outcomes

@@ -302,7 +302,10 @@ def _load_layers(network=None, layers_file=None, onnx=None):
         return list(read_onnx_layers(onnx).layers)
     path = Path(layers_file)
     if path.suffix == ".toml":
-        import tomllib
+        try:
+            import tomllib
+        except ImportError:            # Python 3.10: the same parser as a package
+            import tomli as tomllib
         data = tomllib.loads(path.read_text())
     else:
         import json

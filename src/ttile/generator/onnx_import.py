@@ -75,10 +75,12 @@ def read_onnx_layers(path: str | Path) -> OnnxLayers:
                               f"{exc})") from None
     if not model.HasField("graph") or not model.graph.node:
         raise OnnxImportError(f"{path}: the model has no graph nodes")
+    _check_order(path, model.graph)
     try:
         inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise OnnxImportError(f"{path}: ONNX shape inference failed: {exc}") from None
+        reasons = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise OnnxImportError(f"{path}: ONNX shape inference failed: {reasons}") from None
     shapes = _tensor_shapes(inferred.graph)
     producers = {out: node for node in inferred.graph.node for out in node.output}
     stem = path.stem
@@ -136,6 +138,26 @@ def _tensor_shapes(graph) -> dict[str, tuple[tuple, int]]:
     return out
 
 
+def _check_order(path: Path, graph) -> None:
+    """ONNX graphs list their nodes in topological order: a node reading a tensor that
+    only a later node makes is a cycle (or a damaged file), which shape inference would
+    report only as missing types."""
+    known = {t.name for t in graph.input} | {t.name for t in graph.initializer} | {""}
+    made_later = {out for node in graph.node for out in node.output}
+    for node in graph.node:
+        for tensor in node.input:
+            if tensor not in known and tensor in made_later:
+                raise OnnxImportError(f"{path}: node {node.name or node.op_type!r} reads "
+                                      f"{tensor!r} before any node makes it: the graph has "
+                                      f"a cycle or is not in topological order")
+        known.update(node.output)
+
+
+#: The most elements a tensor of a served convolution may hold: the kernels index
+#: tensors with 32-bit offsets.
+MAX_ELEMENTS = 2**31 - 1
+
+
 def _conv_problem(node, shapes, producers) -> tuple[ConvSpec, int, bool]:
     """(one group's ConvSpec, groups, batch was symbolic) of a Conv node."""
     from onnx import TensorProto
@@ -152,16 +174,29 @@ def _conv_problem(node, shapes, producers) -> tuple[ConvSpec, int, bool]:
                    else "export the model with static input sizes")
             raise OnnxImportError(f"shape inference gave no shape for {tensor!r}: {why}")
     x_dims, x_type = shapes[x_name]
-    w_dims, _ = shapes[w_name]
+    w_dims, w_type = shapes[w_name]
     if len(x_dims) != 4 or len(w_dims) != 4:
         raise _Skip(f"{len(x_dims) - 2}-D convolution (only 2-D is served)")
     if x_type != TensorProto.FLOAT:
         raise _Skip(f"element type {TensorProto.DataType.Name(x_type)} (only FLOAT is served)")
+    if w_type != x_type:
+        raise OnnxImportError(f"weights {w_name!r} are {TensorProto.DataType.Name(w_type)}, "
+                              f"the input {TensorProto.DataType.Name(x_type)}: ONNX's Conv "
+                              f"takes one element type for both")
     batch, c, h, w = x_dims
     if None in (c, h, w) or None in w_dims:
         raise OnnxImportError(f"input {x_name!r} has shape {_show(x_dims)} and weights "
                               f"{w_name!r} {_show(w_dims)}: channels and spatial sizes must "
                               f"be static (export with fixed input sizes)")
+    for label, dims in (("input", x_dims), ("weights", w_dims)):
+        if any(d is not None and d < 1 for d in dims):
+            raise OnnxImportError(f"the {label} shape {_show(dims)} has a size below 1")
+        elements = 1
+        for d in dims:
+            elements *= d or 1
+        if elements > MAX_ELEMENTS:
+            raise OnnxImportError(f"the {label} shape {_show(dims)} is too large: {elements} "
+                                  f"elements, ttile's kernels index at most {MAX_ELEMENTS}")
     m, c_per_group, r, s = w_dims
     attrs = {a.name: a for a in node.attribute}
     groups = _int_attr(attrs, "group", 1)
@@ -222,6 +257,9 @@ def _show(dims: tuple) -> str:
 
 
 def _layer_name(node_name: str, stem: str, number: int) -> str:
-    """A layer name that is safe in records, C strings and C comments."""
+    """A layer name that is safe in records, C strings and C comments (protobuf hands a
+    name that is not valid UTF-8 back as bytes)."""
+    if isinstance(node_name, bytes):
+        node_name = node_name.decode("utf-8", errors="replace")
     name = re.sub(r"[^A-Za-z0-9._/-]+", "_", node_name).strip("_/") if node_name else ""
     return f"{stem}/{name}" if name else f"{stem}/node{number}"
