@@ -47,7 +47,7 @@ def pin(threads: int) -> None:
 class Cache(Enum):
     """The state of the caches each timed call starts from, the same for every contender.
 
-    Interleaving single calls (what this script did until the eleventh session) leaves
+    Interleaving single calls leaves
     each call with whatever the previous contenders left behind: three of the five
     depthwise contenders read the same NCHW input, so the second and third found it in
     cache while ttile NHWC and torch channels_last read their own copies from memory,
@@ -74,8 +74,7 @@ def rounds(runs: dict, reps: int, cache: Cache = Cache.WARM) -> dict:
     round (seeded: the same on every run of the script), each timed call from ``cache``,
     after one warm-up call each.
 
-    A rotating order (each round starting one contender later, what this did until the
-    thirteenth session) leaves each contender right after the same one in all but one
+    A rotating order (each round starting one contender later) leaves each contender right after the same one in all but one
     round in len(runs), and the call before still shapes the timed one after a warm-up
     call: two copies of ttile's NHWC depthwise kernel differing only in a software
     prefetch measured 0.46-0.50 (the copy listed second over the first) on C=96 112x112

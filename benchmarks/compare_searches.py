@@ -5,7 +5,7 @@ Not a test: ``python benchmarks/compare_searches.py --baseline data --candidate 
 the verdict each search would ship (``registry_entries``: its best scheme where it beats
 the generic kernel, else the generic kernel) is built and timed warm, side by side in
 interleaved rounds, with the generic kernel; the table gives candidate / baseline time
-(1.0: the same speed; the bar of issue 18 is "the same final kernels within noise").
+(1.0: the same speed; the aim is the same final kernels within the noise).
 """
 from __future__ import annotations
 

@@ -533,8 +533,8 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *sh, const float *x,
                      * prefetch). Measured in the benchmark's shuffled rounds on a Zen 4
                      * core (MobileNetV2, 1 thread, prefetching / not): 0.82-0.87 with
                      * the caches cold (C=32 112x112, C=96 112x112 s2, C=144 56x56),
-                     * 0.94-1.00 warm. (The twelfth session's 0.39-0.62 came from
-                     * rotating rounds, the variant always right after the base.) */
+                     * 0.94-1.00 warm. (Rotating rounds, the variant always right after
+                     * the base, measured 0.39-0.62: an artefact of the order.) */
                     const char *pf = NULL;
                     int64_t pf_lines = 0;
                     if (prefetch && oh + 1 < oh_hi) {

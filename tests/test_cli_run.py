@@ -2,6 +2,8 @@
 checks every layer against float64 and says what served it."""
 import re
 
+import pytest
+
 import ttile
 from ttile.cli import main
 from ttile.generator.networks import RESNET18
@@ -9,7 +11,7 @@ from ttile.runtime import registry
 
 
 def test_run_serves_checks_and_times_every_layer(capsys, shipped_set):
-    assert main(["run", "--network", "resnet18", "--reps", "1"]) == 0
+    assert main(["run", "--network", "resnet18", "--reps", "1", "--no-peers"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (ResNet18-\d+) \| (\w+).* \| ([\d.]+) \| ([\d.]+) \| (.*) \|$",
                       out, re.M)
@@ -26,3 +28,24 @@ def test_run_serves_checks_and_times_every_layer(capsys, shipped_set):
 def test_run_refuses_bad_counts(capsys):
     assert main(["run", "--threads", "0"]) == 2
     assert "--threads and --reps must be >= 1" in capsys.readouterr().err
+
+
+def test_run_times_the_installed_peers_beside_ttile(capsys):
+    """torch is in the test extra: its column is there, each layer has a time and the
+    best peer / ttile ratio, and the header says which set served and whether tuning ran."""
+    pytest.importorskip("torch")
+    from ttile import peers
+    assert main(["run", "--network", "resnet18", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    columns = [f"{p.value} ms" for p in peers.available()]
+    header = next(line for line in out.splitlines() if line.startswith("| layer |"))
+    assert all(c in header for c in columns) and "best peer / ttile" in header, header
+    rows = [line for line in out.splitlines() if line.startswith("| ResNet18-")]
+    assert len(rows) == len(RESNET18)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        numbers = cells[2:3 + len(columns) + 2]
+        assert all(float(c) > 0 for c in numbers[:1] + numbers[2:]), row
+        assert cells[-1] == "ok", row
+    assert "kernel set:" in out and "run-time tuning: off" in out
+    assert "torch: " in out and "x as fast" in out

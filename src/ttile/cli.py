@@ -194,24 +194,40 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """Serve every layer of a built-in network with ``ttile.Conv2d`` on this CPU: check
-    each against the float64 reference, time it, and say what served it."""
+    each against the float64 reference, time it beside the engines installed here (torch,
+    onnxruntime, OpenVINO: :mod:`ttile.peers`) in the same shuffled rounds, and say what
+    served it."""
+    import random
     import statistics
 
     import numpy as np
 
     import ttile
+    from . import peers as engines
     from .core.reference import conv_mismatch
     from .generator.networks import NETWORKS
+    from .runtime import registry
 
     previous = ttile.set_tuning(mode=args.tuning)
     threads = args.threads
     rng = np.random.default_rng(0)
+    order = random.Random(0)
+    peers = engines.available() if args.peers else []
     total_flops = total_seconds = 0.0
-    wrong = 0
-    print(f"{args.network} on {_cpu_name()}, {threads} thread(s), NHWC, batch 1, "
-          f"run-time tuning {args.tuning!r}")
-    print(f"| layer | served by | ms (median of {args.reps}) | GFLOP/s | check |")
-    print("|---|---|---|---|---|")
+    peer_seconds = {peer: 0.0 for peer in peers}
+    wrong = tuned_here = 0
+    here = registry.serving_cpu()
+    shipped = any(e.cpu == here for e in registry.ENTRIES)
+    print(f"{args.network} on {_cpu_name()}, {threads} thread(s), NHWC, batch 1; kernel "
+          f"set: {'the one shipped for this CPU' if shipped else 'none shipped for this CPU'}"
+          f"; run-time tuning {args.tuning!r}")
+    if peers:
+        print("peers: " + ", ".join(f"{p.value} {engines.version(p)}" for p in peers)
+              + " (NCHW input, same thread count, timed in the same shuffled rounds)")
+    heads = [f"{p.value} ms" for p in peers] + (["best peer / ttile"] if peers else [])
+    print(f"| layer | served by | ttile ms (median of {args.reps}) | GFLOP/s | "
+          + "".join(f"{h} | " for h in heads) + "check |")
+    print("|---|---|---|---|" + "---|" * len(heads) + "---|")
     try:
         for layer in NETWORKS[args.network]:
             spec = layer.spec()
@@ -219,32 +235,67 @@ def _cmd_run(args: argparse.Namespace) -> int:
             w = rng.uniform(-1, 1, (layer.rs, layer.rs, layer.c // layer.groups,
                                     layer.k)).astype(np.float32)
             pad = (spec.pad_top, spec.pad_left)
+            pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
+            before = ttile.plan(x.shape, w.shape, stride=layer.stride, padding=pad,
+                                groups=layer.groups, layout="NHWC", threads=threads,
+                                prepacked=True)
             conv = ttile.Conv2d(w, stride=layer.stride, padding=pad, groups=layer.groups,
                                 layout="NHWC", threads=threads)
             y = conv(x)                       # the first call tunes, if the policy says so
-            problem = conv_mismatch(y, x, w, (spec.stride_h, spec.stride_w),
-                                    (spec.pad_top, spec.pad_bottom, spec.pad_left,
-                                     spec.pad_right), groups=layer.groups)
+            problem = conv_mismatch(y, x, w, (spec.stride_h, spec.stride_w), pads,
+                                    groups=layer.groups)
             wrong += problem is not None
-            times = []
+            runs = {"ttile": lambda: conv(x)}
+            x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+            w_kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+            expected = y.transpose(0, 3, 1, 2)
+            for peer in peers:
+                run = engines.runner(peer, x_nchw, w_kcrs, (spec.stride_h, spec.stride_w),
+                                     pads, layer.groups, threads)
+                if run is not None and np.allclose(run(), expected, rtol=1e-3, atol=1e-3):
+                    runs[peer] = run
+            times = {name: [] for name in runs}
+            names = list(runs)
             for _ in range(args.reps):
-                t0 = time.perf_counter()
-                conv(x)
-                times.append(time.perf_counter() - t0)
-            seconds = statistics.median(times)
+                order.shuffle(names)
+                for name in names:
+                    runs[name]()              # warm, then timed
+                    t0 = time.perf_counter()
+                    runs[name]()
+                    times[name].append(time.perf_counter() - t0)
+            seconds = statistics.median(times["ttile"])
             total_flops += layer.flops
             total_seconds += seconds
             plan = ttile.plan(x.shape, w.shape, stride=layer.stride, padding=pad,
                               groups=layer.groups, layout="NHWC", threads=threads,
                               prepacked=True)
+            tuned_here += plan.kind is ttile.KernelKind.JIT \
+                and before.kind is not ttile.KernelKind.JIT
             served = plan.kind.value + (f" `{plan.scheme}`" if plan.scheme else "")
+            cells, best = [], None
+            for peer in peers:
+                if peer in times:
+                    t = statistics.median(times[peer])
+                    peer_seconds[peer] += t
+                    best = t if best is None else min(best, t)
+                    cells.append(f"{t * 1e3:.3f}")
+                else:
+                    peer_seconds[peer] = float("nan")
+                    cells.append("n/a")
+            if peers:
+                cells.append("n/a" if best is None else f"{best / seconds:.2f}")
             print(f"| {layer.name} | {served} | {seconds * 1e3:.3f} | "
-                  f"{layer.flops / seconds / 1e9:.1f} | {'ok' if problem is None else problem} |",
-                  flush=True)
+                  f"{layer.flops / seconds / 1e9:.1f} | " + "".join(f"{c} | " for c in cells)
+                  + f"{'ok' if problem is None else problem} |", flush=True)
     finally:
         ttile.restore_tuning(previous)
     print(f"whole network: {total_seconds * 1e3:.2f} ms, "
           f"{total_flops / total_seconds / 1e9:.1f} GFLOP/s; {wrong} wrong result(s)")
+    for peer in peers:
+        print(f"  {peer.value}: {peer_seconds[peer] * 1e3:.2f} ms "
+              f"(ttile {peer_seconds[peer] / total_seconds:.2f}x as fast)")
+    print(f"run-time tuning: {tuned_here} layer(s) tuned in this run" if args.tuning != "never"
+          else "run-time tuning: off")
     return 1 if wrong else 0
 
 
@@ -591,6 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reps", type=int, default=5, help="timed calls per layer")
     run.add_argument("--tuning", default="never", choices=("never", "now"),
                      help="tune layers without a shipped kernel first (now: up to 20 s each)")
+    run.add_argument("--no-peers", dest="peers", action="store_false",
+                     help="time ttile alone (default: beside torch, onnxruntime and OpenVINO "
+                          "where installed)")
     run.set_defaults(run=_cmd_run)
     rank = sub.add_parser("train-ranker", help="train the learned ranking of schemes from "
                                                "the tuning records (data/records), evaluate "

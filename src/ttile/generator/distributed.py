@@ -1,4 +1,4 @@
-"""The search spread over Dask workers (``ttile-generate --dask``), issue 18.
+"""The search spread over Dask workers (``ttile-generate --dask``).
 
 The client (``ttile-generate``) ranks and prunes each layer's scheme space as always;
 what costs the time - compiling candidates, checking them against float64 and timing

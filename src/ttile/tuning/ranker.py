@@ -1,4 +1,4 @@
-"""A learned ranking of schemes, trained from the tuning records (issue 18).
+"""A learned ranking of schemes, trained from the tuning records.
 
 The search measures candidates in the order the IOOpt model and pruning put them; most of
 the time goes into measuring schemes that lose. The records hold every such measurement

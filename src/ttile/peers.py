@@ -1,0 +1,103 @@
+"""The engines a user compares ttile with, as single-convolution callables.
+
+``ttile-generate run`` times each layer on ttile and on whichever of these is installed,
+in the same process and the same rounds, so the table answers "is it faster than what I
+use, on this CPU?". Each engine is optional: :func:`available` lists the ones that import,
+and a missing one is a column left out, never an error. ``import ttile`` never imports this
+module; it imports each engine only when asked for it.
+
+Each runner takes an NCHW input and KCRS weights (what the engines take), is built once per
+layer with its thread count fixed, and returns the output:
+
+* ``torch``: ``torch.nn.functional.conv2d`` under ``torch.no_grad`` on the NCHW input
+  (oneDNN on the CPU), torch's thread count set;
+* ``onnxruntime``: a one-Conv ONNX model, default graph optimizations, ``intra_op``
+  threads set;
+* ``openvino``: the same ONNX model compiled for the CPU with ``INFERENCE_PRECISION_HINT``
+  f32, ``PERFORMANCE_HINT`` LATENCY and ``INFERENCE_NUM_THREADS`` set.
+"""
+from __future__ import annotations
+
+import importlib.util
+from enum import Enum
+from typing import Callable, Optional
+
+import numpy as np
+
+
+class Peer(str, Enum):
+    TORCH = "torch"
+    ONNXRUNTIME = "onnxruntime"
+    OPENVINO = "openvino"
+
+
+#: (module to import, extra modules the runner needs) per engine
+_NEEDS = {Peer.TORCH: ("torch",), Peer.ONNXRUNTIME: ("onnxruntime", "onnx"),
+          Peer.OPENVINO: ("openvino", "onnx")}
+
+
+def available() -> list[Peer]:
+    """The engines installed here, in table order."""
+    return [peer for peer, modules in _NEEDS.items()
+            if all(importlib.util.find_spec(m) is not None for m in modules)]
+
+
+def version(peer: Peer) -> str:
+    module = importlib.import_module(peer.value)
+    return str(getattr(module, "__version__", "?")).split("-")[0]
+
+
+def _conv_model(x_shape, w: np.ndarray, stride: tuple[int, int], pads: tuple[int, ...],
+                groups: int) -> bytes:
+    """One ONNX Conv node with the weights as an initializer (pads top, left, bottom,
+    right as ONNX orders them)."""
+    from onnx import TensorProto, helper, numpy_helper
+    node = helper.make_node("Conv", ["x", "w"], ["y"], strides=list(stride),
+                            pads=list(pads), group=groups)
+    graph = helper.make_graph([node], "conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             list(x_shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8   # opset 17's IR: an older runtime refuses a newer one
+    return model.SerializeToString()
+
+
+def runner(peer: Peer, x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
+           pads: tuple[int, int, int, int], groups: int,
+           threads: int) -> Optional[Callable[[], np.ndarray]]:
+    """A callable running the convolution of NCHW ``x`` by KCRS ``w`` on ``peer``;
+    ``pads`` is (top, bottom, left, right). None when the engine cannot take it."""
+    top, bottom, left, right = pads
+    if peer is Peer.TORCH:
+        import torch
+        torch.set_num_threads(threads)
+        if (top, left) != (bottom, right):
+            return None
+        tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+
+        def run_torch():
+            with torch.no_grad():
+                return torch.nn.functional.conv2d(tx, tw, None, stride, (top, left), 1,
+                                                  groups).numpy()
+        return run_torch
+    model = _conv_model(x.shape, w, stride, (top, left, bottom, right), groups)
+    if peer is Peer.ONNXRUNTIME:
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return lambda: session.run(None, {"x": x})[0]
+    import openvino as ov
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model=model), "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_NUM_THREADS": str(threads)})
+    request = compiled.create_infer_request()
+
+    def run_openvino():
+        request.infer({0: x})
+        return request.get_output_tensor(0).data
+    return run_openvino
