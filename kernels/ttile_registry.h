@@ -1,6 +1,6 @@
 /* The registry of the offline search's verdicts compiled into the extension
  * (kernels/gen/registry.c, written by `ttile-generate --network ...` from every CPU's
- * tuning records in data/records). An entry serves a call only on the CPU it was
+ * tuning records in generator/records). An entry serves a call only on the CPU it was
  * measured on (its fingerprint id), at the thread count it was measured at, and when
  * every problem field matches exactly, for the vector family it was searched in. An entry without a kernel (fn NULL) records that
  * the generic kernel won there: such a layer is not tuned again at run time. */

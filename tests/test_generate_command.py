@@ -136,7 +136,7 @@ def test_emission_keeps_every_cpus_verdicts(tmp_path, capsys):
     """Records of another CPU are emitted beside this one's, without measuring."""
     import shutil
     generator = _generator_dir(tmp_path / "generator")
-    repo_records = sorted((Path(__file__).parent.parent / "data" / "records").glob("*.jsonl"))
+    repo_records = sorted((Path(__file__).parent.parent / "generator" / "records").glob("*.jsonl"))
     if not repo_records:
         pytest.skip("not a source checkout")
     (generator / "records").mkdir()

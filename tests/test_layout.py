@@ -109,7 +109,7 @@ def test_the_layout_has_the_four_layers():
 
 
 def test_the_generator_reads_tables_installed_with_ttile(tmp_path):
-    """Outside a checkout (no ./data), tables come from the installed copy."""
+    """Outside a checkout (no ./generator), tables come from the installed copy."""
     pytest.importorskip("islpy")
     from ttile.generator.data import DataKind, installed_directory
     from ttile.generator.microkernels import MicrokernelTable, load_table

@@ -123,7 +123,7 @@ def test_microkernel_inner_loop_never_spills_vector_registers(shape):
     assert not spills, f"{shape.key} stores vector registers to the stack: {spills[:4]}"
 
 
-COMMITTED_TABLES = sorted(p for p in (REPO / "data" / "microkernels").glob("*.json")
+COMMITTED_TABLES = sorted(p for p in (REPO / "generator" / "microkernels").glob("*.json")
                           if not p.name.endswith(".partial.json"))
 
 

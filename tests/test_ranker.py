@@ -86,16 +86,16 @@ def test_ranker_file_refuses_another_feature_set(tmp_path):
         ranker.Ranker.load(path)
 
 
-@pytest.mark.skipif(not (ROOT / "data" / "records").is_dir(), reason="not a source checkout")
+@pytest.mark.skipif(not (ROOT / "generator" / "records").is_dir(), reason="not a source checkout")
 def test_train_ranker_command_on_the_records(tmp_path):
     """The command reads the committed records and tables, evaluates on held-out layers
     and writes the model and its evaluation."""
     import shutil
     from ttile.cli import main
     data = tmp_path / "data"
-    shutil.copytree(ROOT / "data" / "microkernels", data / "microkernels")
+    shutil.copytree(ROOT / "generator" / "microkernels", data / "microkernels")
     (data / "records").mkdir()
-    shutil.copy(ROOT / "data" / "records" / "authenticamd-25-17-b17bf99a.jsonl",
+    shutil.copy(ROOT / "generator" / "records" / "authenticamd-25-17-b17bf99a.jsonl",
                 data / "records")
     assert main(["--data-dir", str(data), "train-ranker", "--folds", "3", "--rounds",
                  "10"]) == 0
@@ -108,7 +108,7 @@ def test_train_ranker_command_on_the_records(tmp_path):
 def test_shipped_ranker_loads_and_scores():
     from ttile.runtime import jit
     model = jit._load_ranker(None)
-    assert model is not None, "the wheel ships data/ranker/ranker.json"
+    assert model is not None, "the wheel ships generator/ranker/ranker.json"
     spec = ConvSpec(1, 32, 16, 12, 12, 3, 3, 1, 1, 1, 1, 1, 1)
     rows = np.stack([ranker.features(spec, f"[T2 k; T{12 // b} h; T12 w; T3 r; T3 s; T16 c; "
                                            f"U{b} h; V k]", 1, Isa.AVX512F, CONTEXT)

@@ -2,17 +2,17 @@
 
 Subcommands:
   microkernels   step 1: measure microkernels on this CPU, save the table under
-                 data/microkernels/ (resumes if interrupted), optionally plot it.
+                 generator/microkernels/ (resumes if interrupted), optionally plot it.
   model          step 2: rank loop permutations above a microkernel for one layer with
                  the IOOpt model, beside IOOpt's lower bound.
   records        migrate a tuning-records file to the current format.
   cache          list or clear the kernels ttile.conv2d tuned at run time.
   layers         list the layers of a network, layers file or ONNX model.
 With --network NAME (or --layers-file F, or --onnx model.onnx): steps 3-5 for every layer (scheme space,
-pruning, autotuning into data/records/), then the kernels and their registry are
+pruning, autotuning into generator/records/), then the kernels and their registry are
 written to kernels/gen/ for the build to compile.
 
-Tables are read from --data-dir (default ./data) and then from the copies installed
+Tables are read from --data-dir (default ./generator) and then from the copies installed
 with ttile; measurements are written under --data-dir. This module sits above both the
 generator and the runtime (its ``cache`` command), and nothing imports it.
 """
@@ -504,7 +504,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
                 searched, generic = compare_warm(name, spec, threads, best, database)
                 print(f"{name} t{threads}: searched {searched.seconds * 1e3:.3f} ms, generic "
                       f"{generic.seconds * 1e3:.3f} ms (warm)", file=sys.stderr)
-    # The registry holds every CPU's verdicts (data/records/*.jsonl), this one's included:
+    # The registry holds every CPU's verdicts (generator/records/*.jsonl), this one's included:
     # tuning one CPU's set keeps the others'.
     entries = registry_entries(databases_in(args.data_dir / "records"))
     emit(entries, args.kernels_dir, command)
@@ -570,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", "--generator-dir", dest="data_dir", type=Path,
                         default=DEFAULT_DATA_DIR,
                         help="where measured tables and records are written, and read "
-                             "first (default: ./data; then the tables installed with ttile)")
+                             "first (default: ./generator; then the tables installed with ttile)")
     parser.add_argument("--isa", choices=("auto", "avx512f", "avx2"), default="auto",
                         help="the vector family to measure microkernels and search kernels "
                              "in (auto: the widest this CPU runs); each family has its own "
@@ -647,8 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "where installed)")
     run.set_defaults(run=_cmd_run)
     rank = sub.add_parser("train-ranker", help="train the learned ranking of schemes from "
-                                               "the tuning records (data/records), evaluate "
-                                               "it on held-out layers, write data/ranker/")
+                                               "the tuning records (generator/records), evaluate "
+                                               "it on held-out layers, write generator/ranker/")
     rank.add_argument("--folds", type=int, default=5,
                       help="layers are held out in this many folds for the evaluation")
     rank.add_argument("--rounds", type=int, default=150, help="boosted trees")

@@ -1,7 +1,8 @@
 """Where the generator's data lives, for reading and for writing.
 
-Measured data (microkernel tables, machine models, tuning records) is written to a
-*data directory*: ``./data`` of a source checkout by default, or ``--data-dir``. The
+Measured data (microkernel tables, machine models, tuning records, the learned ranking)
+is written to a *data directory*: ``./generator`` of a source checkout by default (the
+generator's inputs beside its code's name), or ``--data-dir``. The
 wheel also installs the tables and machine models under ``ttile/data``, so a table is
 looked up in the data directory first and then among the installed ones: a command run
 outside the checkout (``ttile-generate model``) and the run-time tuner find the tables
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 #: The data directory of a source checkout, relative to where commands run.
-DEFAULT_DATA_DIR = Path("data")
+DEFAULT_DATA_DIR = Path("generator")
 
 
 class DataKind(str, Enum):
@@ -32,13 +33,13 @@ def installed_directory(kind: DataKind) -> Optional[Path]:
 
     A wheel carries it as ``ttile/data``. An editable install (``pip install -e .``)
     imports the package from ``src/ttile``, beside which nothing is installed, so there
-    the checkout's own ``data/`` is the copy the package was built from."""
+    the checkout's own ``generator/`` is the copy the package was built from."""
     package = Path(__file__).resolve().parent.parent
     here = package / "data" / kind.value
     if here.is_dir():
         return here
     if package.parent.name == "src":
-        checkout = package.parent.parent / "data" / kind.value
+        checkout = package.parent.parent / "generator" / kind.value
         if checkout.is_dir():
             return checkout
     return None

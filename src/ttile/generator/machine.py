@@ -3,7 +3,7 @@
 Capacities come from the CPU fingerprint (sysfs); bandwidths are measured here by
 reading a buffer that fits in each level (an eighth of L1 and L2, four times L2 for L3)
 and one four times the last level (DRAM), on one pinned thread. A measurement is saved with the CPU
-fingerprint under ``data/machine/`` and reused.
+fingerprint under ``generator/machine/`` and reused.
 """
 from __future__ import annotations
 

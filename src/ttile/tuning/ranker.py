@@ -18,7 +18,7 @@ trained on measurements.
   scheme parser and numpy only.
 * **Model**: gradient-boosted regression trees (:class:`BoostedTrees`), written here
   with numpy (histogram splits on quantile bins). It ships as a small JSON file
-  (``data/ranker/ranker.json``) and predicts with numpy alone: no heavy import on the
+  (``generator/ranker/ranker.json``) and predicts with numpy alone: no heavy import on the
   ``conv2d`` path.
 * **Evaluation** (:func:`evaluate`): whole problems are held out (every CPU's and
   thread count's records of a layer leave training together), and each held-out group

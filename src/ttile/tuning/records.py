@@ -3,8 +3,8 @@ vector family.
 
 Every measurement the generator makes (a scheme screened, re-timed with the paper's
 protocol, compared warm with the generic kernel, or the generic kernel itself) is
-appended to ``data/records/<cpu-id>.jsonl`` (the AVX-512F family) or
-``data/records/<cpu-id>.avx2.jsonl`` (the AVX2 family, searched with its own microkernels
+appended to ``generator/records/<cpu-id>.jsonl`` (the AVX-512F family) or
+``generator/records/<cpu-id>.avx2.jsonl`` (the AVX2 family, searched with its own microkernels
 and compared with its own generic kernel) as one :class:`TuningRecord`, so a search
 resumes where it stopped and the kernels can be emitted again from the records without
 measuring anything.
