@@ -14,6 +14,9 @@ interleaved round by round, what users call:
 * torch.nn.functional.conv2d on NCHW tensors, on channels_last tensors, and an
   nn.Conv2d pre-packed by torch.utils.mkldnn.to_mkldnn on an mkldnn input (output left
   in oneDNN's blocked format, so no conversion is charged to torch),
+* onnxruntime and OpenVINO, where installed, on a one-Conv ONNX model with a static input
+  shape (``ttile.peers``: default graph optimizations; OpenVINO with f32 precision and the
+  latency hint), their thread counts set,
 * ttile's generic kernel on the NHWC call (registry verdicts switched off), for reference,
 
 in a seeded shuffled order each round, each timed call right after an untimed one of
@@ -23,7 +26,11 @@ measured here by ttile's microbenchmark, and ratios (> 1: ttile faster), each th
 over rounds of that round's ratio (see ``paired_ratio``): torch's best way over each
 ttile call, torch NCHW over ttile NCHW (the like-for-like per-call comparison), and
 ttile's NHWC calls over its NCHW calls (what torch's layout costs a ttile user).
-Every ttile result is checked against torch's before it is timed.
+Every ttile and peer result is checked against torch's before it is timed.
+
+``--no-shipped-sets`` switches the kernel sets compiled into the wheel off (what a CPU
+without a set gets: the generic kernel, or run-time tuning with ``--tuning now``).
+``--record`` writes the table's result file for the results page (``results.py``).
 """
 from __future__ import annotations
 
@@ -39,9 +46,10 @@ import time
 
 import numpy as np
 
+import results
 import ttile
 from bench_semantics import rounds
-from ttile import _kernels
+from ttile import _kernels, peers
 from ttile.runtime import registry
 from ttile.generator.networks import ALL_LAYERS, NETWORKS, layer as find_layer
 
@@ -139,6 +147,8 @@ def bench_layer(layer, threads: int, reps: int, torch):
         module.weight.copy_(wt)
     packed = torch.utils.mkldnn.to_mkldnn(module.eval())
     xt_mk = xt.to_mkldnn()
+    engines = {peer: peers.runner(peer, x_nchw, w_kcrs, (layer.stride, layer.stride),
+                                  (pad,) * 4, 1, threads) for peer in ENGINES}
 
     def generic():
         previous = ttile.use_tuned_kernels(False)
@@ -163,17 +173,19 @@ def bench_layer(layer, threads: int, reps: int, torch):
         "nchw": lambda: F.conv2d(xt, wt, stride=layer.stride, padding=pad),
         "channels_last": lambda: F.conv2d(xt_cl, wt_cl, stride=layer.stride, padding=pad),
         "mkldnn": lambda: packed(xt_mk),
+        **{peer.value: run for peer, run in engines.items()},
     }
     with torch.no_grad():
         expected = runs["nchw"]().numpy()
         scale = np.abs(expected).max() + 1e-30
-        for name in ("ttile", "prepacked", "generic", "ttile_nchw", "prepacked_nchw"):
+        for name in ("ttile", "prepacked", "generic", "ttile_nchw", "prepacked_nchw",
+                     *(peer.value for peer in ENGINES)):
             got = runs[name]()
-            if not name.endswith("nchw"):
+            if name in ("ttile", "prepacked", "generic"):
                 got = got.transpose(0, 3, 1, 2)
             error = np.abs(got - expected).max() / scale
             if error > 1e-4:
-                raise AssertionError(f"{layer.name}: ttile ({name}) differs from torch "
+                raise AssertionError(f"{layer.name}: {name} differs from torch "
                                      f"(max rel {error:.2e})")
         times = rounds(runs, reps)   # a shuffled order each round, each call warmed
     return spec, times, first_call
@@ -181,6 +193,8 @@ def bench_layer(layer, threads: int, reps: int, torch):
 
 #: torch's three ways; the per-round torch time is the fastest of them in that round.
 TORCH_WAYS = ("nchw", "channels_last", "mkldnn")
+#: The other engines timed (set in main: those installed, unless --peers torch).
+ENGINES: tuple = ()
 
 
 def paired_ratio(times: dict, ttile_name: str, torch_ways=TORCH_WAYS) -> float:
@@ -198,12 +212,16 @@ def paired_ratio(times: dict, ttile_name: str, torch_ways=TORCH_WAYS) -> float:
 #: The ratios reported per layer: (column, ttile contender, the ways it is held to - the
 #: fastest of them in each round). The last two hold ttile's NCHW calls to its own NHWC
 #: calls: 0.91 or more is NCHW within 10 % of NHWC.
-RATIOS = (("torch/conv2d", "ttile", TORCH_WAYS),
-          ("torch/Conv2d", "prepacked", TORCH_WAYS),
-          ("torch NCHW/conv2d NCHW", "ttile_nchw", ("nchw",)),
-          ("torch/Conv2d NCHW", "prepacked_nchw", TORCH_WAYS),
-          ("conv2d/conv2d NCHW", "ttile_nchw", ("ttile",)),
-          ("Conv2d/Conv2d NCHW", "prepacked_nchw", ("prepacked",)))
+def ratios_reported() -> tuple:
+    """(column, ttile contender, ways) per reported ratio; "peers" is torch's three ways
+    and every other engine timed, the fastest of them in each round."""
+    every = TORCH_WAYS + tuple(peer.value for peer in ENGINES)
+    return (("peers/conv2d", "ttile", every),
+            ("peers/conv2d NCHW", "ttile_nchw", every),
+            ("peers/Conv2d", "prepacked", every),
+            ("torch/conv2d", "ttile", TORCH_WAYS),
+            ("torch NCHW/conv2d NCHW", "ttile_nchw", ("nchw",)),
+            ("conv2d/conv2d NCHW", "ttile_nchw", ("ttile",)))
 
 
 def geomean(values) -> float:
@@ -212,18 +230,20 @@ def geomean(values) -> float:
 
 def compare_table(layers, threads: int, reps: int, torch, peak: float, kind_of) -> list[str]:
     """Markdown rows, one per layer, and the geometric means; rows print as they come."""
-    lines = ["| layer | ttile kernel | torch best | torch ms | conv2d ms | Conv2d ms | "
+    ratios_ = ratios_reported()
+    every = ratios_[0][2]
+    lines = ["| layer | ttile kernel | best peer | peer ms | conv2d ms | Conv2d ms | "
              "conv2d NCHW ms | Conv2d NCHW ms | GFLOP/s | % peak | generic ms | first call s | "
-             + " | ".join(name for name, _, _ in RATIOS) + " |",
-             "|" + "---|" * (12 + len(RATIOS))]
-    ratios: dict[str, list[float]] = {name: [] for name, _, _ in RATIOS}
+             + " | ".join(name for name, _, _ in ratios_) + " |",
+             "|" + "---|" * (12 + len(ratios_))]
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in ratios_}
     for layer in layers:
         spec, times, first_call = bench_layer(layer, threads, reps, torch)
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        best = min(TORCH_WAYS, key=med.get)
+        best = min(every, key=med.get)
         gflops = spec.flops / med["prepacked"] / 1e9
         row_ratios = []
-        for name, contender, ways in RATIOS:
+        for name, contender, ways in ratios_:
             ratios[name].append(paired_ratio(times, contender, ways))
             row_ratios.append(f"{ratios[name][-1]:.2f}")
         row = (f"| {layer.name} | {kind_of(layer)} | {best} | {med[best] * 1e3:.3f} | "
@@ -264,6 +284,13 @@ def main(argv=None) -> int:
                         "or the generic one; now: a shape without a kernel for this CPU and "
                         "thread count is tuned at its first call (ttile's default for users; "
                         "the 'first call s' column says how long that took)")
+    parser.add_argument("--no-shipped-sets", dest="shipped", action="store_false",
+                        help="switch the kernel sets compiled into the wheel off (what a CPU "
+                        "without a set gets)")
+    parser.add_argument("--peers", choices=("all", "torch"), default="all",
+                        help="all: torch and onnxruntime and OpenVINO where installed")
+    parser.add_argument("--record", action="store_true",
+                        help="write the result file for the results page (benchmarks/records)")
     parser.add_argument("--isa", choices=("auto", "avx512f", "avx2", "portable"),
                         default="auto", help="ttile's kernel family (ttile.set_isa); with "
                         "avx2, torch's oneDNN and ATen are capped at AVX2 too")
@@ -286,6 +313,11 @@ def main(argv=None) -> int:
     if not ttile.has_avx512f():
         print("note: no AVX-512F here, ttile runs its portable kernel", file=sys.stderr)
     ttile.set_tuning(mode=args.tuning)
+    ttile.use_tuned_kernels(args.shipped)
+    global ENGINES
+    ENGINES = tuple(p for p in peers.available() if p is not peers.Peer.TORCH) \
+        if args.peers == "all" else ()
+    versions = {"torch": torch.__version__, **{p.value: peers.version(p) for p in ENGINES}}
 
     layers = []
     for name in args.layers or [l.name for l in ALL_LAYERS]:
@@ -296,10 +328,11 @@ def main(argv=None) -> int:
     if len(cpus) < max(counts):  # OMP_PROC_BIND bound this thread when torch loaded
         cpus = list(range(os.cpu_count() or 1))
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
-             f"torch {torch.__version__}, ttile {ttile.__version__} "
+             + ", ".join(f"{name} {v}" for name, v in versions.items())
+             + f", ttile {ttile.__version__} at {commit()} "
              f"({len(registry.ENTRIES)} registry verdicts for {len(registry.cpus())} CPU(s), this "
              f"one {registry.serving_cpu()}; {ttile.get_isa()} kernel family; run-time "
-             f"tuning {args.tuning}"
+             f"tuning {args.tuning}; kernel set: {results.kernel_set(args.shipped)}"
              + (", torch capped at AVX2: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2"
                 if args.isa == "avx2" else "") + "); "
              f"batch 1, fp32; {args.reps} interleaved rounds, warm cache (the "
@@ -323,6 +356,16 @@ def main(argv=None) -> int:
     os.sched_setaffinity(0, cpus)
     text = "\n".join(lines)
     print(text)
+    if args.record:
+        table = "conv-" + ("avx2" if args.isa == "avx2" else "sets-on" if args.shipped
+                           else "sets-off") + (f"-tuning-{args.tuning}"
+                                               if args.tuning != "never" else "")
+        path = results.write(
+            table, "Fig. 8 layers, one convolution per call: conv2d per call (NHWC and NCHW),"
+                   " Conv2d pre-packed, against torch, onnxruntime and OpenVINO", lines,
+            threads=counts, peers=versions, kernels=results.kernel_set(args.shipped),
+            tuning=args.tuning)
+        print(f"wrote {path}", file=sys.stderr)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")

@@ -1,4 +1,4 @@
-"""Whole networks through ``ttile.torch.convert`` against torch and onnxruntime.
+"""Whole networks through ``ttile.torch.convert`` against torch, onnxruntime and OpenVINO.
 
 Not a test: run it by hand with torch, onnxruntime and onnx installed::
 
@@ -21,7 +21,10 @@ MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 
 * torch eager, NCHW and channels_last (the best of the two is the anchor);
 * ``torch.compile`` (inductor) of the channels_last model, where it compiles;
-* onnxruntime (CPU provider) on the model exported with ``torch.onnx.export``;
+* onnxruntime (CPU provider, default graph optimizations) on the model exported with
+  ``torch.onnx.export``;
+* OpenVINO on the same export (CPU, ``INFERENCE_PRECISION_HINT`` f32, ``PERFORMANCE_HINT``
+  LATENCY, ``INFERENCE_NUM_THREADS`` set), where installed;
 * ttile: ``ttile.torch.convert(model, example_input=x)`` called on the channels_last
   input (ttile's native layout) and on the NCHW input.
 
@@ -39,6 +42,7 @@ import time
 
 import numpy as np
 
+import ttile
 from bench_semantics import Cache, rounds
 
 
@@ -169,17 +173,36 @@ def pin(threads: int) -> None:
     os.sched_setaffinity(0, set(cpus[:threads]))
 
 
-def onnx_session(model, x, threads: int):
+def onnx_export(model, x) -> bytes:
     import io
 
-    import onnxruntime as ort
     import torch
     buffer = io.BytesIO()
     torch.onnx.export(model, (x,), buffer, opset_version=17, dynamo=False)
+    return buffer.getvalue()
+
+
+def openvino_request(exported: bytes, x, threads: int):
+    import openvino as ov
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model=exported), "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_NUM_THREADS": str(threads)})
+    request = compiled.create_infer_request()
+    x_np = x.numpy()
+
+    def run():
+        request.infer({0: x_np})
+        return request.get_output_tensor(0).data.copy()
+    return run
+
+
+def onnx_session(exported: bytes, x, threads: int):
+    import onnxruntime as ort
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    session = ort.InferenceSession(buffer.getvalue(), options,
+    session = ort.InferenceSession(exported, options,
                                    providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     x_np = x.numpy()
@@ -212,9 +235,16 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dic
             except Exception as error:   # inductor needs a C++ toolchain and more
                 notes.append(f"torch.compile failed: {type(error).__name__}")
         try:
-            runs["onnxruntime"] = onnx_session(model, x, threads)
+            exported = onnx_export(model, x)
+            runs["onnxruntime"] = onnx_session(exported, x, threads)
         except Exception as error:
+            exported = None
             notes.append(f"onnx export failed: {type(error).__name__}: {error}")
+        if exported is not None:
+            try:
+                runs["OpenVINO"] = openvino_request(exported, x, threads)
+            except ImportError:
+                notes.append("OpenVINO not installed")
         for label, fn in runs.items():
             got = torch.as_tensor(fn())
             error = float((got - expected).abs().max() / expected.abs().max())
@@ -225,7 +255,12 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dic
         times = rounds(runs, reps, Cache.WARM)
     eager = [min(a, b) for a, b in zip(times["torch NCHW"], times["torch channels_last"])]
     best_ttile = [min(a, b) for a, b in zip(times["ttile channels_last"], times["ttile NCHW"])]
+    engines = [label for label in ("onnxruntime", "OpenVINO") if label in times]
+    best_engine = [min(ts) for ts in zip(*(times[label] for label in engines))] \
+        if engines else None
     return dict(name=name, batch=batch, threads=threads, first=first, notes=notes,
+                ratio_engines=(statistics.median(e / t for e, t in zip(best_engine, best_ttile))
+                               if best_engine else float("nan")),
                 ms={label: statistics.median(t) * 1e3 for label, t in times.items()},
                 ratio=statistics.median(e / t for e, t in zip(eager, best_ttile)),
                 ratio_nchw=statistics.median(e / t for e, t in zip(eager, times["ttile NCHW"])))
@@ -240,11 +275,15 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--chart", help="write a bar chart (PNG) of the ratios here")
+    parser.add_argument("--record", action="store_true",
+                        help="write the result file for the results page (benchmarks/records)")
     args = parser.parse_args(argv)
     import torch
     cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].split("\n")[0]
     print(f"# {cpu.strip()}, torch {torch.__version__}", flush=True)
-    rows = []
+    rows, lines = [], ["| network | batch | threads | ms per contender (median) | first call | "
+                       "best engine / ttile | eager / ttile | eager / ttile NCHW | notes |",
+                       "|---|---|---|---|---|---|---|---|---|"]
     for threads in args.threads:
         pin(threads)
         for batch in args.batch:
@@ -253,10 +292,23 @@ def main(argv=None) -> int:
                 rows.append(result)
                 cells = " | ".join(f"{label} {value:.1f}" for label, value in
                                    result["ms"].items())
-                print(f"| {name} | {batch} | {threads} | {cells} | first call "
-                      f"{result['first']:.1f} s | eager / ttile {result['ratio']:.2f} | "
-                      f"eager / ttile NCHW {result['ratio_nchw']:.2f} | "
-                      f"{'; '.join(result['notes'])} |", flush=True)
+                lines.append(f"| {name} | {batch} | {threads} | {cells} | "
+                             f"{result['first']:.1f} s | {result['ratio_engines']:.2f} | "
+                             f"{result['ratio']:.2f} | {result['ratio_nchw']:.2f} | "
+                             f"{'; '.join(result['notes'])} |")
+                print(lines[-1], flush=True)
+    if args.record:
+        import results
+        from ttile.peers import Peer, available, version
+        versions = {"torch": torch.__version__,
+                    **{p.value: version(p) for p in available() if p is not Peer.TORCH}}
+        results.write("networks", "Whole networks, ttile.torch.convert (default settings, "
+                      "empty cache) against torch eager, onnxruntime and OpenVINO", lines,
+                      threads=args.threads, peers=versions, kernels=results.kernel_set(),
+                      tuning=ttile.tuning_policy().mode,
+                      notes="ms columns: each contender's median; ratios: medians of each "
+                            "round's ratio (> 1: ttile faster); ttile is the faster of its "
+                            "channels_last and NCHW calls")
     if args.chart:
         import matplotlib
         matplotlib.use("Agg")

@@ -273,7 +273,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tables", nargs="+", default=["depthwise", "fused", "dilation", "batch"])
     parser.add_argument("--cache", choices=[c.value for c in Cache], default=Cache.WARM.value,
                         help="the caches each timed call starts from (see Cache)")
+    parser.add_argument("--record", action="store_true",
+                        help="write the depthwise table's result file for the results page")
     args = parser.parse_args(argv)
+    recorded: list[str] = []
     cache = Cache(args.cache)
     import torch
     fig8 = [layer for name in ("yolo9000", "resnet18") for layer in NETWORKS[name]]
@@ -290,6 +293,7 @@ def main(argv=None) -> int:
             print(f"\n### {table}\n", flush=True)
             if table == "depthwise":
                 lines = depthwise_table(torch, threads, args.reps, cache)
+                recorded += [f"{threads} thread(s):", ""] + lines + [""]
             elif table == "fused":
                 lines = fused_table(torch, threads, max(10, args.reps // 3), fig8, cache)
             elif table == "dilation":
@@ -297,6 +301,15 @@ def main(argv=None) -> int:
             else:
                 lines = batch_table(threads, max(10, args.reps // 3), batch_layers, cache)
             print("\n".join(lines), flush=True)
+    if args.record and recorded:
+        import results
+        import onnxruntime
+        results.write("depthwise", "MobileNetV2's depthwise layers, conv2d per call, against "
+                      "torch (NCHW, channels_last) and onnxruntime", recorded,
+                      threads=args.threads, peers={"torch": torch.__version__,
+                                                   "onnxruntime": onnxruntime.__version__},
+                      kernels="the depthwise kernels (hand-written; no searched set involved)",
+                      tuning="never", notes=f"caches {cache.value}")
     return 0
 
 
