@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 import ttile
-from bench_semantics import Cache, rounds
+from bench_semantics import Cache, pin, rounds
 
 
 def build(name: str):
@@ -166,11 +166,6 @@ def build(name: str):
                 module.weight.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
                 module.bias.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
     return model.eval()
-
-
-def pin(threads: int) -> None:
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, set(cpus[:threads]))
 
 
 def onnx_export(model, x) -> bytes:

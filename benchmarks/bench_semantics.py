@@ -39,9 +39,14 @@ MOBILENET_V2_DEPTHWISE = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (192, 28, 1)
                           (384, 14, 1), (576, 14, 2), (960, 7, 1)]
 
 
+#: The CPUs this process may use when it starts (pinning narrows the affinity, so it must
+#: not be read back: a 2-thread run after a 1-thread one would get one CPU).
+PROCESS_CPUS = sorted(os.sched_getaffinity(0))
+
+
 def pin(threads: int) -> None:
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, set(cpus[:threads]))
+    """Pin the process to its first ``threads`` CPUs."""
+    os.sched_setaffinity(0, set(PROCESS_CPUS[:threads]))
 
 
 class Cache(Enum):
