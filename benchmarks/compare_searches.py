@@ -1,6 +1,6 @@
 """Two searches of the same layers, their final kernels side by side.
 
-Not a test: ``python benchmarks/compare_searches.py --baseline data --candidate /tmp/rs
+Not a test: ``python benchmarks/compare_searches.py --baseline generator --candidate /tmp/rs
 --network yolo9000``. For every layer and thread count both record sets hold on this CPU,
 the verdict each search would ship (``registry_entries``: its best scheme where it beats
 the generic kernel, else the generic kernel) is built and timed warm, side by side in
