@@ -44,6 +44,7 @@ import numpy as np
 
 import ttile
 from bench_semantics import Cache, pin, rounds
+from ttile.peers import Peer, onnx_runner
 
 
 def build(name: str):
@@ -177,33 +178,6 @@ def onnx_export(model, x) -> bytes:
     return buffer.getvalue()
 
 
-def openvino_request(exported: bytes, x, threads: int):
-    import openvino as ov
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(model=exported), "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-        "INFERENCE_NUM_THREADS": str(threads)})
-    request = compiled.create_infer_request()
-    x_np = x.numpy()
-
-    def run():
-        request.infer({0: x_np})
-        return request.get_output_tensor(0).data.copy()
-    return run
-
-
-def onnx_session(exported: bytes, x, threads: int):
-    import onnxruntime as ort
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(exported, options,
-                                   providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    x_np = x.numpy()
-    return lambda: session.run(None, {name: x_np})[0]
-
-
 def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dict:
     import torch
 
@@ -231,13 +205,13 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dic
                 notes.append(f"torch.compile failed: {type(error).__name__}")
         try:
             exported = onnx_export(model, x)
-            runs["onnxruntime"] = onnx_session(exported, x, threads)
+            runs["onnxruntime"] = onnx_runner(Peer.ONNXRUNTIME, exported, x.numpy(), threads)
         except Exception as error:
             exported = None
             notes.append(f"onnx export failed: {type(error).__name__}: {error}")
         if exported is not None:
             try:
-                runs["OpenVINO"] = openvino_request(exported, x, threads)
+                runs["OpenVINO"] = onnx_runner(Peer.OPENVINO, exported, x.numpy(), threads)
             except ImportError:
                 notes.append("OpenVINO not installed")
         for label, fn in runs.items():

@@ -83,13 +83,24 @@ def runner(peer: Peer, x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
                                                   groups).numpy()
         return run_torch
     model = _conv_model(x.shape, w, stride, (top, left, bottom, right), groups)
+    return onnx_runner(peer, model, x, threads)
+
+
+def onnx_runner(peer: Peer, model: bytes, x: np.ndarray,
+                threads: int) -> Callable[[], np.ndarray]:
+    """A callable running the serialized ONNX ``model`` on its one input ``x`` with
+    onnxruntime or OpenVINO, configured as the module text says (one place, so a single
+    convolution and a whole network meet the same engine settings)."""
     if peer is Peer.ONNXRUNTIME:
         import onnxruntime as ort
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-        return lambda: session.run(None, {"x": x})[0]
+        name = session.get_inputs()[0].name
+        return lambda: session.run(None, {name: x})[0]
+    if peer is not Peer.OPENVINO:
+        raise ValueError(f"{peer.value} does not run ONNX models")
     import openvino as ov
     core = ov.Core()
     compiled = core.compile_model(core.read_model(model=model), "CPU", {
