@@ -59,10 +59,9 @@ def forget_choices():
     """Forget which kernel serves each problem (dispatch's memory and every call plan's),
     so the next call decides again: after a test changed the tuning policy, the cache or
     the CPU whose registry verdicts serve."""
-    from ttile.runtime import api, dispatch
+    from ttile.runtime import call_plan, dispatch
     dispatch.forget_choices()
-    for call_plan in list(api._plans.values()):
-        call_plan.choices.clear()
+    call_plan.forget_choices()
 
 
 def shipped_cpu(isa=None) -> str:

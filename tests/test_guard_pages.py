@@ -12,7 +12,7 @@ import ttile
 from conftest import AVAILABLE_ISAS, requires_avx512
 from guarded import guarded_copy
 from ttile import _kernels
-from ttile.runtime import api, jit, registry
+from ttile.runtime import jit, registry, routes
 from ttile.core.cbuild import symbol_address
 from ttile.core.reference import assert_conv_close
 from ttile.core.spec import ConvSpec
@@ -355,7 +355,7 @@ def test_grouped_kernels_and_epilogues_stay_in_bounds(isa, case, side):
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("case", [c for c in GROUPED_SHAPES if c[3] == c[4] == c[10]
                                   and (c[2] + 2 * c[8] - (c[6] - 1) * c[9] - 1) // c[7] + 1
-                                  >= api.DEPTHWISE_NCHW_MIN_WIDTH],
+                                  >= routes.DEPTHWISE_NCHW_MIN_WIDTH],
                          ids=lambda c: f"c{c[3]}r{c[5]}s{c[7]}p{c[8]}d{c[9]}")
 def test_nchw_depthwise_kernel_stays_in_bounds(case, side):
     """The NCHW depthwise kernel (NCHW input, output and residual, torch's weights) with

@@ -69,8 +69,8 @@ def test_environment_variable_forces_a_family():
 
 
 def test_vector_kernels_refuse_a_family_the_cpu_lacks(monkeypatch):
-    from ttile.runtime import api
-    monkeypatch.setattr(api, "_HAS_AVX2", False)
+    from ttile.runtime import settings
+    monkeypatch.setattr(settings, "_HAS_AVX2", False)
     with pytest.raises(ValueError, match="does not support AVX2"):
         ttile.set_isa("avx2")
     with pytest.raises(ValueError, match="no vector generic kernel"):

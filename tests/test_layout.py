@@ -105,7 +105,7 @@ def test_no_import_cycles():
 def test_the_layout_has_the_four_layers():
     for layer in ALLOWED:
         assert (PACKAGE / layer / "__init__.py").exists()
-    assert _graph()["ttile.runtime.api"] >= {"ttile.core.spec", "ttile.runtime.dispatch"}
+    assert _graph()["ttile.runtime.routes"] >= {"ttile.core.spec", "ttile.runtime.dispatch"}
 
 
 def test_the_generator_reads_tables_installed_with_ttile(tmp_path):

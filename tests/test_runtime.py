@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import ttile
 from conftest import forget_choices, random_tensors, requires_avx512
 from ttile.runtime import dispatch, jit, registry
+from ttile.runtime.arguments import make_spec
 from ttile.runtime.cache import KernelCache, _json_checksum
 from ttile.core.reference import assert_conv_close
 
@@ -150,7 +151,7 @@ def test_damaged_or_foreign_entry_is_not_loaded(jit_cache, prefer_jit, damage):
     elif damage == "writable_by_others":
         os.chmod(library, 0o666)
     cache = KernelCache(jit_cache)
-    key = dispatch.cache_key(ttile.runtime.api.make_spec(X_SHAPE, W_SHAPE, 1, 1, "NHWC"), "NHWC", 1,
+    key = dispatch.cache_key(make_spec(X_SHAPE, W_SHAPE, 1, 1, "NHWC"), "NHWC", 1,
                              dispatch.compiler_identity())
     saved = {p: (p.read_bytes(), p.stat().st_mode) for p in (meta, library) if p.exists()}
     assert cache.lookup(key) is None            # refused ...
@@ -407,7 +408,7 @@ def test_jit_kernels_on_random_shapes_match_reference(case, seed, tmp_path_facto
         assert entry["wrong"] == 0 and entry["failed"] == 0, entry
         # Each candidate the ranking picked was measured: the generic kernel may serve
         # without a measurement only where no scheme of the space fits the shape at all.
-        spec = ttile.runtime.api.make_spec(x_shape, w_shape, stride, pad, "NHWC")
+        spec = make_spec(x_shape, w_shape, stride, pad, "NHWC")
         settings_ = jit.JitSettings(budget_seconds=2.0, ship=SHIP_ANY)
         fitted = ttile.plan(x_shape, w_shape, stride=stride, padding=pad, layout="NHWC",
                             threads=threads).threads

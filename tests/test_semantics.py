@@ -383,9 +383,9 @@ def test_nchw_generic_calls_read_the_input_either_way(monkeypatch, case, reads_n
     """The generic kernel's NCHW calls, the input converted first or read in place (the
     choice forced both ways), with bias, residual, activation, stride, dilation, groups;
     per call and pre-packed, 1 and 2 threads."""
-    from ttile.runtime import api
+    from ttile.runtime import routes
     c, k, stride, dilation, groups = case
-    monkeypatch.setattr(api, "_generic_reads_nchw", lambda *args: reads_nchw)
+    monkeypatch.setattr(routes, "generic_reads_nchw", lambda *args: reads_nchw)
     rng = np.random.default_rng(c + k)
     x = rng.uniform(-1, 1, (2, c, 19, 23)).astype(np.float32)
     w = rng.uniform(-1, 1, (k, c // groups, 3, 3)).astype(np.float32)

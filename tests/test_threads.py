@@ -6,7 +6,7 @@ import pytest
 import ttile
 from ttile.core.reference import assert_conv_close
 from ttile.runtime import registry
-from ttile.runtime.api import MIN_FLOPS_PER_THREAD
+from ttile.core.spec import MIN_FLOPS_PER_THREAD
 
 
 def test_a_tiny_problem_runs_on_one_thread_however_many_are_asked():

@@ -199,7 +199,7 @@ def test_a_searched_kernel_packing_apart_reuses_on_one_thread(fresh_cache, monke
     """Below MIN_THREADS, an NHWC call whose per-call kernel packs in a pass of its own
     reuses (the check reads what that pass reads); a generic-kernel call does not."""
     from ttile.generator.networks import ALL_LAYERS
-    from ttile.runtime import api
+    from ttile.runtime import call_plan, routes
     monkeypatch.setattr(weight_cache, "MIN_THREADS", 64)
     found = None
     for layer in sorted(ALL_LAYERS, key=lambda l: l.spec().flops):
@@ -207,10 +207,10 @@ def test_a_searched_kernel_packing_apart_reuses_on_one_thread(fresh_cache, monke
         w_shape = spec.weight_shape()
         if 4 * np.prod(w_shape) < weight_cache.MIN_BYTES:
             continue
-        plan = api._plan(spec.input_shape(), w_shape, layer.stride, pad, "NHWC")
-        if plan.family is not api.Family.DENSE:
+        plan = call_plan.call_plan(spec.input_shape(), w_shape, layer.stride, pad, "NHWC")
+        if plan.family is not call_plan.Family.DENSE:
             continue
-        choice = api._choice(plan, 1)
+        choice = routes.select(plan, 1).choice
         if choice.kind in (ttile.KernelKind.TUNED, ttile.KernelKind.JIT) \
                 and choice.panel not in (0, spec.k):
             found = layer

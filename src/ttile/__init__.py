@@ -18,8 +18,10 @@ The package is layered, each layer importing only those before it:
 from ._version import __version__
 from .core.kinds import Isa, KernelKind
 from .core.spec import ConvSpec
-from .runtime.api import (KernelPlan, conv2d, get_isa, has_avx2, has_avx512f, plan, set_isa,
-                          set_weight_cache, tuned_kernels, use_tuned_kernels)
+from .runtime.api import KernelPlan, conv2d, plan, tuned_kernels
+from .runtime.packing import set_weight_cache
+from .runtime.routes import Route
+from .runtime.settings import get_isa, has_avx2, has_avx512f, set_isa, use_tuned_kernels
 from .runtime.conv_layer import Conv2d
 from .runtime.dispatch import TuningPolicy, restore_tuning, set_tuning, tuning_policy
 from .tuning.policy import ShipPolicy
@@ -28,17 +30,15 @@ from .tuning.policy import ShipPolicy
 def cache_clear() -> int:
     """Delete every kernel tuned at run time from the disk cache and forget this
     process's choices; returns the number of files removed."""
-    from .runtime import api, dispatch
+    from .runtime import call_plan, dispatch
     from .runtime.cache import KernelCache
     removed = KernelCache(dispatch.tuning_policy().cache_dir).clear()
     dispatch.forget_choices()
-    for call_plan in list(api._plans.values()):
-        call_plan.choices.clear()
+    call_plan.forget_choices()
     return removed
 
 
 __all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "has_avx2",
-           "get_isa",
-           "set_isa", "tuned_kernels", "use_tuned_kernels", "set_tuning", "restore_tuning",
-           "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind", "Isa", "cache_clear",
-           "set_weight_cache", "__version__"]
+           "get_isa", "set_isa", "tuned_kernels", "use_tuned_kernels", "set_tuning",
+           "restore_tuning", "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind",
+           "Isa", "Route", "cache_clear", "set_weight_cache", "__version__"]

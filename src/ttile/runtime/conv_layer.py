@@ -15,8 +15,12 @@ from typing import Optional, Union
 import numpy as np
 
 from .. import _kernels
-from .api import (Family, IntPair, _as_float32, _choice, _execute, _fused, _out, _plan,
-                  _as_pair, _threads, family_weights)
+from . import epilogue
+from .arguments import IntPair, as_float32, as_pair, thread_count
+from .call_plan import Family, call_plan
+from .execute import execute
+from .packing import family_weights
+from .routes import select
 
 
 class Conv2d:
@@ -39,7 +43,7 @@ class Conv2d:
                  dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
                  threads: Optional[int] = None, activation: Optional[str] = None,
                  negative_slope: float = 0.01):
-        weights = _as_float32(w, "weights")
+        weights = as_float32(w, "weights")
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
         if weights.ndim != 4:
@@ -53,18 +57,18 @@ class Conv2d:
         wc = weights.shape[1] if layout == "NCHW" else weights.shape[2]
         r, s = weights.shape[2:] if layout == "NCHW" else weights.shape[:2]
         channels = wc * groups if type(groups) is int and groups > 0 else wc
-        dh, dw = _as_pair(dilation, "dilation", 1)
+        dh, dw = as_pair(dilation, "dilation", 1)
         probe_h, probe_w = 1 + (r - 1) * dh, 1 + (s - 1) * dw
         probe = ((1, channels, probe_h, probe_w) if layout == "NCHW"
                  else (1, probe_h, probe_w, channels))
-        probe_plan = _plan(probe, tuple(weights.shape), stride, padding, layout, dilation,
+        probe_plan = call_plan(probe, tuple(weights.shape), stride, padding, layout, dilation,
                            groups)
-        self._fused = _fused(probe_plan, bias, None, activation, negative_slope)
+        self._fused = epilogue.fused(probe_plan, bias, None, activation, negative_slope)
         if self._fused.bias is not None:
             self._fused = replace(self._fused, bias=self._fused.bias.copy())
             self._fused.bias.flags.writeable = False
         if probe_plan.family is Family.DENSE:
-            rsck = (_kernels.pack_weights_kcrs(weights, 0, _threads(None))
+            rsck = (_kernels.pack_weights_kcrs(weights, 0, thread_count(None))
                     if layout == "NCHW" else weights.copy())
         else:
             rsck = weights.copy()   # the family's format is made on first use
@@ -78,7 +82,7 @@ class Conv2d:
         self.layout = layout
         self.activation = activation
         self.negative_slope = negative_slope
-        self.threads = None if threads is None else _threads(threads)
+        self.threads = None if threads is None else thread_count(threads)
         self._packed: dict = {}
         self._lock = threading.Lock()
 
@@ -97,7 +101,8 @@ class Conv2d:
             if packed is None:
                 packed = family_weights(self._rsck, self.layout, plan, choice)
                 if packed is None:  # dense: RSCK, or panels of the kernel's width
-                    packed = (_kernels.pack_weights(self._rsck, choice.panel, _threads(None))
+                    packed = (_kernels.pack_weights(self._rsck, choice.panel,
+                                                    thread_count(None))
                               if choice.panel else self._rsck)
                 packed.flags.writeable = False
                 self._packed[key] = packed
@@ -105,21 +110,21 @@ class Conv2d:
 
     def __call__(self, x, threads: Optional[int] = None, *, residual=None,
                  out=None) -> np.ndarray:
-        x_arr = _as_float32(x, "input")
-        plan = _plan(x_arr.shape, self._w_shape, self.stride, self.padding, self.layout,
+        x_arr = as_float32(x, "input")
+        plan = call_plan(x_arr.shape, self._w_shape, self.stride, self.padding, self.layout,
                      self.dilation, self.groups)
         fused = self._fused
         if residual is not None:
-            fused = replace(_fused(plan, None, residual, None, 0.01), bias=fused.bias,
+            fused = replace(epilogue.fused(plan, None, residual, None, 0.01), bias=fused.bias,
                             activation=fused.activation, negative_slope=fused.negative_slope)
-        y = _out(out, plan, ("input", x_arr), ("weights", self._rsck),
+        y = epilogue.checked_out(out, plan, ("input", x_arr), ("weights", self._rsck),
                  ("bias", fused.bias), ("residual", fused.residual))
         if threads is None:
             threads = self.threads
-        nthreads = plan.fit(_threads(threads))
-        choice = _choice(plan, nthreads, per_call=False)
-        return _execute(plan, choice, x_arr, self._weights_for(plan, choice), nthreads,
-                        fused, y)
+        nthreads = plan.fit(thread_count(threads))
+        selection = select(plan, nthreads, per_call=False)
+        return execute(plan, selection, x_arr, self._weights_for(plan, selection.choice),
+                       nthreads, fused, y)
 
     def __repr__(self) -> str:
         extras = "".join(f", {name}={getattr(self, name)!r}"

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 from .. import _kernels
 from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
+from . import settings
 
 _SPEC_FIELDS = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_top",
                 "pad_bottom", "pad_left", "pad_right", "dilation_h", "dilation_w")
@@ -93,10 +94,12 @@ def pretend_cpu(cpu_id: str) -> Iterator[None]:
     kernel measured elsewhere is still correct here, only its speed is unknown)."""
     global _serving_cpu
     previous, _serving_cpu = _serving_cpu, cpu_id
+    settings.invalidate_choices()
     try:
         yield
     finally:
         _serving_cpu = previous
+        settings.invalidate_choices()
 
 
 def lookup(spec: ConvSpec, threads: int, cpu: Optional[str] = None,

@@ -20,7 +20,7 @@ wrong, only sometimes useless: an array found changed on two calls is not cached
 more (a training loop would pay for packing, and copying, on every call for nothing).
 
 It pays on many threads, and where a kernel's weights are packed in a pass of their
-own (an NHWC call on a searched kernel); ``api._call_weights`` uses it there only. Paired
+own (an NHWC call on a searched kernel); ``packing.call_weights`` uses it there only. Paired
 with it off, per-call NHWC calls took on a 16-core Xeon (model 207) 0.66-1.00 of the time
 at 16 threads, 0.79-1.02 at 8, but 0.96-1.11 at 4, 0.89-1.14 at 2 and 0.95-1.30 at 1
 (ResNet18-9/-10/-11/-12, Yolo9000-18/-19: on few cores the check reads the weights and

@@ -1,0 +1,181 @@
+"""Which kernel serves a call, and the route its arrays take to it.
+
+A call's kernel comes from one chain, ``choose``: the families dispatch does not decide
+(depthwise, grouped, NCHW 1x1), then ``dispatch.choose`` (registry, memory, disk cache,
+run-time tuning, generic kernel) and ``dispatch.for_call`` (a per-call call pays for
+packing weights). The route - which layout conversions surround the kernel, or which
+entry point reads torch's layout itself - is then a pure function of the plan, the
+kernel and the thread count: :func:`route`. ``conv2d`` and ``plan`` both call
+:func:`select`, so what ``plan`` reports is what a call runs; ``execute`` has one runner
+per :class:`Route`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from .. import _kernels
+from ..core.kinds import Isa, KernelKind
+from ..core.spec import ConvSpec
+from . import dispatch, registry, settings
+from .call_plan import CallPlan, Family
+
+
+class Route(Enum):
+    """How a call's arrays reach its kernel and come back."""
+
+    NHWC = "nhwc"                      # an NHWC call: the kernel on the arrays as they are
+    NCHW_POINTWISE = "nchw-pointwise"  # the NCHW 1x1 kernel: a matrix product per image
+    NCHW_DEPTHWISE = "nchw-depthwise"  # the NCHW depthwise kernel, rows in the lanes
+    NCHW_ENTRY = "nchw-entry"          # a searched kernel's NCHW entry point
+    NCHW_GENERIC_IN_PLACE = "nchw-generic-in-place"  # vector generic reads and writes NCHW
+    NCHW_GENERIC = "nchw-generic"      # input converted, the vector generic writes NCHW
+    NCHW_CONVERTED = "nchw-converted"  # input and output converted around an NHWC kernel
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The kernel that serves a call and the route its arrays take."""
+
+    choice: dispatch.KernelChoice
+    route: Route
+
+
+#: The narrowest output rows the NCHW depthwise kernel serves (it puts 16 outputs of a
+#: row in the vector lanes): on a Zen 4 core, 1 thread, it took 0.46-0.83x the time of
+#: converting around the NHWC kernel on rows of 10 to 112 outputs, and 1.22-1.33x on rows
+#: of 7 (MobileNet's 7x7 layers and 14x14 stride-2 ones), where most lanes are idle.
+DEPTHWISE_NCHW_MIN_WIDTH = 8
+
+#: The largest weights the NCHW pointwise kernel serves: it reads all of them once per
+#: 64-pixel column, from the caches; Yolo9000-23's 115 MB came from memory for each of its
+#: 5 columns (195 ms against 171 through the generic kernel, Zen 4, 1 thread).
+POINTWISE_MAX_WEIGHT_BYTES = 8 << 20
+
+#: Input bytes per FLOP from which the AVX-512 generic kernel reads an NCHW call's input
+#: as it is rather than converting it first, on one thread and on several (see
+#: generic_reads_nchw).
+GENERIC_NCHW_IN_BYTES_PER_FLOP = 2e-3
+GENERIC_NCHW_IN_BYTES_PER_FLOP_THREADS = 0.6e-3
+
+
+def select(plan: CallPlan, nthreads: int, per_call: bool = True,
+           tune: bool = True) -> Selection:
+    """The kernel and route serving ``plan`` on ``nthreads`` threads, for a per-call
+    ``conv2d`` or (``per_call`` False) a ``Conv2d`` with its weights packed. With
+    ``tune`` False nothing is searched or built (``plan``): a shape not tuned yet reports
+    the generic kernel it would run meanwhile. A final selection is remembered in the
+    plan, so a repeated call costs one dictionary lookup."""
+    key = (nthreads, per_call, settings.generation())
+    selection = plan.choices.get(key)
+    if selection is not None:
+        return selection
+    isa = settings.get_isa()
+    use_tuned = settings.tuned_kernels_on()
+    choice = _family_choice(plan, isa, nthreads, per_call, use_tuned)
+    if choice is None:
+        choice = dispatch.for_call(
+            dispatch.choose(plan.spec, plan.layout, nthreads, isa, use_tuned, tune=tune),
+            plan.spec, plan.layout, per_call, nthreads, isa)
+    selection = Selection(choice, route(plan, choice, nthreads))
+    if choice.final and tune:
+        plan.choices[key] = selection
+    return selection
+
+
+def route(plan: CallPlan, choice: dispatch.KernelChoice, nthreads: int) -> Route:
+    """The route of a call of ``plan`` served by ``choice``: pure, nothing run or read
+    but the measured thresholds below."""
+    if plan.layout == "NHWC":
+        return Route.NHWC
+    if choice.kind is KernelKind.POINTWISE:
+        return Route.NCHW_POINTWISE
+    if choice.kind is KernelKind.DEPTHWISE and choice.nchw:
+        return Route.NCHW_DEPTHWISE
+    if choice.nchw and choice.problem.n == plan.spec.n:
+        return Route.NCHW_ENTRY
+    if choice.kind is KernelKind.GENERIC and choice.panel:
+        return (Route.NCHW_GENERIC_IN_PLACE if generic_reads_nchw(plan, nthreads, choice.isa)
+                else Route.NCHW_GENERIC)
+    return Route.NCHW_CONVERTED
+
+
+def generic_reads_nchw(plan: CallPlan, nthreads: int, isa: Isa) -> bool:
+    """Whether the vector generic kernel reads this NCHW call's input in place.
+
+    Reading NCHW, each pixel's channels are a plane apart, and a register block's
+    broadcasts come from as many lines as it has pixels: 2-9 % slower than the NHWC call
+    on the Fig. 8 layers (Zen 5), against a conversion pass over the input. On several
+    threads the pass also costs the kernel: split among the threads by pixels, its
+    output is read by threads that take panel groups across all rows, half of it from
+    the other core's cache (ResNet18-7, 2 threads: conversion + kernel 0.30 ms, reading
+    NCHW 0.245, NHWC 0.230). So reading in place pays where the input is large for the
+    work. On one thread: from 3.4e-3 input bytes per FLOP (Yolo9000-2, ResNet18-2, -4,
+    -7) it was 3-7 % faster; at 1.7e-3, 4 % faster (Yolo9000-4), even (ResNet18-6) or 4 %
+    slower (ResNet18-10); below, 1-5 % slower. On two: 1-6 % faster down to 0.87e-3
+    (ResNet18-9), even or 3-5 % slower at 0.43e-3 and 0.22e-3 (Yolo9000-12, ResNet18-12,
+    Yolo9000-18). Inputs of fewer than 8 channels convert: NHWC's contiguous (s, c)
+    steps served a 3-channel 7x7 layer 10 % faster. Measured on the AVX-512 family only;
+    the AVX2 one converts."""
+    spec = plan.spec
+    if isa is not Isa.AVX512F or spec.c < 8:
+        return False
+    input_bytes = 4 * spec.n * spec.c * spec.h * spec.w   # per group, as spec.flops
+    per_flop = (GENERIC_NCHW_IN_BYTES_PER_FLOP_THREADS if nthreads > 1
+                else GENERIC_NCHW_IN_BYTES_PER_FLOP)
+    return input_bytes >= per_flop * spec.flops
+
+
+def _searched_nchw_entry(spec: ConvSpec, nthreads: int, isa: Isa, per_call: bool,
+                         use_tuned: bool) -> bool:
+    """Whether the registry serves an NCHW call of ``spec`` here with a searched kernel
+    through its NCHW entry point (and a per-call call keeps it rather than the generic
+    kernel, see ``dispatch.for_call``)."""
+    if not use_tuned:
+        return False
+    entry = registry.lookup(spec, nthreads, isa=isa)
+    if entry is None or entry.kind is not KernelKind.TUNED or not entry.nchw:
+        return False
+    choice = dispatch.for_call(dispatch.registry_choice(entry, isa), spec, "NCHW", per_call,
+                               nthreads, isa)
+    return choice.kind is KernelKind.TUNED
+
+
+def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
+                   use_tuned: bool) -> Optional[dispatch.KernelChoice]:
+    """The kernel of a depthwise or grouped call, or of an NCHW 1x1 call (None for any
+    other dense call: dispatch decides)."""
+    if plan.family is Family.DENSE:
+        spec = plan.spec
+        if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \
+                and spec.pad_top == spec.pad_bottom == spec.pad_left == spec.pad_right == 0 \
+                and 4 * spec.k * spec.c <= POINTWISE_MAX_WEIGHT_BYTES:
+            # a matrix product per image in torch's layout: on a Zen 4 core it took 0.35-0.9x
+            # the time of the searched kernels' NCHW entry points and of converting around
+            # the NHWC kernels (Yolo9000-5: 4.0 ms against 8.7; MobileNetV2's 96->24
+            # projection at 56x56: 0.15 against 0.41). A strided layer runs on the pixels
+            # it reads, gathered first (ResNet18-5 and -11 on a Zen 5 core: 0.105 and 0.092
+            # ms converting around the NHWC kernel, 0.069 and 0.072 gathered by numpy)
+            strided = spec.stride_h > 1 or spec.stride_w > 1
+            if strided and _searched_nchw_entry(spec, nthreads, isa, per_call, use_tuned):
+                # a searched kernel's NCHW entry point reads just those pixels, with no
+                # gathering pass (ResNet18-5, Zen 5, 2 threads: 0.037 ms against 0.042)
+                return None
+            note = ("the NCHW pointwise kernel (a matrix product per image in torch's "
+                    "layout" + (", on the strided pixels gathered first)" if strided
+                                else ", nothing converted)"))
+            return dispatch.KernelChoice(kind=KernelKind.POINTWISE, problem=spec, panel=0,
+                                         nchw=True, note=note)
+        return None
+    if plan.family is Family.DEPTHWISE and isa is Isa.AVX512F:
+        if plan.layout == "NCHW" and plan.spec.wo >= DEPTHWISE_NCHW_MIN_WIDTH \
+                and _kernels.depthwise_nchw_supported(plan.spec.s, plan.spec.stride_w):
+            return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec,
+                                         panel=0, nchw=True,
+                                         note="the NCHW depthwise kernel (16 outputs of a "
+                                              "row in the vector lanes, nothing converted)")
+        return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec, panel=0,
+                                     note="the depthwise kernel (channels in the vector "
+                                          "lanes)")
+    return dispatch.generic_choice(isa, plan.spec, f"the generic kernel, {plan.groups} groups")
