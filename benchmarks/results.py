@@ -28,10 +28,13 @@ def kernel_set(use_tuned: bool = True) -> str:
     from ttile.runtime import registry
     if not use_tuned:
         return "shipped sets switched off (ttile.use_tuned_kernels(False))"
-    here = registry.serving_cpu()
-    count = sum(1 for e in registry.KERNELS if e.cpu == here)
+    serving = registry.serving_set(ttile.get_isa())
+    count = sum(1 for e in registry.KERNELS if e.cpu == serving.cpu)
     if count:
-        return f"this CPU's shipped set ({count} searched kernels)"
+        if serving.match is ttile.SetMatch.EXACT:
+            return f"this CPU's shipped set ({count} searched kernels)"
+        return (f"the set shipped for {serving.cpu}, the same microarchitecture in another "
+                f"VM ({count} searched kernels)")
     return f"none shipped for this CPU ({ttile.get_isa().value} generic kernel or run-time tuning)"
 
 

@@ -5,6 +5,13 @@ share a fingerprint when they report the same vendor, model, ISA extensions rele
 the kernels and cache sizes; frequency and core count are left out on purpose (they
 change with the VM size or power settings without changing which schedule is best).
 Linux only (reads /proc/cpuinfo and sysfs); elsewhere fields read "unknown".
+
+What a hypervisor reports beyond the core itself (the L3 size of a VM's slice, the model
+name) changes the fingerprint but not the core: a Xeon family 6 model 167 reported 105
+MiB of L3 in one VM and 480 MiB in another. So data measured on one machine also serves
+another of the same :func:`microarchitecture` (vendor, family, model) where none was
+measured on that machine itself; the vector family is checked separately (a kernel runs
+only where its instructions do).
 """
 from __future__ import annotations
 
@@ -47,6 +54,12 @@ class CpuFingerprint:
         fields = {k: v for k, v in data.items() if k != "id"}
         fields["flags"] = tuple(fields["flags"])
         return cls(**fields)
+
+
+def microarchitecture(cpu_id: str) -> str:
+    """The ``vendor-family-model`` part of a fingerprint id (``genuineintel-6-167``): the
+    core a measurement is evidence about, whatever the VM reports for its caches."""
+    return cpu_id.rsplit("-", 1)[0]
 
 
 def _parse_size(text: str) -> int:

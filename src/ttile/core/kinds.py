@@ -67,3 +67,11 @@ class Activation(str, Enum):
 
 _ACTIVATION_CODES = {Activation.NONE: 0, Activation.RELU: 1, Activation.RELU6: 2,
                      Activation.LEAKY_RELU: 3, Activation.SILU: 4, Activation.SIGMOID: 5}
+
+
+class SetMatch(str, Enum):
+    """How the kernel set serving this CPU was matched to it."""
+
+    EXACT = "exact"                          # measured on a CPU with this fingerprint
+    MICROARCHITECTURE = "microarchitecture"  # same vendor, family and model, another VM
+    NONE = "none"                            # no set of this vector family for this core

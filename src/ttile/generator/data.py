@@ -72,6 +72,26 @@ def find_file(kind: DataKind, cpu_id: str, *directories: Optional[Path]) -> Opti
     return None
 
 
+def find_cpu_file(kind: DataKind, stem: str, *directories: Optional[Path]) -> Optional[Path]:
+    """A CPU's file of ``kind`` (``stem``: its family stem, see
+    :func:`ttile.core.vectors.family_stem`): its own, else the first measured on the same
+    microarchitecture in the same vector family (the same core in another VM: only the
+    caches the hypervisor reports differ, see :mod:`ttile.core.cpuinfo`)."""
+    from ..core.cpuinfo import microarchitecture
+    from ..core.vectors import parse_family_stem
+    path = find_file(kind, stem, *directories)
+    if path is not None:
+        return path
+    cpu_id, isa = parse_family_stem(stem)
+    core = microarchitecture(cpu_id)
+    for directory in search_path(kind, *directories):
+        for candidate in sorted(directory.glob("*.json")):
+            other, other_isa = parse_family_stem(candidate.stem)
+            if other_isa is isa and microarchitecture(other) == core:
+                return candidate
+    return None
+
+
 def all_files(kind: DataKind, *directories: Optional[Path]) -> Iterable[Path]:
     """Every table of ``kind`` on the search path (for a CPU without one of its own)."""
     for directory in search_path(kind, *directories):

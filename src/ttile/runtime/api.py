@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..core.kinds import Isa, KernelKind
+from ..core.kinds import Isa, KernelKind, SetMatch
 from ..core.spec import ConvSpec
 from . import epilogue, registry
 from .arguments import IntPair, MAX_THREADS, as_float32, shape_tuple, thread_count
@@ -36,9 +36,18 @@ from .settings import get_isa
 def tuned_kernels() -> list[dict]:
     """The searched kernels compiled into this build, for every CPU they were tuned on:
     problem fields, ``cpu`` (fingerprint id) and ``threads`` they were measured at,
-    ``scheme``, measured ``gflops``, ``panel``, ``layer``. Each serves only on its CPU at
-    its thread count (``plan`` says what serves a call)."""
-    return [e.to_dict() for e in registry.KERNELS]
+    ``scheme``, measured ``gflops``, ``panel``, ``layer``; ``serves_here`` and
+    ``set_match`` say whether its set serves this CPU and how it matched ("exact", or
+    "microarchitecture" for a set measured on the same core in another VM; "none" for a
+    set that does not serve here). Each serves only at its thread count (``plan`` says
+    what serves a call)."""
+    kernels = []
+    for entry in registry.KERNELS:
+        serving = registry.serving_set(entry.isa)
+        here = serving.cpu == entry.cpu
+        kernels.append({**entry.to_dict(), "serves_here": here,
+                        "set_match": (serving.match if here else SetMatch.NONE).value})
+    return kernels
 
 
 def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
@@ -120,6 +129,9 @@ class KernelPlan:
     without the learned ranking, a cache entry that could not be loaded, candidates that
     did not build or computed wrong results. ``route`` is how the arrays reach the kernel:
     as they are, through an NCHW entry point, or converted (see :class:`Route`).
+    ``kernel_set`` is the shipped set serving this CPU in the call's vector family (its CPU
+    id, None when none does) and ``set_match`` how it matched: measured on this exact
+    fingerprint, or on the same microarchitecture in another VM.
     """
 
     kind: KernelKind
@@ -136,6 +148,8 @@ class KernelPlan:
     epilogue: str = ""
     degraded: str = ""
     route: Route = Route.NHWC
+    kernel_set: Optional[str] = None
+    set_match: SetMatch = SetMatch.NONE
 
 
 def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
@@ -168,8 +182,11 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
     nthreads = call.fit(thread_count(threads))
     selection = select(call, nthreads, per_call=not prepacked, tune=False)
     choice = selection.choice
+    isa = get_isa()
+    serving = (registry.serving_set(isa) if isa.vector
+               else registry.KernelSet(None, SetMatch.NONE))
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
-                      nthreads, get_isa(), call.spec, choice.note, choice.tuned_cpu,
+                      nthreads, isa, call.spec, choice.note, choice.tuned_cpu,
                       choice.tuned_threads, call.groups,
                       epilogue.describe(has_bias, has_residual, act), choice.degraded,
-                      selection.route)
+                      selection.route, serving.cpu, serving.match)

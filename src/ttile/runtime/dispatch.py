@@ -180,7 +180,9 @@ def generic_choice(isa: Isa, spec: ConvSpec, note: str = "", final: bool = True
 def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
     """What a verdict of the offline search serves: its kernel, or the generic one."""
     where = (f"{entry.layer}, searched on {entry.cpu} at {entry.threads} thread(s)"
-             + ("" if entry.isa is Isa.AVX512F else f" in {entry.isa.value}"))
+             + ("" if entry.isa is Isa.AVX512F else f" in {entry.isa.value}")
+             + ("" if entry.cpu == registry.serving_cpu()
+                else ", the same microarchitecture as this CPU"))
     if entry.kind is KernelKind.GENERIC:
         return replace(generic_choice(isa, entry.spec, f"the offline search chose the "
                                                        f"generic kernel ({where})"),

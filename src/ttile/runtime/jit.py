@@ -90,9 +90,10 @@ def _load_microkernel_table(cache_root: Optional[Path], isa: Isa = Isa.AVX512F):
     family's registers, only their measured rates differ."""
     from ..core.cpuinfo import fingerprint
     from ..core.vectors import family_stem, parse_family_stem
-    from ..generator.data import DataKind, all_files, find_file, read_json
+    from ..generator.data import DataKind, all_files, find_cpu_file, read_json
     from ..generator.microkernels import MicrokernelTable
-    path = find_file(DataKind.MICROKERNELS, family_stem(fingerprint().id, isa), cache_root)
+    path = find_cpu_file(DataKind.MICROKERNELS, family_stem(fingerprint().id, isa),
+                         cache_root)
     if path is not None:
         return MicrokernelTable.from_json(read_json(path))
     for path in all_files(DataKind.MICROKERNELS, cache_root):

@@ -7,6 +7,10 @@ layer's verdict: a searched kernel, or the generic kernel. A verdict is evidence
 that CPU, family and thread count only, so :func:`lookup` serves an entry only when all
 match the call (an AVX2 verdict serves calls held to the AVX2 family, see
 ``ttile.set_isa``); a call elsewhere goes to the run-time tuner or the generic kernel.
+"That CPU" is its core, not the VM around it: where no set was measured on this exact
+fingerprint, the set of a CPU with the same vendor, family and model serves
+(:func:`serving_set`, ``SetMatch.MICROARCHITECTURE``), whatever cache sizes, core count
+or model name the hypervisor reports.
 Each entry becomes a typed :class:`TunedEntry`, and the key is the entry's
 :class:`~ttile.core.spec.ConvSpec` itself, so no caller spells out the problem's fields.
 """
@@ -18,7 +22,8 @@ from functools import cached_property
 from typing import Iterator, Optional
 
 from .. import _kernels
-from ..core.kinds import Isa, KernelKind
+from ..core.cpuinfo import microarchitecture
+from ..core.kinds import Isa, KernelKind, SetMatch
 from ..core.spec import ConvSpec
 from . import settings
 
@@ -80,12 +85,54 @@ _BY_KEY: dict[tuple[ConvSpec, str, int, Isa], TunedEntry] = {
 _serving_cpu: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class KernelSet:
+    """The shipped set that serves this CPU in one vector family: its CPU id (None when
+    no set matches) and how it matched."""
+
+    cpu: Optional[str]
+    match: SetMatch
+
+
 def serving_cpu() -> str:
-    """The CPU whose verdicts serve calls: this one (its fingerprint id)."""
+    """The CPU calls are served for: this one (its fingerprint id), or the one a test
+    pretends to be."""
     if _serving_cpu is not None:
         return _serving_cpu
     from ..core.cpuinfo import fingerprint  # reads /proc/cpuinfo once, on first lookup
     return fingerprint().id
+
+
+def match_set(cpu_id: str, isa: Isa,
+              entries: tuple[TunedEntry, ...] = ENTRIES) -> KernelSet:
+    """The set of ``entries`` that serves CPU ``cpu_id`` in the vector family ``isa``:
+    its own, else one measured on the same microarchitecture (the one with the most
+    verdicts, then the first id: deterministic), else none."""
+    counts: dict[str, int] = {}
+    for entry in entries:
+        if entry.isa is isa:
+            counts[entry.cpu] = counts.get(entry.cpu, 0) + 1
+    if cpu_id in counts:
+        return KernelSet(cpu_id, SetMatch.EXACT)
+    core = microarchitecture(cpu_id)
+    same = sorted((-count, cpu) for cpu, count in counts.items()
+                  if microarchitecture(cpu) == core)
+    if same:
+        return KernelSet(same[0][1], SetMatch.MICROARCHITECTURE)
+    return KernelSet(None, SetMatch.NONE)
+
+
+_sets: dict[tuple[str, Isa], KernelSet] = {}
+
+
+def serving_set(isa: Isa = Isa.AVX512F) -> KernelSet:
+    """The set serving this CPU's calls in the vector family ``isa`` (see
+    :func:`match_set`), resolved once per CPU and family."""
+    cpu = serving_cpu()
+    found = _sets.get((cpu, isa))
+    if found is None:
+        found = _sets[(cpu, isa)] = match_set(cpu, isa)
+    return found
 
 
 @contextlib.contextmanager
@@ -105,8 +152,13 @@ def pretend_cpu(cpu_id: str) -> Iterator[None]:
 def lookup(spec: ConvSpec, threads: int, cpu: Optional[str] = None,
            isa: Isa = Isa.AVX512F) -> Optional[TunedEntry]:
     """The verdict for ``spec`` at exactly ``threads`` threads on ``cpu`` (default: the
-    serving CPU) in the vector family ``isa``, if the offline search made one."""
-    return _BY_KEY.get((spec, cpu or serving_cpu(), threads, isa))
+    set serving this CPU, :func:`serving_set`) in the vector family ``isa``, if the
+    offline search made one."""
+    if cpu is None:
+        cpu = serving_set(isa).cpu
+        if cpu is None:
+            return None
+    return _BY_KEY.get((spec, cpu, threads, isa))
 
 
 def cpus() -> list[str]:
