@@ -164,8 +164,65 @@ def test_cli_parses_the_microkernels_command():
     from ttile.cli import _cmd_microkernels, build_parser
     args = build_parser().parse_args(["--data-dir", "elsewhere", "microkernels", "--plot",
                                       "fig.png", "--threshold", "0.9", "--kernel-sizes", "3"])
+    assert not args.quick
+    assert build_parser().parse_args(["microkernels", "--quick"]).quick
     assert args.run is _cmd_microkernels and args.plot == Path("fig.png")
     assert args.threshold == 0.9 and args.kernel_sizes == [3]
     assert args.data_dir == Path("elsewhere")
     legacy = build_parser().parse_args(["--generator-dir", "old", "microkernels"])
     assert legacy.data_dir == Path("old")       # the flag's former name still works
+
+
+def test_quick_shapes_are_what_other_cpus_selected(tmp_path):
+    """Step 1's quick mode measures the union of the classes other CPUs' tables of the
+    family selected: a fraction of every shape, never this CPU's own table's, never a
+    quick table's (a subset of the tables it came from)."""
+    from ttile.core.kinds import Isa
+    from ttile.generator.microkernels import quick_shapes
+    every = set(enumerate_shapes())
+    stranger = quick_shapes(Isa.AVX512F, tmp_path, cpu_id="someone-1-1-00000000")
+    assert stranger and set(stranger) <= every
+    assert 50 <= len(stranger) <= len(every) // 2
+    tables = [MicrokernelTable.from_json(json.loads(p.read_text()))
+              for p in sorted((REPO / "generator" / "microkernels").glob("*.json"))]
+    avx512 = [t for t in tables if t.isa is Isa.AVX512F]
+    union = {s for t in avx512 for c in t.classes for s in c.shapes()}
+    assert set(stranger) == union
+    own = avx512[0].cpu.id
+    without_own = {s for t in avx512 if t.cpu.id != own for c in t.classes for s in c.shapes()}
+    assert set(quick_shapes(Isa.AVX512F, tmp_path, cpu_id=own)) == without_own
+    # a quick table in the data directory adds nothing
+    quick_table = MicrokernelTable(**{**avx512[0].__dict__, "quick": True,
+                                      "cpu": type(avx512[0].cpu)(**{**avx512[0].cpu.__dict__,
+                                                                    "model": "4242"})})
+    quick_table.save(tmp_path / "microkernels")
+    assert MicrokernelTable.from_json(quick_table.to_json()).quick
+    assert set(quick_shapes(Isa.AVX512F, tmp_path, cpu_id=own)) == without_own
+
+
+def test_network_search_without_a_table_runs_the_quick_step_1(tmp_path, monkeypatch):
+    """``ttile-generate --network`` on a CPU with no table measures one itself (quick)
+    instead of stopping; with a table it measures nothing."""
+    from ttile import cli
+    from ttile.core.kinds import Isa
+    from ttile.generator import microkernels
+    calls = []
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("no table")
+
+    def fake_explore(data_dir, **kwargs):
+        calls.append(kwargs)
+        return MicrokernelTable.from_json(json.loads(sorted(
+            (REPO / "generator" / "microkernels").glob("*.json"))[0].read_text()))
+
+    monkeypatch.setattr(microkernels, "load_table", missing)
+    monkeypatch.setattr(microkernels, "explore", fake_explore)
+    args = cli.build_parser().parse_args(["--data-dir", str(tmp_path), "--network",
+                                          "resnet18"])
+    got = cli._table_or_quick_step1(args, Isa.AVX512F)
+    assert calls and calls[0]["quick"] is True and calls[0]["isa"] is Isa.AVX512F
+    assert got.classes
+    calls.clear()
+    monkeypatch.setattr(microkernels, "load_table", lambda *a, **k: got)
+    assert cli._table_or_quick_step1(args, Isa.AVX512F) is got and not calls

@@ -2,7 +2,8 @@
 
 Subcommands:
   microkernels   step 1: measure microkernels on this CPU, save the table under
-                 generator/microkernels/ (resumes if interrupted), optionally plot it.
+                 generator/microkernels/ (resumes if interrupted), optionally plot it;
+                 --quick measures only those other CPUs' tables selected.
   model          step 2: rank loop permutations above a microkernel for one layer with
                  the IOOpt model, beside IOOpt's lower bound.
   records        migrate a tuning-records file to the current format.
@@ -10,7 +11,8 @@ Subcommands:
   layers         list the layers of a network, layers file or ONNX model.
 With --network NAME (or --layers-file F, or --onnx model.onnx): steps 3-5 for every layer (scheme space,
 pruning, autotuning into generator/records/), then the kernels and their registry are
-written to kernels/gen/ for the build to compile.
+written to kernels/gen/ for the build to compile. On a CPU without a microkernel table
+(its own or one of the same microarchitecture) step 1's quick mode runs first.
 
 Tables are read from --data-dir (default ./generator) and then from the copies installed
 with ttile; measurements are written under --data-dir. This module sits above both the
@@ -128,14 +130,16 @@ def _cmd_microkernels(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         table = explore(args.data_dir, kernel_sizes=args.kernel_sizes, threshold=args.threshold,
-                        jobs=args.jobs, progress=progress, isa=_search_isa(args))
+                        jobs=args.jobs, progress=progress, isa=_search_isa(args),
+                        quick=args.quick)
     finally:
         progress.close()
     elapsed = time.monotonic() - started
     ok = [m for m in table.measurements if m.status == "ok"]
     failed = len(table.measurements) - len(ok)
     print(f"{len(table.measurements)} {table.isa.value} microkernels measured in {elapsed:.0f} s "
-          f"({failed} failed), {table.isa.value} peak {table.peak_gflops:.1f} GFLOP/s per core")
+          f"({failed} failed){' (quick: those other CPUs selected)' if table.quick else ''}, "
+          f"{table.isa.value} peak {table.peak_gflops:.1f} GFLOP/s per core")
     print("best per unrolling scheme:")
     for family, m in sorted(table.best_per_family().items()):
         print(f"  [T{table.reduction} c; {m.shape.block_specifiers()}]  "
@@ -216,11 +220,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     total_flops = total_seconds = 0.0
     peer_seconds = {peer: 0.0 for peer in peers}
     wrong = tuned_here = 0
-    here = registry.serving_cpu()
-    shipped = any(e.cpu == here for e in registry.ENTRIES)
+    serving = registry.serving_set(ttile.get_isa()) if ttile.get_isa().vector else None
+    kernel_set = ("none shipped for this CPU" if serving is None or serving.cpu is None
+                  else f"{serving.cpu} (shipped for this CPU)"
+                  if serving.match is ttile.SetMatch.EXACT
+                  else f"{serving.cpu} (shipped for this microarchitecture in another VM)")
     print(f"{args.network} on {_cpu_name()}, {threads} thread(s), NHWC, batch 1; kernel "
-          f"set: {'the one shipped for this CPU' if shipped else 'none shipped for this CPU'}"
-          f"; run-time tuning {args.tuning!r}")
+          f"set: {kernel_set}; run-time tuning {args.tuning!r}")
     if peers:
         print("peers: " + ", ".join(f"{p.value} {engines.version(p)}" for p in peers)
               + " (NCHW input, same thread count, timed in the same shuffled rounds)")
@@ -403,11 +409,32 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table_or_quick_step1(args: argparse.Namespace, isa: Isa):
+    """This CPU's microkernel table (or one of the same microarchitecture); where there is
+    none, step 1's quick mode measures one first (about a minute on 2 cores) rather than
+    sending the user to run it."""
+    from .generator.microkernels import explore, load_table
+    try:
+        return load_table(args.data_dir, isa=isa)
+    except FileNotFoundError:
+        pass
+    print(f"no {isa.value} microkernel table for this CPU: measuring the quick step 1 "
+          f"first ('ttile-generate microkernels' measures every shape)", file=sys.stderr)
+    progress = _Progress("microkernels")
+    started = time.monotonic()
+    try:
+        table = explore(args.data_dir, progress=progress, isa=isa, quick=True)
+    finally:
+        progress.close()
+    print(f"{len(table.measurements)} microkernels measured in "
+          f"{time.monotonic() - started:.0f} s, {len(table.classes)} classes", file=sys.stderr)
+    return table
+
+
 def _cmd_network(args: argparse.Namespace) -> int:
     from .generator.autotune import TuneSettings, compare_warm, measure_generic, tune_layer
     from .generator.emit import databases_in, emit, registry_entries
     from .generator.machine import load_or_measure
-    from .generator.microkernels import load_table
     from .generator.search import classes_for, parallel_variants, scheme_space
     from .tuning.bench import LayerBench
     from .tuning.records import Protocol, TuningDatabase
@@ -419,7 +446,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
     if args.from_records and not args.warm_check:
         table, caches = None, ()   # nothing is measured: no table needed
     else:
-        table = load_table(args.data_dir, isa=isa)
+        table = _table_or_quick_step1(args, isa)
         caches = load_or_measure(args.data_dir).caches()
     settings = TuneSettings(budget_seconds=args.budget)
     search = _distributed_search(args, database)
@@ -626,6 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kernel sizes R=S whose r/s unrolls are explored")
     micro.add_argument("--jobs", type=int, default=2, help="parallel compiler processes")
     micro.add_argument("--plot", type=Path, help="draw the Fig. 7 heatmaps to this PNG")
+    micro.add_argument("--quick", action="store_true",
+                       help="measure only the microkernels other CPUs' tables of the family "
+                            "selected (about a quarter of them; what --network runs by itself "
+                            "on a CPU without a table)")
     micro.set_defaults(run=_cmd_microkernels)
     model = sub.add_parser("model", help="step 2: rank loop permutations for a layer")
     model.add_argument("--layer", required=True, help="a Fig. 8 layer, e.g. Yolo9000-12")

@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -53,9 +52,9 @@ from ..core.kinds import Isa
 from ..core.reference import conv_mismatch
 from ..core.scheme import VECTOR_REGISTERS, Scheme, SpecKind, Specifier
 from ..core.spec import VECTOR_LANES, ConvSpec
-from ..core.vectors import extension_code, family_stem, vector_isa
+from ..core.vectors import extension_code, family_stem, parse_family_stem, vector_isa
 from ..tuning.records import RecordStatus
-from .data import DataKind, find_file, search_path
+from .data import DataKind, find_cpu_file, search_path
 
 TABLE_FORMAT = 1
 DEFAULT_REDUCTION = 512
@@ -358,13 +357,16 @@ class MicrokernelTable:
     measurements: tuple[Measurement, ...]
     classes: tuple[MicrokernelClass, ...] = field(default=())
     isa: Isa = Isa.AVX512F    # the vector family measured (tables before AVX2: AVX-512F)
+    #: measured by the quick mode: only the shapes other CPUs' tables selected
+    #: (:func:`quick_shapes`), not every shape
+    quick: bool = False
 
     def to_json(self) -> dict:
         return {"format": TABLE_FORMAT, "isa": self.isa.value, "cpu": self.cpu.to_json(),
                 "peak_gflops_per_core": self.peak_gflops, "threshold": self.threshold,
                 "reduction": self.reduction, "compiler": self.compiler,
                 "cflags": list(self.cflags), "measured_on": self.measured_on,
-                "classes": [c.to_json() for c in self.classes],
+                "classes": [c.to_json() for c in self.classes], "quick": self.quick,
                 "measurements": [m.to_json() for m in self.measurements]}
 
     @classmethod
@@ -377,7 +379,8 @@ class MicrokernelTable:
                    cflags=tuple(data["cflags"]), measured_on=data["measured_on"],
                    measurements=tuple(Measurement.from_json(m) for m in data["measurements"]),
                    classes=tuple(MicrokernelClass.from_json(c) for c in data["classes"]),
-                   isa=Isa(data.get("isa", Isa.AVX512F.value)))
+                   isa=Isa(data.get("isa", Isa.AVX512F.value)),
+                   quick=bool(data.get("quick", False)))
 
     def save(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
@@ -405,7 +408,7 @@ def load_table(data_dir: Optional[Path] = None, cpu: Optional[CpuFingerprint] = 
     FileNotFoundError says where it looked and how to make one."""
     cpu = cpu or fingerprint()
     stem = family_stem(cpu.id, isa)
-    path = find_file(DataKind.MICROKERNELS, stem, data_dir)
+    path = find_cpu_file(DataKind.MICROKERNELS, stem, data_dir)
     if path is None:
         looked = ", ".join(str(d) for d in search_path(DataKind.MICROKERNELS, data_dir)) \
             or "(no table directory exists)"
@@ -416,15 +419,42 @@ def load_table(data_dir: Optional[Path] = None, cpu: Optional[CpuFingerprint] = 
     return MicrokernelTable.from_json(json.loads(path.read_text()))
 
 
+def quick_shapes(isa: Isa = Isa.AVX512F, data_dir: Optional[Path] = None,
+                 cpu_id: Optional[str] = None) -> list[MicrokernelShape]:
+    """Step 1's quick mode: the microkernels that some other CPU's table of the vector
+    family ``isa`` selected (its classes), in a stable order. A class is a register block
+    that suits the family's registers; which of them win differs between cores, so each
+    is measured again here, but the blocks no CPU ranked near its best are left out: the
+    tables shipped with ttile select 100-320 of the 1 640 AVX-512 shapes each (about
+    450 between them). Empty when there is no other table of the family."""
+    cpu_id = cpu_id or fingerprint().id
+    shapes: set[MicrokernelShape] = set()
+    for directory in search_path(DataKind.MICROKERNELS, data_dir):
+        for path in sorted(directory.glob("*.json")):
+            stem_cpu, stem_isa = parse_family_stem(path.stem)
+            if stem_isa is not Isa(isa) or stem_cpu == cpu_id:
+                continue
+            try:
+                table = MicrokernelTable.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if table.quick:
+                continue   # a quick table's classes are a subset of the tables it came from
+            for cls in table.classes:
+                shapes.update(cls.shapes())
+    return sorted(shapes, key=lambda s: (s.family, s.axis, s.alpha, s.beta))
+
+
 def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
             axes: Iterable[str] = ("h", "w"), threshold: float = DEFAULT_THRESHOLD,
             reduction: int = DEFAULT_REDUCTION, protocol: TimingProtocol = TimingProtocol(),
             batch_size: int = 24, jobs: int = 2,
             progress: Callable[[int, int, str], None] = lambda done, total, what: None,
             shapes: Optional[list[MicrokernelShape]] = None,
-            isa: Isa = Isa.AVX512F) -> MicrokernelTable:
+            isa: Isa = Isa.AVX512F, quick: bool = False) -> MicrokernelTable:
     """Run step 1 for the vector family ``isa``: build, check, time and select; save the
-    table under ``data_dir/microkernels`` and return it.
+    table under ``data_dir/microkernels`` and return it. ``quick`` measures only
+    :func:`quick_shapes` (every shape where no other table of the family exists).
 
     Results are appended to ``<cpu-id>.partial.jsonl`` as they come, and shapes found
     there are not measured again, so an interrupted run resumes where it stopped.
@@ -447,6 +477,9 @@ def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
                 continue  # a line cut by the interruption
             done[m.shape] = m
 
+    if shapes is None and quick:
+        shapes = quick_shapes(vectors.isa, data_dir, cpu.id) or None
+        quick = shapes is not None
     all_shapes = shapes if shapes is not None else enumerate_shapes(kernel_sizes, axes,
                                                                     vectors.registers)
     todo = [s for s in all_shapes if s not in done]
@@ -505,7 +538,8 @@ def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
         cpu=cpu, peak_gflops=peak, threshold=threshold, reduction=reduction,
         compiler=compiler_version(compiler), cflags=kernel_cflags(vectors.isa),
         measured_on=datetime.date.today().isoformat(), measurements=measurements,
-        classes=tuple(select_classes(measurements, threshold)), isa=vectors.isa)
+        classes=tuple(select_classes(measurements, threshold)), isa=vectors.isa,
+        quick=quick)
     table.save(directory)
     partial.unlink(missing_ok=True)
     return table
