@@ -43,10 +43,13 @@ SUBSET = ["tests/test_guard_pages.py", "tests/test_codegen.py", "tests/test_code
 #: MobileNetV3's layers what MobileNetV2's do (the same kernel families and epilogues).
 #: The Fig. 8 layers run sanitized on the shipped sets' kernels; their generic-kernel and
 #: AVX2-family runs would repeat what test_guard_pages and test_random_shapes run
-#: sanitized on both generic kernels.
+#: sanitized on both generic kernels. The generic kernel's assembly check runs no code
+#: (it reads the compiler's output), and with the ASan runtime preloaded into the
+#: compiler too it took 145 s of the 5-minute sanitized run.
 DESELECT = "not Yolo9000-0 and not Yolo9000-2 and not Yolo9000-4 and not Yolo9000-23 " \
            "and not ResNet18-1 and not MobileNetV3 " \
-           "and not (nhwc_default_kernel and generic) and not avx2_family"
+           "and not (nhwc_default_kernel and generic) and not avx2_family " \
+           "and not stores_vectors_only_to_the_output"
 
 
 def _asan_runtime(compiler: str) -> str:
