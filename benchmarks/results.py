@@ -31,10 +31,7 @@ def kernel_set(use_tuned: bool = True) -> str:
     serving = registry.serving_set(ttile.get_isa())
     count = sum(1 for e in registry.KERNELS if e.cpu == serving.cpu)
     if count:
-        if serving.match is ttile.SetMatch.EXACT:
-            return f"this CPU's shipped set ({count} searched kernels)"
-        return (f"the set shipped for {serving.cpu}, the same microarchitecture in another "
-                f"VM ({count} searched kernels)")
+        return f"{serving.describe()}, {count} searched kernels"
     return f"none shipped for this CPU ({ttile.get_isa().value} generic kernel or run-time tuning)"
 
 

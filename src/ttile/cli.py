@@ -220,11 +220,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     total_flops = total_seconds = 0.0
     peer_seconds = {peer: 0.0 for peer in peers}
     wrong = tuned_here = 0
-    serving = registry.serving_set(ttile.get_isa()) if ttile.get_isa().vector else None
-    kernel_set = ("none shipped for this CPU" if serving is None or serving.cpu is None
-                  else f"{serving.cpu} (shipped for this CPU)"
-                  if serving.match is ttile.SetMatch.EXACT
-                  else f"{serving.cpu} (shipped for this microarchitecture in another VM)")
+    kernel_set = (registry.serving_set(ttile.get_isa()).describe() if ttile.get_isa().vector
+                  else "none (portable C)")
     print(f"{args.network} on {_cpu_name()}, {threads} thread(s), NHWC, batch 1; kernel "
           f"set: {kernel_set}; run-time tuning {args.tuning!r}")
     if peers:

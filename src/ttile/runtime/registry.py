@@ -93,6 +93,14 @@ class KernelSet:
     cpu: Optional[str]
     match: SetMatch
 
+    def describe(self) -> str:
+        """The set in words, for reports: whose it is and how it matched."""
+        if self.cpu is None:
+            return "none shipped for this CPU"
+        if self.match is SetMatch.EXACT:
+            return f"{self.cpu} (shipped for this CPU)"
+        return f"{self.cpu} (shipped for the same microarchitecture in another VM)"
+
 
 def serving_cpu() -> str:
     """The CPU calls are served for: this one (its fingerprint id), or the one a test
