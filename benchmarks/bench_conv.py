@@ -150,13 +150,15 @@ def bench_layer(layer, threads: int, reps: int, torch):
     engines = {peer: peers.runner(peer, x_nchw, w_kcrs, (layer.stride, layer.stride),
                                   (pad,) * 4, 1, threads) for peer in ENGINES}
 
-    def generic():
+    def generic():   # the direct generic kernel: no set, no Winograd
         previous = ttile.use_tuned_kernels(False)
+        winograd = ttile.use_winograd(False)
         try:
             return ttile.conv2d(x_nhwc, w_rsck, stride=layer.stride, padding=pad,
                                 layout="NHWC", threads=threads)
         finally:
             ttile.use_tuned_kernels(previous)
+            ttile.use_winograd(winograd)
 
     prepacked = ttile.Conv2d(w_rsck, stride=layer.stride, padding=pad, layout="NHWC",
                              threads=threads)

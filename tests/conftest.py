@@ -35,6 +35,17 @@ def isa(request):
     ttile.set_isa(previous)
 
 
+@pytest.fixture
+def no_winograd(monkeypatch):
+    """The Winograd kernel off (in this process and the processes a test starts), for
+    tests of the direct kernels' machinery - registry, run-time tuning, weight packing -
+    on the 3x3 stride-1 shapes it would otherwise serve (tests/test_winograd.py tests it)."""
+    monkeypatch.setenv("TTILE_WINOGRAD", "0")
+    previous = ttile.use_winograd(False)
+    yield
+    ttile.use_winograd(previous)
+
+
 def random_tensors(rng: np.random.Generator, x_shape, w_shape):
     x = rng.uniform(-1.0, 1.0, x_shape).astype(np.float32)
     w = rng.uniform(-1.0, 1.0, w_shape).astype(np.float32)

@@ -10,6 +10,9 @@ from conftest import AVAILABLE_ISAS, forget_choices, random_tensors, shipped_cpu
 from ttile.runtime import registry
 from ttile.core.reference import assert_conv_close
 
+# the direct kernels' machinery, on 3x3 stride-1 shapes too (see conftest.no_winograd)
+pytestmark = pytest.mark.usefixtures("no_winograd")
+
 
 def _run_layer(layer, layout, threads, expect_tuned=None):
     """Run and check one layer; ``expect_tuned`` True asserts that the registry's tuned

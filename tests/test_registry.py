@@ -16,6 +16,9 @@ from ttile.runtime import dispatch, registry
 from ttile.runtime.scratch import aligned_empty
 from conftest import forget_choices, requires_avx512
 
+# the direct kernels' machinery, on 3x3 stride-1 shapes too (see conftest.no_winograd)
+pytestmark = pytest.mark.usefixtures("no_winograd")
+
 
 def _kernel_cases():
     return [pytest.param(e, id=f"{e.layer}-{e.cpu[:16]}-t{e.threads}") for e in registry.KERNELS]

@@ -22,7 +22,8 @@ from ttile.runtime.arguments import make_spec
 from ttile.runtime.cache import KernelCache, _json_checksum
 from ttile.core.reference import assert_conv_close
 
-pytestmark = requires_avx512
+# the direct kernels' machinery, on 3x3 stride-1 shapes too (see conftest.no_winograd)
+pytestmark = [requires_avx512, pytest.mark.usefixtures("no_winograd")]
 
 # A shape no network holds: 3x3, K = 40 (not a multiple of 16), odd 23x23 map.
 X_SHAPE, W_SHAPE = (1, 23, 23, 24), (3, 3, 24, 40)

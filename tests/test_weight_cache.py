@@ -11,6 +11,9 @@ from ttile.core.reference import assert_conv_close
 from ttile.runtime import weight_cache
 from ttile.runtime.weight_cache import WeightCache
 
+# the direct kernels' machinery, on 3x3 stride-1 shapes too (see conftest.no_winograd)
+pytestmark = pytest.mark.usefixtures("no_winograd")
+
 
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch):

@@ -45,6 +45,12 @@ def check(x, w, stride, pad, **kw):
                       threads=kw.get("threads"))
 
 rng = np.random.default_rng(0)
+if ttile.has_avx512f():   # the Winograd kernel serves a 3x3 stride-1 layer
+    x = rng.uniform(-1, 1, (1, 23, 23, 24)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, 24, 40)).astype(np.float32)
+    plan = check(x, w, 1, 1, threads=2)
+    assert plan.kind == "winograd", plan
+ttile.use_winograd(False)   # the direct kernels from here on
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     x = rng.uniform(-1, 1, (1, 23, 23, 24)).astype(np.float32)

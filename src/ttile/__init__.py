@@ -21,7 +21,8 @@ from .core.spec import ConvSpec
 from .runtime.api import KernelPlan, conv2d, plan, tuned_kernels
 from .runtime.packing import set_weight_cache
 from .runtime.routes import Route
-from .runtime.settings import get_isa, has_avx2, has_avx512f, set_isa, use_tuned_kernels
+from .runtime.settings import get_isa, has_avx2, has_avx512f, set_isa, use_tuned_kernels, \
+    use_winograd
 from .runtime.conv_layer import Conv2d
 from .runtime.dispatch import TuningPolicy, restore_tuning, set_tuning, tuning_policy
 from .tuning.policy import ShipPolicy
@@ -39,6 +40,6 @@ def cache_clear() -> int:
 
 
 __all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "has_avx2",
-           "get_isa", "set_isa", "tuned_kernels", "use_tuned_kernels", "set_tuning",
+           "get_isa", "set_isa", "tuned_kernels", "use_tuned_kernels", "use_winograd", "set_tuning",
            "restore_tuning", "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind",
            "Isa", "Route", "SetMatch", "cache_clear", "set_weight_cache", "__version__"]

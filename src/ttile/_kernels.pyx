@@ -56,6 +56,13 @@ cdef extern from "ttile_runtime.h" nogil:
     int ttile_conv_depthwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
                                          const float *w, float *y, int nthreads,
                                          const ttile_epilogue *ep)
+    int64_t ttile_winograd_panel_avx512(int64_t k)
+    int64_t ttile_winograd_weight_floats_avx512(int64_t c, int64_t k)
+    void ttile_winograd_weights_avx512(const float *w, int64_t c, int64_t k, int kcrs,
+                                       float *u, int nthreads)
+    int ttile_conv_winograd_avx512(const ttile_conv_shape *shape, const float *x,
+                                   const float *u, float *y, int nthreads,
+                                   const ttile_epilogue *ep)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     double ttile_fma_peak_avx2(int64_t iterations)
@@ -304,6 +311,87 @@ cdef int _check_avx512_arrays(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y) excep
     if not cnp.PyArray_ISWRITEABLE(y):
         raise ValueError("y must be writeable")
     return 0
+
+
+def winograd_weight_floats(int64_t c, int64_t k):
+    """Floats of the Winograd F(4x4, 3x3) kernel's transformed weights for c input and
+    k output channels (36 panels of c x P per ``winograd_panel(k)`` outputs)."""
+    if c < 1 or k < 1:
+        raise ValueError("channel counts must be >= 1")
+    return ttile_winograd_weight_floats_avx512(c, k)
+
+
+def winograd_panel(int64_t k):
+    """Output channels per panel of the Winograd kernel's transformed weights."""
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    return ttile_winograd_panel_avx512(k)
+
+
+def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None):
+    """3x3 weights, RSCK (3, 3, C, K) or (``kcrs``) torch's (K, C, 3, 3), transformed for
+    the Winograd F(4x4, 3x3) kernel: U = G g G^T per (c, k), in the 1-D layout
+    ``conv2d_winograd`` reads (into ``out`` when given, of ``winograd_weight_floats``
+    floats)."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(w, "w")
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef int64_t c, k
+    if kcrs:
+        k, c = ws[0], ws[1]
+        if ws[2] != 3 or ws[3] != 3:
+            raise ValueError(f"KCRS weights must be (K, C, 3, 3), got {(<object>w).shape}")
+    else:
+        c, k = ws[2], ws[3]
+        if ws[0] != 3 or ws[1] != 3:
+            raise ValueError(f"RSCK weights must be (3, 3, C, K), got {(<object>w).shape}")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    cdef int64_t floats = ttile_winograd_weight_floats_avx512(c, k)
+    if out is None:
+        out = np.empty(floats, dtype=np.float32)
+    cdef cnp.ndarray u = out
+    if cnp.PyArray_TYPE(u) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(u) \
+            or cnp.PyArray_SIZE(u) != floats or not cnp.PyArray_ISWRITEABLE(u):
+        raise ValueError(f"out must be a writeable contiguous float32 array of {floats}")
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *up = <float *>cnp.PyArray_DATA(u)
+    with nogil:
+        ttile_winograd_weights_avx512(wp, c, k, kcrs, up, nthreads)
+    return out
+
+
+def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top,
+                    int64_t pad_left, int nthreads, *, bias=None, residual=None,
+                    int activation=0, float slope=0.01):
+    """The Winograd F(4x4, 3x3) kernel: x (N,H,W,C), weights transformed by
+    ``winograd_weights``, y (N,Ho,Wo,K); 3x3, stride 1, no dilation, one group."""
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    _check_f32_c4(x, "x")
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
+    if cnp.PyArray_TYPE(u) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(u) \
+            or cnp.PyArray_NDIM(u) != 1:
+        raise ValueError("u must be a contiguous 1-D float32 array")
+    cdef int64_t k = ys[3]
+    if k < 1 or cnp.PyArray_SIZE(u) != ttile_winograd_weight_floats_avx512(xs[3], k):
+        raise ValueError(f"u does not hold the transformed weights of {xs[3]} -> {k} "
+                         f"channels")
+    cdef ttile_conv_shape shape
+    _fill_shape(&shape, x, y, 3, 3, xs[3], k, 1, 1, pad_top, pad_left, nthreads)
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, k)
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *up = <const float *>cnp.PyArray_DATA(u)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    cdef int status
+    with nogil:
+        status = ttile_conv_winograd_avx512(&shape, xp, up, yp, nthreads, ep)
+    if status != 0:
+        raise MemoryError("the Winograd kernel could not allocate its scratch buffers")
 
 
 def depthwise_nchw_supported(int64_t s, int64_t stride_w):

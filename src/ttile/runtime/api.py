@@ -118,7 +118,7 @@ class KernelPlan:
     """Which kernel serves a call, as :func:`plan` reports it.
 
     kind: "tuned" (compiled into ttile), "jit" (tuned on this machine, from the cache),
-    "generic" or "depthwise". ``tuned_cpu`` / ``tuned_threads`` name the CPU and thread
+    "generic", "depthwise", "pointwise" or "winograd". ``tuned_cpu`` / ``tuned_threads`` name the CPU and thread
     count the kernel (or the verdict for the generic kernel) was measured at. ``scheme``
     and ``microkernels`` are in the paper's notation (empty for the hand-written
     kernels); ``expected_gflops`` is what the kernel measured when it was tuned (None
@@ -162,7 +162,10 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
     ``dispatch.for_call``) - without running or tuning anything (a disk cache entry from
     an earlier tuning is reported as "jit"). A per-call ``conv2d`` given a weight array
     it packed before, unchanged, runs what ``prepacked`` reports where it reuses packed
-    weights (see ``packing.call_weights``).
+    weights (see ``packing.call_weights``). One that cannot reuse the Winograd kernel's
+    transformed weights (a converted copy, a changing array, the weight cache off) and
+    whose weights are over ``winograd.PER_CALL_MAX_BYTES`` runs the direct kernel that
+    ``ttile.use_winograd(False)`` would report.
 
     ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
     (sequences of ints); ``bias`` and ``residual`` may be arrays or their shapes. Raises

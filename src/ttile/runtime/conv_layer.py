@@ -15,7 +15,8 @@ from typing import Optional, Union
 import numpy as np
 
 from .. import _kernels
-from . import epilogue
+from ..core.kinds import KernelKind
+from . import epilogue, winograd
 from .arguments import IntPair, as_float32, as_pair, thread_count
 from .call_plan import Family, call_plan
 from .execute import execute
@@ -99,7 +100,9 @@ class Conv2d:
         with self._lock:
             packed = self._packed.get(key)
             if packed is None:
-                packed = family_weights(self._rsck, self.layout, plan, choice)
+                packed = (winograd.transformed(self._rsck, "NHWC", thread_count(None))
+                          if choice.kind is KernelKind.WINOGRAD
+                          else family_weights(self._rsck, self.layout, plan, choice))
                 if packed is None:  # dense: RSCK, or panels of the kernel's width
                     packed = (_kernels.pack_weights(self._rsck, choice.panel,
                                                     thread_count(None))

@@ -72,6 +72,9 @@ def run_nhwc_kernel(choice: dispatch.KernelChoice, plan: CallPlan, x: np.ndarray
         for i in range(spec.n):
             one = dict(fused, residual=None if residual is None else residual[i:i + 1])
             _run_searched(choice, x[i:i + 1], weights, y[i:i + 1], nthreads, one)
+    elif kind is KernelKind.WINOGRAD:
+        _kernels.conv2d_winograd(x, weights, y, spec.pad_top, spec.pad_left, nthreads,
+                                 **fused)
     elif kind is KernelKind.DEPTHWISE:
         _kernels.conv2d_depthwise(x, weights, y, *_generic_args(spec), nthreads,
                                   **_dilation(spec), **fused)

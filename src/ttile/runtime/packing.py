@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _kernels
 from ..core.kinds import KernelKind
-from . import dispatch, weight_cache
+from . import dispatch, weight_cache, winograd
 from .call_plan import CallPlan, Family
 from .routes import Selection, select
 from .scratch import scratch
@@ -62,6 +62,8 @@ def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
     if grouped is not None:
         return grouped
     spec, panel = plan.spec, choice.panel
+    if choice.kind is KernelKind.WINOGRAD:
+        return winograd.transformed(w, plan.layout, nthreads, reuse_buffer=True)
     if choice.kind is KernelKind.GENERIC and panel:
         return w  # RSCK or KCRS: the kernel's threads pack what they use
     if plan.layout == "NCHW":
@@ -86,21 +88,33 @@ def call_weights(w: np.ndarray, callers: bool, plan: CallPlan,
     RSCK weights against their panels reads what that pass reads and writes nothing.
     Below that thread count the generic kernel's threads pack what they use as they go,
     reading the weights once, where a check reads them and the panels (a 16-core Xeon at
-    1-4 threads: 0.95-1.30 of the time without it on the generic kernel's layers)."""
+    1-4 threads: 0.95-1.30 of the time without it on the generic kernel's layers). The
+    Winograd kernel's transformed weights are always reused this way; where they cannot
+    be and are large, a direct kernel serves instead (see ``winograd``)."""
     selection = select(plan, nthreads)
     choice = selection.choice
     if callers and plan.family is Family.DENSE and w.nbytes >= weight_cache.MIN_BYTES:
-        separate_pass = plan.layout == "NHWC" and choice.kind in _SEARCHED \
-            and choice.panel not in (0, plan.spec.k)
+        packed_selection = select(plan, nthreads, per_call=False)
+        packed_kind = packed_selection.choice.kind
+        # the Winograd kernel's transform is a pass of its own, in every layout
+        separate_pass = packed_kind is KernelKind.WINOGRAD or (
+            plan.layout == "NHWC" and choice.kind in _SEARCHED
+            and choice.panel not in (0, plan.spec.k))
         if separate_pass or nthreads >= weight_cache.MIN_THREADS:
-            packed_selection = select(plan, nthreads, per_call=False)
             pack = panel_packer(plan, packed_selection.choice, nthreads)
             if pack is not None:
+                # panels are RSCK's rows cut up, compared with w as they are; the
+                # transformed and the KCRS-packed weights keep a copy to compare with
                 packed = weight_cache.CACHE.packed(
-                    w, (plan.layout, packed_selection.choice.panel), pack, nthreads,
-                    rsck=plan.layout == "NHWC", isa=layout_isa())
+                    w, (plan.layout, packed_kind, packed_selection.choice.panel), pack,
+                    nthreads, rsck=plan.layout == "NHWC"
+                    and packed_kind is not KernelKind.WINOGRAD, isa=layout_isa())
                 if packed is not None:
                     return packed, packed_selection
+    if choice.kind is KernelKind.WINOGRAD and not winograd.transform_per_call(w.nbytes):
+        # no transformed copy to reuse, and transforming costs more than it saves
+        selection = select(plan, nthreads, with_winograd=False)
+        choice = selection.choice
     return pack_per_call(w, plan, choice, nthreads), selection
 
 
@@ -111,6 +125,8 @@ def panel_packer(plan: CallPlan, choice: dispatch.KernelChoice,
     the panel of a K-wide kernel; the NCHW pointwise and portable kernels take the
     weights as they are)."""
     panel = choice.panel
+    if choice.kind is KernelKind.WINOGRAD:
+        return lambda w: winograd.transformed(w, plan.layout, nthreads)
     if panel == 0 or choice.kind is KernelKind.POINTWISE or not choice.isa.vector:
         return None
     if plan.layout == "NHWC":

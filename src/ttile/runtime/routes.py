@@ -18,7 +18,7 @@ from typing import Optional
 from .. import _kernels
 from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
-from . import dispatch, registry, settings
+from . import dispatch, registry, settings, winograd
 from .call_plan import CallPlan, Family
 
 
@@ -61,19 +61,21 @@ GENERIC_NCHW_IN_BYTES_PER_FLOP_THREADS = 0.6e-3
 
 
 def select(plan: CallPlan, nthreads: int, per_call: bool = True,
-           tune: bool = True) -> Selection:
+           tune: bool = True, with_winograd: bool = True) -> Selection:
     """The kernel and route serving ``plan`` on ``nthreads`` threads, for a per-call
     ``conv2d`` or (``per_call`` False) a ``Conv2d`` with its weights packed. With
     ``tune`` False nothing is searched or built (``plan``): a shape not tuned yet reports
-    the generic kernel it would run meanwhile. A final selection is remembered in the
-    plan, so a repeated call costs one dictionary lookup."""
-    key = (nthreads, per_call, settings.generation())
+    the generic kernel it would run meanwhile. ``with_winograd`` False leaves the
+    Winograd kernel out (a per-call call that would transform large weights on every
+    call). A final selection is remembered in the plan, so a repeated call costs one
+    dictionary lookup."""
+    key = (nthreads, per_call, with_winograd, settings.generation())
     selection = plan.choices.get(key)
     if selection is not None:
         return selection
     isa = settings.get_isa()
     use_tuned = settings.tuned_kernels_on()
-    choice = _family_choice(plan, isa, nthreads, per_call, use_tuned)
+    choice = _family_choice(plan, isa, nthreads, per_call, use_tuned, with_winograd)
     if choice is None:
         choice = dispatch.for_call(
             dispatch.choose(plan.spec, plan.layout, nthreads, isa, use_tuned, tune=tune),
@@ -143,11 +145,14 @@ def _searched_nchw_entry(spec: ConvSpec, nthreads: int, isa: Isa, per_call: bool
 
 
 def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
-                   use_tuned: bool) -> Optional[dispatch.KernelChoice]:
-    """The kernel of a depthwise or grouped call, or of an NCHW 1x1 call (None for any
-    other dense call: dispatch decides)."""
+                   use_tuned: bool, with_winograd: bool) -> Optional[dispatch.KernelChoice]:
+    """The kernel of a depthwise or grouped call, of a 3x3 call the Winograd kernel
+    serves, or of an NCHW 1x1 call (None for any other dense call: dispatch decides)."""
     if plan.family is Family.DENSE:
         spec = plan.spec
+        if with_winograd and winograd.serves(spec, isa):
+            # 4x fewer multiplications than any direct kernel (see runtime/winograd.py)
+            return winograd.choice(spec)
         if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \
                 and spec.pad_top == spec.pad_bottom == spec.pad_left == spec.pad_right == 0 \
                 and 4 * spec.k * spec.c <= POINTWISE_MAX_WEIGHT_BYTES:

@@ -19,6 +19,7 @@ _HAS_AVX2 = _kernels.cpu_has_avx2()
 #: PORTABLE. Change it with :func:`set_isa`, or before import with $TTILE_ISA.
 _isa = Isa.AUTO
 _use_tuned = True
+_use_winograd = os.environ.get("TTILE_WINOGRAD", "1").strip() not in ("0", "off", "no")
 #: Bumped by every change that can change which kernel serves a call (the family, tuned
 #: kernels on or off, the CPU whose set serves): a call plan's remembered choices carry
 #: the generation they were made in and are not used in another.
@@ -44,6 +45,21 @@ def use_tuned_kernels(enabled: bool) -> bool:
     previous, _use_tuned = _use_tuned, bool(enabled)
     invalidate_choices()
     return previous
+
+
+def use_winograd(enabled: bool) -> bool:
+    """Let the Winograd F(4x4, 3x3) kernel serve the 3x3 stride-1 layers it wins on
+    (default; $TTILE_WINOGRAD=0 turns it off at import), or serve them with the direct
+    kernels only, whose rounding is the plain sum's; returns the previous setting."""
+    global _use_winograd
+    previous, _use_winograd = _use_winograd, bool(enabled)
+    invalidate_choices()
+    return previous
+
+
+def winograd_on() -> bool:
+    """Whether the Winograd kernel may serve calls."""
+    return _use_winograd
 
 
 def tuned_kernels_on() -> bool:

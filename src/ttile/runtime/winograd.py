@@ -1,0 +1,77 @@
+"""When the Winograd F(4x4, 3x3) kernel serves a call, and its weights.
+
+The direct kernels (searched, tuned here or generic) run 3x3 layers at 85-99 % of the
+FMA peak, as oneDNN's and MLAS's do: past that only fewer multiplications help.
+F(4x4, 3x3) (``kernels/winograd_avx512.c``) does 36 per 4x4 output tile and channel pair
+where the direct method does 144. Measured on an AMD EPYC Zen 5 core against the generic
+kernel on the same arrays, weights transformed beforehand: 1.4-3.4x on the 3x3 stride-1
+layers of Fig. 8 with 32 to 512 input channels at 1 thread, 1.1-3.3x at 2 (Yolo9000-2's
+32 channels on 272x272 the least, its transforms being most of its work), and 0.6x on
+Yolo9000-0's 3 input channels, whose reduction is too short to amortise the transforms.
+
+Its weights are 4x the layer's (36 transformed points per filter instead of 9) and the
+transform runs at 5-14 GB/s, so it is made once: by ``ttile.Conv2d``, or for a per-call
+``conv2d`` kept in the weight cache while the caller's array is unchanged. A per-call
+call that cannot reuse them (a converted copy, an array that changes between calls, the
+weight cache off) transforms them on every call only when they are small
+(:data:`PER_CALL_MAX_BYTES`); larger ones are served by the direct kernels then
+(``packing.call_weights``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _kernels
+from ..core.kinds import Isa, KernelKind
+from ..core.spec import ConvSpec
+from . import settings
+from .dispatch import KernelChoice
+from .scratch import scratch
+
+#: Fewest input channels per group: with 3 (Yolo9000-0) the transforms outweigh the
+#: products (0.59x the generic kernel at 1 thread, Zen 5); from 32 on it won everywhere
+#: measured.
+MIN_CHANNELS = 16
+#: Fewest output channels: one 16-lane vector.
+MIN_OUTPUTS = 16
+#: The largest weights a per-call conv2d transforms on every call when it cannot reuse
+#: a transformed copy (the weight cache's threshold: the transform of 128 KB of weights
+#: writes 0.5 MB, about 0.05 ms).
+PER_CALL_MAX_BYTES = 128 << 10
+
+
+def serves(spec: ConvSpec, isa: Isa, groups: int = 1) -> bool:
+    """Whether the Winograd kernel serves ``spec`` (before the per-call weight rule):
+    AVX-512F, 3x3, stride 1, no dilation, one group, at least MIN_CHANNELS input and
+    MIN_OUTPUTS output channels, an output at least one tile (4x4) wide and tall, and
+    the Winograd kernel switched on (``ttile.use_winograd``)."""
+    return (settings.winograd_on() and isa is Isa.AVX512F and groups == 1
+            and spec.r == 3 and spec.s == 3 and spec.stride_h == 1 and spec.stride_w == 1
+            and spec.dilation_h == 1 and spec.dilation_w == 1
+            and spec.c >= MIN_CHANNELS and spec.k >= MIN_OUTPUTS
+            and spec.ho >= 4 and spec.wo >= 4)
+
+
+def transform_per_call(weight_bytes: int) -> bool:
+    """Whether weights of this size are transformed on every call when a per-call call
+    cannot reuse a transformed copy (else a direct kernel serves that call)."""
+    return weight_bytes <= PER_CALL_MAX_BYTES
+
+
+def choice(spec: ConvSpec) -> KernelChoice:
+    """The Winograd kernel for ``spec`` (already found to be served by it)."""
+    return KernelChoice(kind=KernelKind.WINOGRAD, problem=spec,
+                        panel=_kernels.winograd_panel(spec.k),
+                        note="the Winograd F(4x4, 3x3) kernel (36 products per 4x4 tile "
+                             "instead of 144; weights transformed once)")
+
+
+def transformed(w: np.ndarray, layout: str, nthreads: int,
+                reuse_buffer: bool = False) -> np.ndarray:
+    """The weights ``w`` (RSCK for NHWC, torch's KCRS for NCHW) transformed for the
+    Winograd kernel; in this thread's scratch buffer with ``reuse_buffer`` (a per-call
+    call), else in an array of their own."""
+    kcrs = layout == "NCHW"
+    c, k = (w.shape[1], w.shape[0]) if kcrs else (w.shape[2], w.shape[3])
+    out = scratch("wg", (_kernels.winograd_weight_floats(c, k),)) if reuse_buffer else None
+    return _kernels.winograd_weights(w, kcrs, nthreads, out)
