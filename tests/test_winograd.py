@@ -100,7 +100,8 @@ def test_bad_arguments_raise():
 # -- which calls it serves -----------------------------------------------------------------
 @pytest.mark.parametrize("x_shape, w_shape, kwargs, served", [
     ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 1}, True),
-    ((2, 16, 9, 7), (16, 16, 3, 3), {}, True),
+    ((2, 16, 11, 9), (16, 16, 3, 3), {}, True),                  # 2 x 3 x 2 tiles
+    ((1, 64, 7, 7), (64, 64, 3, 3), {"padding": 1}, False),     # 4 tiles: too few
     ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 1, "stride": 2}, False),
     ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 2, "dilation": 2}, False),
     ((1, 32, 14, 14), (32, 16, 3, 3), {"padding": 1, "groups": 2}, False),

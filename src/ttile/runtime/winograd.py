@@ -34,6 +34,12 @@ from .scratch import scratch
 MIN_CHANNELS = 16
 #: Fewest output channels: one 16-lane vector.
 MIN_OUTPUTS = 16
+#: Fewest 4x4 output tiles (over the batch): the transformed weights, 4x the layer's, are
+#: read once per call however few tiles use them. ResNet18-12 (512 channels, 7x7: 4 tiles)
+#: ran at 0.96x OpenVINO pre-packed and 0.59-0.67x per call (the 38 MB of transformed
+#: weights and the check of the caller's 9.4 MB against its copy from memory, Zen 5),
+#: where the generic kernel reads 9.4 MB once; with 16 tiles (ResNet18-9) it won 1.4-1.8x.
+MIN_TILES = 9
 #: The largest weights a per-call conv2d transforms on every call when it cannot reuse
 #: a transformed copy (the weight cache's threshold: the transform of 128 KB of weights
 #: writes 0.5 MB, about 0.05 ms).
@@ -43,13 +49,15 @@ PER_CALL_MAX_BYTES = 128 << 10
 def serves(spec: ConvSpec, isa: Isa, groups: int = 1) -> bool:
     """Whether the Winograd kernel serves ``spec`` (before the per-call weight rule):
     AVX-512F, 3x3, stride 1, no dilation, one group, at least MIN_CHANNELS input and
-    MIN_OUTPUTS output channels, an output at least one tile (4x4) wide and tall, and
-    the Winograd kernel switched on (``ttile.use_winograd``)."""
+    MIN_OUTPUTS output channels, an output at least one tile (4x4) wide and tall and at
+    least MIN_TILES tiles in all, and the Winograd kernel switched on
+    (``ttile.use_winograd``)."""
     return (settings.winograd_on() and isa is Isa.AVX512F and groups == 1
             and spec.r == 3 and spec.s == 3 and spec.stride_h == 1 and spec.stride_w == 1
             and spec.dilation_h == 1 and spec.dilation_w == 1
             and spec.c >= MIN_CHANNELS and spec.k >= MIN_OUTPUTS
-            and spec.ho >= 4 and spec.wo >= 4)
+            and spec.ho >= 4 and spec.wo >= 4
+            and spec.n * -(-spec.ho // 4) * -(-spec.wo // 4) >= MIN_TILES)
 
 
 def transform_per_call(weight_bytes: int) -> bool:
