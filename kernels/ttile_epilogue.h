@@ -252,21 +252,29 @@ static inline __m512 ttile_activate512(int activation, float slope, __m512 v)
     }
 }
 
-/* In place on the 16 outputs (lanes of `mask`) at y + i, output channels k..k+15, that
+/* ttile_epilogue_store512: the 16 outputs `v` (lanes of `mask`) for y + i, output channels
+ * k..k+15, stored through the epilogue, y = act(v + bias + residual), by a kernel whose
+ * values are still in registers with few others live (the Winograd output transform).
+ * ttile_epilogue_apply512: the same in place on the 16 outputs at y + i that
  * a kernel has just stored (they are in L1): y = act(y + bias + residual). Kernels store
  * their accumulators first and then run this from memory, with a compiler barrier
  * between: applied on the accumulators themselves, the epilogue's temporaries (exp's
  * constants, bias and residual vectors) came on top of 30 live accumulators and spilled. */
-static inline void ttile_epilogue_apply512(const ttile_epilogue *ep, float *y, int64_t i,
-                                           int64_t k, __mmask16 mask)
+static inline void ttile_epilogue_store512(const ttile_epilogue *ep, float *y, int64_t i,
+                                           int64_t k, __mmask16 mask, __m512 v)
 {
-    __m512 v = _mm512_maskz_loadu_ps(mask, y + i);
     if (ep->bias)
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, ep->bias + k));
     if (ep->residual)
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, ep->residual + i));
     v = ttile_activate512(ep->activation, ep->negative_slope, v);
     _mm512_mask_storeu_ps(y + i, mask, v);
+}
+
+static inline void ttile_epilogue_apply512(const ttile_epilogue *ep, float *y, int64_t i,
+                                           int64_t k, __mmask16 mask)
+{
+    ttile_epilogue_store512(ep, y, i, k, mask, _mm512_maskz_loadu_ps(mask, y + i));
 }
 
 /* In place on n contiguous floats of one output channel k (an NCHW row): the epilogue's

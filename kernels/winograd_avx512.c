@@ -257,14 +257,10 @@ static void wg_gemm(int kv, int nw, const float *v, int64_t C, const float *u, i
 static inline void wg_store(const ttile_epilogue *ep, float *y, int64_t i, int64_t k,
                             __mmask16 m, __m512 value)
 {
-    if (ep != NULL) {
-        if (ep->bias)
-            value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(m, ep->bias + k));
-        if (ep->residual)
-            value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(m, ep->residual + i));
-        value = ttile_activate512(ep->activation, ep->negative_slope, value);
-    }
-    _mm512_mask_storeu_ps(y + i, m, value);
+    if (ep != NULL)
+        ttile_epilogue_store512(ep, y, i, k, m, value);
+    else
+        _mm512_mask_storeu_ps(y + i, m, value);
 }
 
 int ttile_conv_winograd_avx512(const ttile_conv_shape *sh, const float *x, const float *u,
