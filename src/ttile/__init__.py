@@ -40,6 +40,6 @@ def cache_clear() -> int:
 
 
 __all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "has_avx2",
-           "get_isa", "set_isa", "tuned_kernels", "use_tuned_kernels", "use_winograd", "set_tuning",
-           "restore_tuning", "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind",
+           "get_isa", "set_isa", "tuned_kernels", "use_tuned_kernels", "use_winograd",
+           "set_tuning", "restore_tuning", "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind",
            "Isa", "Route", "SetMatch", "cache_clear", "set_weight_cache", "__version__"]

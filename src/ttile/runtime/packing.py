@@ -94,13 +94,14 @@ def call_weights(w: np.ndarray, callers: bool, plan: CallPlan,
     selection = select(plan, nthreads)
     choice = selection.choice
     if callers and plan.family is Family.DENSE and w.nbytes >= weight_cache.MIN_BYTES:
-        packed_selection = select(plan, nthreads, per_call=False)
-        packed_kind = packed_selection.choice.kind
-        # the Winograd kernel's transform is a pass of its own, in every layout
-        separate_pass = packed_kind is KernelKind.WINOGRAD or (
+        # the Winograd kernel's transform is a pass of its own, in every layout (it
+        # serves per-call and pre-packed calls alike)
+        separate_pass = choice.kind is KernelKind.WINOGRAD or (
             plan.layout == "NHWC" and choice.kind in _SEARCHED
             and choice.panel not in (0, plan.spec.k))
         if separate_pass or nthreads >= weight_cache.MIN_THREADS:
+            packed_selection = select(plan, nthreads, per_call=False)
+            packed_kind = packed_selection.choice.kind
             pack = panel_packer(plan, packed_selection.choice, nthreads)
             if pack is not None:
                 # panels are RSCK's rows cut up, compared with w as they are; the
