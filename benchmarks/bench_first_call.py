@@ -38,6 +38,7 @@ import ttile  # noqa: E402
 from ttile import _kernels  # noqa: E402
 from ttile.core import cbuild  # noqa: E402
 from ttile.core.kinds import KernelKind  # noqa: E402
+from ttile.core.vectors import extension_code  # noqa: E402
 from ttile.runtime import dispatch, jit  # noqa: E402
 from ttile.tuning.bench import LayerBench, generic_packed_copies  # noqa: E402
 
@@ -65,9 +66,11 @@ def _runner(result, spec: ttile.ConvSpec, bench: LayerBench, threads: int):
             address = cbuild.symbol_address(library, result.function)
         packed = _kernels.pack_weights(w, result.panel)
         shape = spec.packed_weight_shape(result.panel)
+        # tuned in the family calls use now (ttile.get_isa())
         return library, lambda: _kernels.run_compiled(address, x, packed, y, threads,
                                                       spec.input_shape(), shape,
-                                                      spec.output_shape())
+                                                      spec.output_shape(),
+                                                      isa=extension_code(ttile.get_isa()))
     ((_, gw, _),) = generic_packed_copies(spec, [(x, w, y)])
     return None, lambda: _kernels.conv2d_generic_packed(
         x, gw, y, spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, threads)

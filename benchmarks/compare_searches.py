@@ -21,6 +21,7 @@ import ttile
 from ttile import _kernels
 from ttile.core.cbuild import build, symbol_address
 from ttile.core.codegen import generate
+from ttile.core.vectors import extension_code
 from ttile.generator.emit import registry_entries
 from ttile.generator.networks import NETWORKS
 from ttile.tuning.bench import LayerBench, generic_packed_copies
@@ -40,7 +41,8 @@ def _runner(entry, spec, bench, threads):
     shape = spec.packed_weight_shape(kernel.panel)
     return library, lambda: _kernels.run_compiled(address, x, packed, y, threads,
                                                   spec.input_shape(), shape,
-                                                  spec.output_shape())
+                                                  spec.output_shape(),
+                                                  isa=extension_code(kernel.isa))
 
 
 def main(argv=None) -> int:

@@ -171,6 +171,25 @@ static inline __m256 ttile_activate256(int activation, float slope, __m256 v)
     }
 }
 
+/* ttile_epilogue_store512 on 8 lanes; `full` says every lane is stored, so the bias,
+ * residual and output go through plain loads and stores (vmaskmovps, a store above all,
+ * costs several plain ones on AMD Zen). */
+static inline void ttile_epilogue_store256(const ttile_epilogue *ep, float *y, int64_t i,
+                                           int64_t k, __m256i mask, int full, __m256 v)
+{
+    if (ep->bias)
+        v = _mm256_add_ps(v, full ? _mm256_loadu_ps(ep->bias + k)
+                                  : _mm256_maskload_ps(ep->bias + k, mask));
+    if (ep->residual)
+        v = _mm256_add_ps(v, full ? _mm256_loadu_ps(ep->residual + i)
+                                  : _mm256_maskload_ps(ep->residual + i, mask));
+    v = ttile_activate256(ep->activation, ep->negative_slope, v);
+    if (full)
+        _mm256_storeu_ps(y + i, v);
+    else
+        _mm256_maskstore_ps(y + i, mask, v);
+}
+
 /* ttile_epilogue_apply512 on 8 lanes. */
 static inline void ttile_epilogue_apply256(const ttile_epilogue *ep, float *y, int64_t i,
                                            int64_t k, __m256i mask)

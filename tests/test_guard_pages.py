@@ -16,6 +16,7 @@ from ttile.runtime import jit, registry, routes
 from ttile.core.cbuild import symbol_address
 from ttile.core.reference import assert_conv_close
 from ttile.core.spec import ConvSpec
+from ttile.core.vectors import extension_code
 
 SIDES = ["end", "start"]
 
@@ -157,7 +158,7 @@ def test_jit_kernels_stay_in_bounds(case, family, monkeypatch, tmp_path):
     for side in SIDES:
         _run_guarded(spec, side, packed, lambda gx, gw, gy: _kernels.run_compiled(
             address, gx, gw, gy, 1, spec.input_shape(), spec.packed_weight_shape(result.panel),
-            spec.output_shape()))
+            spec.output_shape(), isa=extension_code(ttile.Isa(family))))
 
 
 @pytest.mark.parametrize("side,offset", [("end", 1), ("start", -1)])

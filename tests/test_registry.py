@@ -12,9 +12,10 @@ from ttile import _kernels
 from ttile.core.kinds import Activation
 from ttile.core.reference import assert_conv_close, conv2d_nhwc_f64
 from ttile.core.spec import ConvSpec
+from ttile.core.vectors import extension_code
 from ttile.runtime import dispatch, registry
 from ttile.runtime.scratch import aligned_empty
-from conftest import forget_choices, requires_avx512
+from conftest import AVAILABLE_ISAS, forget_choices, requires_avx2, requires_avx512
 
 # the direct kernels' machinery, on 3x3 stride-1 shapes too (see conftest.no_winograd)
 pytestmark = pytest.mark.usefixtures("no_winograd")
@@ -220,11 +221,12 @@ def test_run_tuned_refuses_a_verdict_without_a_kernel():
                            np.zeros(spec.output_shape(), np.float32), 1)
 
 
-@requires_avx512
+@requires_avx2
 def test_run_compiled_checks_arrays_against_the_kernels_problem():
     """A compiled kernel's sizes are constants: arrays of another problem are refused
     even when they agree with each other."""
-    entry = min(registry.KERNELS, key=lambda e: e.spec.flops)
+    entry = min((e for e in registry.KERNELS if e.isa.value in AVAILABLE_ISAS),
+                key=lambda e: e.spec.flops)
     spec = entry.spec
     other = ConvSpec(spec.n, spec.k, spec.c, spec.h + 1, spec.w, spec.r, spec.s,
                      spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_bottom,
@@ -234,7 +236,22 @@ def test_run_compiled_checks_arrays_against_the_kernels_problem():
     y = np.zeros(other.output_shape(), np.float32)
     with pytest.raises(ValueError, match="do not match"):
         _kernels.run_compiled(1, x, w, y, 1, spec.input_shape(),
-                              spec.packed_weight_shape(entry.panel), spec.output_shape())
+                              spec.packed_weight_shape(entry.panel), spec.output_shape(),
+                              isa=extension_code(entry.isa))
+
+
+@pytest.mark.skipif(ttile.has_avx512f(), reason="this CPU runs AVX-512F")
+def test_a_kernel_of_a_family_this_cpu_lacks_is_refused():
+    """On a CPU without AVX-512F an AVX-512F kernel raises before its address is called
+    (it would fault); the AVX2 family's kernels run (test_every_shipped_tuned_kernel...)."""
+    spec = ConvSpec(1, 16, 16, 8, 8, 3, 3, 1, 1, 1, 1, 1, 1)
+    x = np.zeros(spec.input_shape(), np.float32)
+    w = _kernels.pack_weights(np.zeros(spec.weight_shape(), np.float32), 16)
+    y = np.zeros(spec.output_shape(), np.float32)
+    with pytest.raises(RuntimeError, match="without AVX-512F"):
+        _kernels.run_compiled(1, x, w, y, 1, spec.input_shape(),
+                              spec.packed_weight_shape(16), spec.output_shape(),
+                              isa=_kernels.ISA_AVX512F)
 
 
 @requires_avx512

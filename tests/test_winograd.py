@@ -5,25 +5,31 @@ import numpy as np
 import pytest
 
 import ttile
-from conftest import forget_choices, requires_avx512
+from conftest import forget_choices, requires_avx2
 from ttile import KernelKind, Route, _kernels
 from ttile.core.reference import conv_mismatch
 from ttile.runtime import execute, weight_cache, winograd
 from ttile.runtime.scratch import aligned_empty
 
-pytestmark = requires_avx512
+pytestmark = requires_avx2
+
+#: The Winograd kernels this CPU runs, by the extension's ISA code (the AVX2 one runs on
+#: every AVX-512 CPU too).
+KERNEL_ISAS = [pytest.param(_kernels.ISA_AVX2, id="avx2")] + (
+    [pytest.param(_kernels.ISA_AVX512F, id="avx512f")] if ttile.has_avx512f() else [])
 
 
-def _run(rng, n, c, k, h, w, pad, threads, **fused):
-    """The kernel on random data: (x, weights, y, pads) for the reference."""
+def _run(rng, n, c, k, h, w, pad, threads, code, **fused):
+    """The kernel of ISA ``code`` on random data: (x, weights, y, pads) for the
+    reference."""
     pt, pb, pl, pr = pad
     ho, wo = h + pt + pb - 2, w + pl + pr - 2
     x = aligned_empty((n, h, w, c))
     x[...] = rng.uniform(-1, 1, x.shape)
     wt = rng.uniform(-1, 1, (3, 3, c, k)).astype(np.float32)
     y = aligned_empty((n, ho, wo, k))
-    u = _kernels.winograd_weights(wt, False, threads)
-    _kernels.conv2d_winograd(x, u, y, pt, pl, threads, **fused)
+    u = _kernels.winograd_weights(wt, False, threads, isa=code)
+    _kernels.conv2d_winograd(x, u, y, pt, pl, threads, **fused, isa=code)
     return x, wt, y, pad
 
 
@@ -40,11 +46,12 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("code", KERNEL_ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
-def test_matches_the_float64_reference(shape, threads):
+def test_matches_the_float64_reference(shape, threads, code):
     rng = np.random.default_rng(sum(shape[:5]) + threads)
-    x, wt, y, pads = _run(rng, *shape, threads)
+    x, wt, y, pads = _run(rng, *shape, threads, code)
     assert conv_mismatch(y, x, wt, (1, 1), pads) is None
 
 
@@ -56,17 +63,19 @@ def test_two_super_blocks_are_needed_by_the_largest_shape():
     assert 36 * tiles * (c + k) * 4 > 6 << 20
 
 
+@pytest.mark.parametrize("code", KERNEL_ISAS)
 @pytest.mark.parametrize("activation", [0, 1, 2, 3, 4, 5])
-def test_the_epilogue_is_fused(activation):
+def test_the_epilogue_is_fused(activation, code):
     """bias, residual and each activation in the store: the plain kernel's result with
     them applied after (in float32: the same sums), to within rounding."""
     rng = np.random.default_rng(activation)
     n, c, k, h, w = 1, 24, 40, 9, 10
     bias = rng.uniform(-1, 1, k).astype(np.float32)
     residual = rng.uniform(-1, 1, (n, h, w, k)).astype(np.float32)
-    x, wt, plain, pads = _run(np.random.default_rng(0), n, c, k, h, w, (1, 1, 1, 1), 2)
-    _, _, y, _ = _run(np.random.default_rng(0), n, c, k, h, w, (1, 1, 1, 1), 2, bias=bias,
-                      residual=residual, activation=activation, slope=0.1)
+    x, wt, plain, pads = _run(np.random.default_rng(0), n, c, k, h, w, (1, 1, 1, 1), 2,
+                              code)
+    _, _, y, _ = _run(np.random.default_rng(0), n, c, k, h, w, (1, 1, 1, 1), 2, code,
+                      bias=bias, residual=residual, activation=activation, slope=0.1)
     assert conv_mismatch(plain, x, wt, (1, 1), pads) is None
     z = plain.astype(np.float64) + bias + residual
     expected = {0: z, 1: np.maximum(z, 0), 2: np.clip(z, 0, 6),
@@ -75,26 +84,50 @@ def test_the_epilogue_is_fused(activation):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_rsck_and_kcrs_weights_transform_alike():
+@pytest.mark.parametrize("code", KERNEL_ISAS)
+def test_rsck_and_kcrs_weights_transform_alike(code):
     rng = np.random.default_rng(3)
     w = rng.uniform(-1, 1, (3, 3, 20, 37)).astype(np.float32)
     kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
-    a = _kernels.winograd_weights(w, False, 2)
-    b = _kernels.winograd_weights(kcrs, True, 1)
-    assert a.size == _kernels.winograd_weight_floats(20, 37)
+    a = _kernels.winograd_weights(w, False, 2, isa=code)
+    b = _kernels.winograd_weights(kcrs, True, 1, isa=code)
+    assert a.size == _kernels.winograd_weight_floats(20, 37, code)
     np.testing.assert_array_equal(a, b)
 
 
-def test_bad_arguments_raise():
+def test_the_families_panels_differ():
+    """The AVX2 kernel's panels are of 8-float vectors, the AVX-512F one's of 16: the
+    transformed weights of one family are not the other's (37 outputs: 5 x 8 = 40 in
+    AVX2's panels, 3 x 16 = 48 in AVX-512F's)."""
+    assert _kernels.winograd_panel(37, _kernels.ISA_AVX2) % 8 == 0
+    assert _kernels.winograd_panel(37, _kernels.ISA_AVX512F) % 16 == 0
+    assert _kernels.winograd_weight_floats(20, 37, _kernels.ISA_AVX2) == 36 * 20 * 40
+    assert _kernels.winograd_weight_floats(20, 37, _kernels.ISA_AVX512F) == 36 * 20 * 48
+
+
+@pytest.mark.parametrize("code", KERNEL_ISAS)
+def test_bad_arguments_raise(code):
     x = aligned_empty((1, 8, 8, 16))
     y = aligned_empty((1, 8, 8, 16))
     with pytest.raises(ValueError, match="transformed weights"):
-        _kernels.conv2d_winograd(x, np.zeros(10, np.float32), y, 1, 1, 1)
+        _kernels.conv2d_winograd(x, np.zeros(10, np.float32), y, 1, 1, 1, isa=code)
     with pytest.raises(ValueError, match=r"\(3, 3, C, K\)"):
-        _kernels.winograd_weights(np.zeros((5, 5, 16, 16), np.float32), False, 1)
+        _kernels.winograd_weights(np.zeros((5, 5, 16, 16), np.float32), False, 1,
+                                  isa=code)
     with pytest.raises(ValueError, match="out must be"):
         _kernels.winograd_weights(np.zeros((3, 3, 16, 16), np.float32), False, 1,
-                                  np.zeros(7, np.float32))
+                                  np.zeros(7, np.float32), isa=code)
+    with pytest.raises(ValueError, match="unknown vector isa"):
+        _kernels.winograd_weights(np.zeros((3, 3, 16, 16), np.float32), False, 1,
+                                  isa=_kernels.ISA_PORTABLE)
+
+
+@pytest.mark.skipif(ttile.has_avx512f(), reason="this CPU runs AVX-512F")
+def test_the_avx512_kernel_is_refused_without_avx512():
+    """On a CPU without AVX-512F its kernel raises instead of faulting."""
+    w = np.zeros((3, 3, 16, 16), np.float32)
+    with pytest.raises(RuntimeError, match="without AVX-512F"):
+        _kernels.winograd_weights(w, False, 1, isa=_kernels.ISA_AVX512F)
 
 
 # -- which calls it serves -----------------------------------------------------------------
@@ -116,15 +149,21 @@ def test_which_calls_it_serves(x_shape, w_shape, kwargs, served):
         assert (kind is KernelKind.WINOGRAD) == served, (kind, prepacked)
 
 
-def test_it_can_be_switched_off_and_serves_no_avx2_call():
+def test_it_can_be_switched_off_and_serves_each_vector_family():
     shapes = ((1, 32, 14, 14), (32, 32, 3, 3))
     previous = ttile.use_winograd(False)
     try:
         assert ttile.plan(*shapes, padding=1).kind is not KernelKind.WINOGRAD
     finally:
         ttile.use_winograd(previous)
-    assert ttile.plan(*shapes, padding=1).kind is KernelKind.WINOGRAD
-    before = ttile.set_isa("avx2")
+    for isa in ["avx2"] + (["avx512f"] if ttile.has_avx512f() else []):
+        before = ttile.set_isa(isa)
+        try:
+            plan = ttile.plan(*shapes, padding=1)
+            assert plan.kind is KernelKind.WINOGRAD and plan.isa == isa
+        finally:
+            ttile.set_isa(before)
+    before = ttile.set_isa("portable")
     try:
         assert ttile.plan(*shapes, padding=1).kind is not KernelKind.WINOGRAD
     finally:

@@ -63,6 +63,13 @@ cdef extern from "ttile_runtime.h" nogil:
     int ttile_conv_winograd_avx512(const ttile_conv_shape *shape, const float *x,
                                    const float *u, float *y, int nthreads,
                                    const ttile_epilogue *ep)
+    int64_t ttile_winograd_panel_avx2(int64_t k)
+    int64_t ttile_winograd_weight_floats_avx2(int64_t c, int64_t k)
+    void ttile_winograd_weights_avx2(const float *w, int64_t c, int64_t k, int kcrs,
+                                     float *u, int nthreads)
+    int ttile_conv_winograd_avx2(const ttile_conv_shape *shape, const float *x,
+                                 const float *u, float *y, int nthreads,
+                                 const ttile_epilogue *ep)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     double ttile_fma_peak_avx2(int64_t iterations)
@@ -313,28 +320,40 @@ cdef int _check_avx512_arrays(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y) excep
     return 0
 
 
-def winograd_weight_floats(int64_t c, int64_t k):
+cdef int64_t _winograd_weight_floats(int64_t c, int64_t k, int isa) nogil:
+    return ttile_winograd_weight_floats_avx2(c, k) if isa == _ISA_AVX2 \
+        else ttile_winograd_weight_floats_avx512(c, k)
+
+
+def winograd_weight_floats(int64_t c, int64_t k, int isa=_ISA_AVX512F):
     """Floats of the Winograd F(4x4, 3x3) kernel's transformed weights for c input and
-    k output channels (36 panels of c x P per ``winograd_panel(k)`` outputs)."""
+    k output channels (36 panels of c x P per ``winograd_panel(k, isa)`` outputs), for
+    the kernel of ``isa`` (ISA_AVX512F or ISA_AVX2: their panels differ)."""
     if c < 1 or k < 1:
         raise ValueError("channel counts must be >= 1")
-    return ttile_winograd_weight_floats_avx512(c, k)
+    if isa != ISA_AVX512F and isa != ISA_AVX2:
+        raise ValueError(f"no Winograd kernel for isa {isa}")
+    return _winograd_weight_floats(c, k, isa)
 
 
-def winograd_panel(int64_t k):
-    """Output channels per panel of the Winograd kernel's transformed weights."""
+def winograd_panel(int64_t k, int isa=_ISA_AVX512F):
+    """Output channels per panel of the Winograd kernel's transformed weights (``isa``:
+    ISA_AVX512F or ISA_AVX2)."""
     if k < 1:
         raise ValueError("k must be >= 1")
-    return ttile_winograd_panel_avx512(k)
+    if isa != ISA_AVX512F and isa != ISA_AVX2:
+        raise ValueError(f"no Winograd kernel for isa {isa}")
+    return ttile_winograd_panel_avx2(k) if isa == _ISA_AVX2 \
+        else ttile_winograd_panel_avx512(k)
 
 
-def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None):
+def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None,
+                     int isa=_ISA_AVX512F):
     """3x3 weights, RSCK (3, 3, C, K) or (``kcrs``) torch's (K, C, 3, 3), transformed for
-    the Winograd F(4x4, 3x3) kernel: U = G g G^T per (c, k), in the 1-D layout
-    ``conv2d_winograd`` reads (into ``out`` when given, of ``winograd_weight_floats``
-    floats)."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+    the Winograd F(4x4, 3x3) kernel of ``isa``: U = G g G^T per (c, k), in the 1-D layout
+    ``conv2d_winograd`` of the same ``isa`` reads (into ``out`` when given, of
+    ``winograd_weight_floats`` floats)."""
+    _require_isa(isa)
     _check_f32_c4(w, "w")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef int64_t c, k
@@ -348,7 +367,7 @@ def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None):
             raise ValueError(f"RSCK weights must be (3, 3, C, K), got {(<object>w).shape}")
     if nthreads < 1:
         raise ValueError("nthreads must be >= 1")
-    cdef int64_t floats = ttile_winograd_weight_floats_avx512(c, k)
+    cdef int64_t floats = _winograd_weight_floats(c, k, isa)
     if out is None:
         out = np.empty(floats, dtype=np.float32)
     cdef cnp.ndarray u = out
@@ -358,17 +377,20 @@ def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None):
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *up = <float *>cnp.PyArray_DATA(u)
     with nogil:
-        ttile_winograd_weights_avx512(wp, c, k, kcrs, up, nthreads)
+        if isa == _ISA_AVX2:
+            ttile_winograd_weights_avx2(wp, c, k, kcrs, up, nthreads)
+        else:
+            ttile_winograd_weights_avx512(wp, c, k, kcrs, up, nthreads)
     return out
 
 
 def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top,
                     int64_t pad_left, int nthreads, *, bias=None, residual=None,
-                    int activation=0, float slope=0.01):
-    """The Winograd F(4x4, 3x3) kernel: x (N,H,W,C), weights transformed by
-    ``winograd_weights``, y (N,Ho,Wo,K); 3x3, stride 1, no dilation, one group."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+                    int activation=0, float slope=0.01, int isa=_ISA_AVX512F):
+    """The Winograd F(4x4, 3x3) kernel of ``isa`` (ISA_AVX512F or ISA_AVX2): x (N,H,W,C),
+    weights transformed by ``winograd_weights`` for the same ``isa``, y (N,Ho,Wo,K); 3x3,
+    stride 1, no dilation, one group."""
+    _require_isa(isa)
     _check_f32_c4(x, "x")
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
@@ -376,7 +398,7 @@ def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top
             or cnp.PyArray_NDIM(u) != 1:
         raise ValueError("u must be a contiguous 1-D float32 array")
     cdef int64_t k = ys[3]
-    if k < 1 or cnp.PyArray_SIZE(u) != ttile_winograd_weight_floats_avx512(xs[3], k):
+    if k < 1 or cnp.PyArray_SIZE(u) != _winograd_weight_floats(xs[3], k, isa):
         raise ValueError(f"u does not hold the transformed weights of {xs[3]} -> {k} "
                          f"channels")
     cdef ttile_conv_shape shape
@@ -389,7 +411,10 @@ def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     cdef int status
     with nogil:
-        status = ttile_conv_winograd_avx512(&shape, xp, up, yp, nthreads, ep)
+        if isa == _ISA_AVX2:
+            status = ttile_conv_winograd_avx2(&shape, xp, up, yp, nthreads, ep)
+        else:
+            status = ttile_conv_winograd_avx512(&shape, xp, up, yp, nthreads, ep)
     if status != 0:
         raise MemoryError("the Winograd kernel could not allocate its scratch buffers")
 
@@ -905,11 +930,11 @@ def subsample_nchw(cnp.ndarray x, int stride_h, int stride_w, int nthreads=1, ou
     return result
 
 
-cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads) except -1:
-    """What every generated kernel needs: AVX-512F, float32 C-contiguous 4-D x and
-    writeable y, a positive thread count."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("generated kernels need AVX-512F")
+cdef int _check_run(cnp.ndarray x, cnp.ndarray y, int nthreads, int isa) except -1:
+    """What every generated kernel needs: a CPU that runs its vector family ``isa``
+    (ISA_AVX512F or ISA_AVX2), float32 C-contiguous 4-D x and writeable y, a positive
+    thread count."""
+    _require_isa(isa)
     _check_f32_c4(x, "x")
     _check_f32_c4(y, "y")
     if not cnp.PyArray_ISWRITEABLE(y):
@@ -932,13 +957,12 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     """
     if index < 0 or index >= ttile_tuned_kernel_count:
         raise IndexError(f"no tuned kernel {index}")
-    _check_run(x, y, nthreads)
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
+    _check_run(x, y, nthreads, e.isa)
     if e.fn == NULL:
         raise ValueError(f"registry entry {index} is a generic-kernel verdict, not a kernel")
     if nchw_out and e.fn_nchw == NULL:
         raise ValueError(f"registry entry {index} has no NCHW entry point")
-    _require_isa(e.isa)
     _check_packed(w, e.k, e.panel)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
@@ -968,16 +992,18 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
 
 def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
                  tuple x_shape, tuple w_shape, tuple y_shape, bias=None, residual=None,
-                 int activation=0, float slope=0.01, bint nchw_out=False):
-    """Call a kernel compiled at run time (its address from the loaded library) on x,
-    packed weights w and y, after checking them against the shapes it was built for.
+                 int activation=0, float slope=0.01, bint nchw_out=False, *, int isa):
+    """Call a kernel compiled at run time (its address from the loaded library) for the
+    vector family ``isa`` (ISA_AVX512F or ISA_AVX2: what it was compiled for, which this
+    CPU must run) on x, packed weights w and y, after checking them against the shapes
+    it was built for.
 
     The kernel's extents are compile-time constants: these checks are what stands
     between a caller's arrays and an out-of-bounds access.
     """
     if address == 0:
         raise ValueError("null kernel address")
-    _check_run(x, y, nthreads)
+    _check_run(x, y, nthreads, isa)
     if len(w_shape) != 5:
         raise ValueError("w_shape must have 5 entries")
     _check_packed(w, cnp.PyArray_DIMS(y)[1 if nchw_out else 3], w_shape[4])

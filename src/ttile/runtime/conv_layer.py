@@ -100,7 +100,8 @@ class Conv2d:
         with self._lock:
             packed = self._packed.get(key)
             if packed is None:
-                packed = (winograd.transformed(self._rsck, "NHWC", thread_count(None))
+                packed = (winograd.transformed(self._rsck, "NHWC", thread_count(None),
+                                               choice.isa)
                           if choice.kind is KernelKind.WINOGRAD
                           else family_weights(self._rsck, self.layout, plan, choice))
                 if packed is None:  # dense: RSCK, or panels of the kernel's width

@@ -52,7 +52,7 @@ def _run_searched(choice: dispatch.KernelChoice, x: np.ndarray, weights: np.ndar
                               (n, c, h, w) if nchw_out else (n, h, w, c),
                               problem.packed_weight_shape(choice.panel),
                               (n, k, ho, wo) if nchw_out else (n, ho, wo, k), **fused,
-                              nchw_out=nchw_out)
+                              nchw_out=nchw_out, isa=extension_code(choice.isa))
 
 
 def run_nhwc_kernel(choice: dispatch.KernelChoice, plan: CallPlan, x: np.ndarray,
@@ -74,7 +74,7 @@ def run_nhwc_kernel(choice: dispatch.KernelChoice, plan: CallPlan, x: np.ndarray
             _run_searched(choice, x[i:i + 1], weights, y[i:i + 1], nthreads, one)
     elif kind is KernelKind.WINOGRAD:
         _kernels.conv2d_winograd(x, weights, y, spec.pad_top, spec.pad_left, nthreads,
-                                 **fused)
+                                 **fused, isa=extension_code(choice.isa))
     elif kind is KernelKind.DEPTHWISE:
         _kernels.conv2d_depthwise(x, weights, y, *_generic_args(spec), nthreads,
                                   **_dilation(spec), **fused)

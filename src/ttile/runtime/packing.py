@@ -63,7 +63,8 @@ def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
         return grouped
     spec, panel = plan.spec, choice.panel
     if choice.kind is KernelKind.WINOGRAD:
-        return winograd.transformed(w, plan.layout, nthreads, reuse_buffer=True)
+        return winograd.transformed(w, plan.layout, nthreads, choice.isa,
+                                    reuse_buffer=True)
     if choice.kind is KernelKind.GENERIC and panel:
         return w  # RSCK or KCRS: the kernel's threads pack what they use
     if plan.layout == "NCHW":
@@ -127,7 +128,7 @@ def panel_packer(plan: CallPlan, choice: dispatch.KernelChoice,
     weights as they are)."""
     panel = choice.panel
     if choice.kind is KernelKind.WINOGRAD:
-        return lambda w: winograd.transformed(w, plan.layout, nthreads)
+        return lambda w: winograd.transformed(w, plan.layout, nthreads, choice.isa)
     if panel == 0 or choice.kind is KernelKind.POINTWISE or not choice.isa.vector:
         return None
     if plan.layout == "NHWC":

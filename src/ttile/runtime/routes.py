@@ -152,7 +152,7 @@ def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
         spec = plan.spec
         if with_winograd and winograd.serves(spec, isa):
             # 4x fewer multiplications than any direct kernel (see runtime/winograd.py)
-            return winograd.choice(spec)
+            return winograd.choice(spec, isa)
         if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \
                 and spec.pad_top == spec.pad_bottom == spec.pad_left == spec.pad_right == 0 \
                 and 4 * spec.k * spec.c <= POINTWISE_MAX_WEIGHT_BYTES:

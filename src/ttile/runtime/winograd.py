@@ -2,7 +2,7 @@
 
 The direct kernels (searched, tuned here or generic) run 3x3 layers at 85-99 % of the
 FMA peak, as oneDNN's and MLAS's do: past that only fewer multiplications help.
-F(4x4, 3x3) (``kernels/winograd_avx512.c``) does 36 per 4x4 output tile and channel pair
+F(4x4, 3x3) (``kernels/winograd_conv.inc``, for AVX-512F and AVX2) does 36 per 4x4 output tile and channel pair
 where the direct method does 144. Measured on an AMD EPYC Zen 5 core against the generic
 kernel on the same arrays, weights transformed beforehand: 1.4-3.4x on the 3x3 stride-1
 layers of Fig. 8 with 32 to 512 input channels at 1 thread, 1.1-3.3x at 2 (Yolo9000-2's
@@ -24,6 +24,7 @@ import numpy as np
 from .. import _kernels
 from ..core.kinds import Isa, KernelKind
 from ..core.spec import ConvSpec
+from ..core.vectors import extension_code
 from . import settings
 from .dispatch import KernelChoice
 from .scratch import scratch
@@ -46,13 +47,18 @@ MIN_TILES = 9
 PER_CALL_MAX_BYTES = 128 << 10
 
 
+#: The vector families with a Winograd kernel (``kernels/winograd_conv.inc``, compiled
+#: for each).
+FAMILIES = (Isa.AVX512F, Isa.AVX2)
+
+
 def serves(spec: ConvSpec, isa: Isa, groups: int = 1) -> bool:
     """Whether the Winograd kernel serves ``spec`` (before the per-call weight rule):
-    AVX-512F, 3x3, stride 1, no dilation, one group, at least MIN_CHANNELS input and
+    a vector family (AVX-512F or AVX2), 3x3, stride 1, no dilation, one group, at least MIN_CHANNELS input and
     MIN_OUTPUTS output channels, an output at least one tile (4x4) wide and tall and at
     least MIN_TILES tiles in all, and the Winograd kernel switched on
     (``ttile.use_winograd``)."""
-    return (settings.winograd_on() and isa is Isa.AVX512F and groups == 1
+    return (settings.winograd_on() and isa in FAMILIES and groups == 1
             and spec.r == 3 and spec.s == 3 and spec.stride_h == 1 and spec.stride_w == 1
             and spec.dilation_h == 1 and spec.dilation_w == 1
             and spec.c >= MIN_CHANNELS and spec.k >= MIN_OUTPUTS
@@ -66,20 +72,24 @@ def transform_per_call(weight_bytes: int) -> bool:
     return weight_bytes <= PER_CALL_MAX_BYTES
 
 
-def choice(spec: ConvSpec) -> KernelChoice:
-    """The Winograd kernel for ``spec`` (already found to be served by it)."""
-    return KernelChoice(kind=KernelKind.WINOGRAD, problem=spec,
-                        panel=_kernels.winograd_panel(spec.k),
+def choice(spec: ConvSpec, isa: Isa) -> KernelChoice:
+    """The Winograd kernel of family ``isa`` for ``spec`` (already found to be served by
+    it)."""
+    return KernelChoice(kind=KernelKind.WINOGRAD, problem=spec, isa=isa,
+                        panel=_kernels.winograd_panel(spec.k, extension_code(isa)),
                         note="the Winograd F(4x4, 3x3) kernel (36 products per 4x4 tile "
                              "instead of 144; weights transformed once)")
 
 
-def transformed(w: np.ndarray, layout: str, nthreads: int,
+def transformed(w: np.ndarray, layout: str, nthreads: int, isa: Isa,
                 reuse_buffer: bool = False) -> np.ndarray:
     """The weights ``w`` (RSCK for NHWC, torch's KCRS for NCHW) transformed for the
-    Winograd kernel; in this thread's scratch buffer with ``reuse_buffer`` (a per-call
-    call), else in an array of their own."""
+    Winograd kernel of family ``isa`` (the families' panels differ); in this thread's
+    scratch buffer with ``reuse_buffer`` (a per-call call), else in an array of their
+    own."""
     kcrs = layout == "NCHW"
+    code = extension_code(isa)
     c, k = (w.shape[1], w.shape[0]) if kcrs else (w.shape[2], w.shape[3])
-    out = scratch("wg", (_kernels.winograd_weight_floats(c, k),)) if reuse_buffer else None
-    return _kernels.winograd_weights(w, kcrs, nthreads, out)
+    out = (scratch("wg", (_kernels.winograd_weight_floats(c, k, code),))
+           if reuse_buffer else None)
+    return _kernels.winograd_weights(w, kcrs, nthreads, out, code)

@@ -237,7 +237,8 @@ def head_to_head(spec: ConvSpec, bench: LayerBench,
         packed = _kernels.pack_weights(w, kernel.panel)
         expected_w = spec.packed_weight_shape(kernel.panel)
         runs.append(lambda a=address, p=packed, e=expected_w: _kernels.run_compiled(
-            a, x, p, y, threads, spec.input_shape(), e, spec.output_shape()))
+            a, x, p, y, threads, spec.input_shape(), e, spec.output_shape(),
+            isa=extension_code(isa)))
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(rounds + 1):
         for i, run in enumerate(runs):
