@@ -314,8 +314,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("benchmarks need torch: pip install '.[bench]'", file=sys.stderr)
         return 2
-    if not ttile.has_avx512f():
-        print("note: no AVX-512F here, ttile runs its portable kernel", file=sys.stderr)
+    print(f"ttile's kernel family here: {ttile.get_isa().value}", file=sys.stderr)
     ttile.set_tuning(mode=args.tuning)
     ttile.use_tuned_kernels(args.shipped)
     global ENGINES

@@ -66,7 +66,50 @@ int ttile_cpu_has_avx2(void)
         cached = detect_avx2();
     return cached;
 }
+
+static int64_t detect_l2_bytes(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    if (__get_cpuid_max(0x80000000u, 0) < 0x80000006u)
+        return 0;
+    __cpuid(0x80000006u, eax, ebx, ecx, edx);
+    return (int64_t)(ecx >> 16) * 1024;   /* ECX[31:16]: L2 size in KiB */
+}
+
+int64_t ttile_cpu_l2_bytes(void)
+{
+    static volatile int64_t cached = -1;
+    if (cached < 0)
+        cached = detect_l2_bytes();
+    return cached;
+}
 #else
 int ttile_cpu_has_avx512f(void) { return 0; }
 int ttile_cpu_has_avx2(void) { return 0; }
+int64_t ttile_cpu_l2_bytes(void) { return 0; }
 #endif
+
+/* Half the L2 holds the panels a thread reuses across an output row, the other half the
+ * input rows and outputs they meet; at most 512 KiB, the value measured best on the 1 and
+ * 2 MiB L2s of Zen 4, Zen 5 and a Xeon (model 167), and the value when the L2 is
+ * unknown. */
+static int64_t default_cache_bytes(void)
+{
+    const int64_t l2 = ttile_cpu_l2_bytes();
+    const int64_t most = 512 << 10;
+    return l2 >= (128 << 10) && l2 / 2 < most ? l2 / 2 : most;
+}
+
+static volatile int64_t generic_cache_bytes = -1;
+
+int64_t ttile_generic_cache_bytes(void)
+{
+    if (generic_cache_bytes <= 0)
+        generic_cache_bytes = default_cache_bytes();
+    return generic_cache_bytes;
+}
+
+void ttile_set_generic_cache_bytes(int64_t bytes)
+{
+    generic_cache_bytes = bytes > 0 ? bytes : default_cache_bytes();
+}

@@ -5,7 +5,7 @@
  * (12 accumulators + 3 weight vectors + 1 broadcast = 16), 2 x 6 (15: BLIS's Haswell
  * sgemm block), or 1 x 12 when K is smaller. AVX2 has no opmask registers: K tails use
  * vmaskmovps with an integer lane mask, which, like AVX-512's masks, never touches the
- * memory of a masked-off lane. Compiled with -mavx2 -mfma only: nothing here executes
+ * memory of a masked-off lane; whole vectors are stored plainly (ttile_maskstore256). Compiled with -mavx2 -mfma only: nothing here executes
  * an AVX-512 instruction. */
 #include <immintrin.h>
 #include "ttile_runtime.h"
@@ -21,7 +21,7 @@
 #define G_ADD(a, b) _mm256_add_ps(a, b)
 #define G_MAX(a, b) _mm256_max_ps(a, b)
 #define G_MASKZ_LOAD(m, p) _mm256_maskload_ps(p, m)
-#define G_MASK_STORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define G_MASK_STORE(p, m, v) ttile_maskstore256(p, m, v)   /* plain when whole */
 #define G_EPILOGUE_APPLY ttile_epilogue_apply256
 #define G_EPILOGUE_ROW ttile_epilogue_row256
 #define G_TRANSPOSE_TILE ttile_transpose_tile_portable

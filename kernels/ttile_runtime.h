@@ -30,6 +30,15 @@ typedef struct {
 int ttile_cpu_has_avx512f(void);
 /* 1 when the CPU has AVX2 and FMA and the OS saves the YMM state, else 0. */
 int ttile_cpu_has_avx2(void);
+/* This core's L2 cache in bytes (cpuid leaf 0x80000006, which AMD and Intel both
+ * report; 0 when unknown). */
+int64_t ttile_cpu_l2_bytes(void);
+/* The generic kernel's cache blocking: the bytes of a panel group (the weight panels a
+ * thread keeps in L2 across an output row) and of a reduction chunk's part of a panel.
+ * Half this core's L2 unless set (ttile_set_generic_cache_bytes; <= 0 restores the
+ * default); both kernels of both ISAs read them. */
+int64_t ttile_generic_cache_bytes(void);
+void ttile_set_generic_cache_bytes(int64_t bytes);
 
 /* Generic kernels: runtime shapes, any stride and padding, correct for every shape.
  * The AVX-512 one packs the weights into a scratch buffer and returns -1, writing

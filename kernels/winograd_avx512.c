@@ -21,8 +21,7 @@
 #define W_MUL(a, b) _mm512_mul_ps(a, b)
 #define W_MASKZ_LOAD(m, p) _mm512_maskz_loadu_ps(m, p)
 #define W_MASK_STORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
-/* masked stores cost a plain store here: `full` is not needed */
-#define W_EPILOGUE_STORE(ep, y, i, k, m, full, v) ttile_epilogue_store512(ep, y, i, k, m, v)
+#define W_EPILOGUE_STORE ttile_epilogue_store512
 
 static inline __mmask16 W_TAIL_MASK(int64_t remaining)
 {

@@ -33,7 +33,7 @@ def test_auto_picks_the_widest_family_the_cpu_runs():
 
 
 @needs_avx2
-def test_forced_avx2_serves_its_generic_kernel_with_its_own_panels():
+def test_forced_avx2_serves_its_generic_kernel_with_its_own_panels(no_winograd):
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (1, 13, 11, 40)).astype(np.float32)    # NHWC
     w = rng.uniform(-1, 1, (3, 3, 40, 36)).astype(np.float32)     # RSCK, K not a multiple of 8
@@ -116,3 +116,38 @@ def test_the_avx2_family_contains_no_avx512_instruction(tmp_path):
     assert len(exported) >= 3
     for block in exported:
         assert not re.search(r"%zmm|\{%k[1-7]\}", block), block.split(">:")[0]
+
+
+def test_generic_cache_blocking_follows_this_cores_l2():
+    """Half the L2 that cpuid reports, at most 512 KiB; settable, and 0 restores it."""
+    l2 = _kernels.cpu_l2_bytes()
+    default = _kernels.generic_cache_bytes()
+    assert default == (min(l2 // 2, 512 << 10) if l2 >= 128 << 10 else 512 << 10)
+    previous = _kernels.set_generic_cache_bytes(64 << 10)
+    try:
+        assert previous == default and _kernels.generic_cache_bytes() == 64 << 10
+    finally:
+        _kernels.set_generic_cache_bytes(0)
+    assert _kernels.generic_cache_bytes() == default
+    with pytest.raises(ValueError):
+        _kernels.set_generic_cache_bytes(-1)
+
+
+@pytest.mark.parametrize("isa_name", [i for i in AVAILABLE_ISAS if i != "portable"])
+def test_every_cache_blocking_gives_the_reference_result(isa_name, no_winograd):
+    """Small blockings split the reduction into many chunks and the panels into many
+    groups (64 KiB: 4 chunks of 3x3x64-channel steps here); each gives the float64
+    reference's result."""
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-1, 1, (1, 9, 10, 200)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, 200, 72)).astype(np.float32)
+    expected = conv2d_nhwc_f64(x, w, (1, 1), (1, 1, 1, 1))
+    previous = ttile.set_isa(isa_name)
+    try:
+        for nbytes in (16 << 10, 64 << 10, 0):
+            _kernels.set_generic_cache_bytes(nbytes)
+            y = ttile.conv2d(x, w, padding=1, layout="NHWC", threads=2)
+            np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        _kernels.set_generic_cache_bytes(0)
+        ttile.set_isa(previous)

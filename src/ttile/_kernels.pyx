@@ -28,6 +28,9 @@ cdef extern from "ttile_runtime.h" nogil:
         int64_t groups
     int ttile_cpu_has_avx512f()
     int ttile_cpu_has_avx2()
+    int64_t ttile_cpu_l2_bytes()
+    int64_t ttile_generic_cache_bytes()
+    void ttile_set_generic_cache_bytes(int64_t bytes)
     void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
@@ -177,6 +180,28 @@ def cpu_has_avx512f():
 def cpu_has_avx2():
     """True when the CPU has AVX2 and FMA and the OS saves the YMM registers."""
     return ttile_cpu_has_avx2() == 1
+
+
+def cpu_l2_bytes():
+    """This core's L2 cache in bytes, as cpuid reports it (0 when unknown)."""
+    return ttile_cpu_l2_bytes()
+
+
+def generic_cache_bytes():
+    """The generic kernel's cache blocking in bytes: the weight panels a thread keeps in
+    L2 across an output row, and a reduction chunk's part of a panel (half this core's
+    L2 unless set)."""
+    return ttile_generic_cache_bytes()
+
+
+def set_generic_cache_bytes(int64_t nbytes):
+    """Set the generic kernel's cache blocking (``generic_cache_bytes``) for this
+    process; 0 restores half this core's L2. Returns the previous value."""
+    if nbytes < 0:
+        raise ValueError("nbytes must be >= 0")
+    previous = ttile_generic_cache_bytes()
+    ttile_set_generic_cache_bytes(nbytes)
+    return previous
 
 
 cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
