@@ -24,8 +24,8 @@
 #define G_MASK_STORE(p, m, v) ttile_maskstore256(p, m, v)   /* plain when whole */
 #define G_EPILOGUE_APPLY ttile_epilogue_apply256
 #define G_EPILOGUE_ROW ttile_epilogue_row256
-#define G_TRANSPOSE_TILE ttile_transpose_tile_portable
-#define G_LAYOUT_ISA 0   /* the layout helpers in plain C */
+#define G_TRANSPOSE_TILE ttile_transpose_tile_avx2
+#define G_LAYOUT_ISA TTILE_LAYOUT_AVX2   /* the layout helpers' AVX2 tiles */
 #define G_TAIL_MASK ttile_tail_mask256
 
 #define MAX_KV 3

@@ -22,7 +22,7 @@
 #define G_EPILOGUE_APPLY ttile_epilogue_apply512
 #define G_EPILOGUE_ROW ttile_epilogue_row512
 #define G_TRANSPOSE_TILE ttile_transpose_tile_avx512
-#define G_LAYOUT_ISA 1   /* the layout helpers may use AVX-512 */
+#define G_LAYOUT_ISA TTILE_LAYOUT_AVX512   /* the layout helpers may use AVX-512 */
 
 static inline __mmask16 G_TAIL_MASK(int64_t remaining)
 {

@@ -55,11 +55,14 @@ void ttile_transpose_tile_portable(const float *src, int64_t sstride, float *dst
 
 static void transpose_tile(const float *src, int64_t sstride, float *dst, int64_t dstride,
                            int64_t rows, int64_t cols, int64_t first, int64_t group,
-                           int64_t groups, int avx512, int stream)
+                           int64_t groups, int isa, int stream)
 {
-    if (avx512)
+    if (isa == TTILE_LAYOUT_AVX512)
         ttile_transpose_tile_avx512(src, sstride, dst, dstride, rows, cols, first, group,
                                     groups, stream);
+    else if (isa == TTILE_LAYOUT_AVX2)
+        ttile_transpose_tile_avx2(src, sstride, dst, dstride, rows, cols, first, group,
+                                  groups, stream);
     else
         ttile_transpose_tile_portable(src, sstride, dst, dstride, rows, cols, first, group,
                                       groups, stream);
@@ -78,7 +81,7 @@ static void transpose_tile(const float *src, int64_t sstride, float *dst, int64_
 static void transpose_batched(const float *src, float *dst, int64_t batch, int64_t rows,
                               int64_t cols, int64_t row_tile, int64_t col_tile,
                               int pixels_in_cols, int prefetch, int stream, int nthreads,
-                              int avx512)
+                              int isa)
 {
     const int64_t rtiles = (rows + row_tile - 1) / row_tile;
     const int64_t ctiles = (cols + col_tile - 1) / col_tile;
@@ -103,16 +106,16 @@ static void transpose_batched(const float *src, float *dst, int64_t batch, int64
                         __builtin_prefetch(next + r * cols + q, 0, 2);
             }
             transpose_tile(s, cols, dst + b * rows * cols + c0 * rows + r0, rows,
-                           nr, min64(col_tile, cols - c0), 0, 1, 1, avx512, stream);
+                           nr, min64(col_tile, cols - c0), 0, 1, 1, isa, stream);
         }
     }
 }
 
-/* isa: 1 for AVX-512 tiles (the caller checked the CPU), 0 for the portable loop. */
+/* isa: a TTILE_LAYOUT_* code (the caller checked the CPU). */
 void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
                         int nthreads, int isa)
 {
-    if (isa && c <= SMALL_CHANNELS) {   /* an RGB image: interleaved by permutes */
+    if (isa == TTILE_LAYOUT_AVX512 && c <= SMALL_CHANNELS) {   /* an RGB image: interleaved by permutes */
         const int64_t blocks = (hw + SMALL_PIXELS - 1) / SMALL_PIXELS;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (int64_t b = 0; b < n; b++)
@@ -151,7 +154,7 @@ void ttile_subsample_nchw(const float *src, float *dst, int64_t planes, int64_t 
         const int64_t oh0 = t % (ho / rows_per_task) * rows_per_task;
         const float *s = src + (p * h + oh0 * sh) * w;
         float *d = dst + (p * ho + oh0) * wo;
-        if (isa && sw == 2) {
+        if (isa == TTILE_LAYOUT_AVX512 && sw == 2) {
             ttile_subsample_plane2_avx512(s, d, w, sh, rows_per_task, wo);
         } else {
             for (int64_t oh = 0; oh < rows_per_task; oh++)
@@ -173,9 +176,12 @@ void ttile_pack_kcrs_columns(const float *w, int64_t k, int64_t c, int64_t rs,
     for (int64_t j0 = 0; j0 < valid; j0 += TILE) {
         const float *src = w + (p * panel + j0) * cols + col0;
         const int64_t rows = min64(TILE, valid - j0);
-        if (isa)
+        if (isa == TTILE_LAYOUT_AVX512)
             ttile_regroup_tile_avx512(src, cols, out + j0, panel, rows, col1 - col0, col0,
                                       rs, c);
+        else if (isa == TTILE_LAYOUT_AVX2)
+            ttile_transpose_tile_avx2(src, cols, out + j0, panel, rows, col1 - col0, col0,
+                                      rs, c, 0);
         else
             ttile_transpose_tile_portable(src, cols, out + j0, panel, rows, col1 - col0,
                                           col0, rs, c, 0);

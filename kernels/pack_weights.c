@@ -64,9 +64,9 @@ int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
      * weights it keeps are still those of the caller's array (weight_cache.py). The same
      * blocks of 16 rows per task as the packing: reading only, no copy of the weights
      * kept beside the panels. Compared as 32-bit words, so a NaN matches the same NaN
-     * and -0.0 differs from 0.0; the tail panel's zero fill is not compared. isa 1:
-     * AVX-512 (the caller checked the CPU; the baseline loop below, 16 bytes at a time,
-     * took 2.2x the time of a memcmp of as many bytes on a Zen 4). */
+     * and -0.0 differs from 0.0; the tail panel's zero fill is not compared. isa: AVX-512
+     * or AVX2 tiles (TTILE_LAYOUT_*; the caller checked the CPU; the baseline loop below,
+     * 16 bytes at a time, took 2.2x the time of a memcmp of as many bytes on a Zen 4). */
     const uint32_t *src = (const uint32_t *)w, *out = (const uint32_t *)packed;
     const int64_t panels = (k + panel - 1) / panel, blocks = (rsc + 15) / 16;
     int differ = 0;
@@ -76,10 +76,13 @@ int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
         const int64_t i1 = b * 16 + 16 < rsc ? b * 16 + 16 : rsc;
         uint32_t acc = 0;
         for (int64_t p = 0; p < panels; p++) {
-            if (isa) {
-                acc |= (uint32_t)ttile_packed_rows_differ_avx512(
-                    (const float *)w, k, panel, p, b * 16, i1,
-                    (const float *)packed + p * rsc * panel);
+            if (isa == TTILE_LAYOUT_AVX512 || isa == TTILE_LAYOUT_AVX2) {
+                const float *rows = (const float *)packed + p * rsc * panel;
+                acc |= (uint32_t)(isa == TTILE_LAYOUT_AVX512
+                    ? ttile_packed_rows_differ_avx512((const float *)w, k, panel, p,
+                                                      b * 16, i1, rows)
+                    : ttile_packed_rows_differ_avx2((const float *)w, k, panel, p,
+                                                    b * 16, i1, rows));
                 continue;
             }
             const int64_t valid = k - p * panel < panel ? k - p * panel : panel;

@@ -141,13 +141,22 @@ int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
  * pack_weights.c). */
 int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
                          const void *packed, int nthreads, int isa);
-/* Its rows [i0, i1) of panel p with AVX-512 (layout_avx512.c): nonzero if any differ. */
+/* Its rows [i0, i1) of panel p with AVX-512 (layout_avx512.c) or AVX2 (layout_avx2.c):
+ * nonzero if any differ. */
 int ttile_packed_rows_differ_avx512(const float *w, int64_t k, int64_t panel, int64_t p,
                                     int64_t i0, int64_t i1, const float *out);
+int ttile_packed_rows_differ_avx2(const float *w, int64_t k, int64_t panel, int64_t p,
+                                  int64_t i0, int64_t i1, const float *out);
+
+/* The `isa` codes of the layout conversions and weight packers: their vector tiles, the
+ * caller having checked the CPU (the extension's ISA_* numbers). */
+#define TTILE_LAYOUT_PORTABLE 0
+#define TTILE_LAYOUT_AVX512 1
+#define TTILE_LAYOUT_AVX2 2
 
 /* Activations between torch's layout and the kernels': src[n][c][hw] -> dst[n][hw][c]
- * and back (layout.c, blocked and parallel). isa 1: AVX-512 tiles (the caller checked
- * the CPU); 0: portable C. */
+ * and back (layout.c, blocked and parallel). isa: a TTILE_LAYOUT_* code (AVX-512 tiles,
+ * AVX2 tiles or portable C). */
 void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
                         int nthreads, int isa);
 void ttile_nhwc_to_nchw(const float *src, float *dst, int64_t n, int64_t hw, int64_t c,
@@ -164,9 +173,12 @@ void ttile_subsample_plane2_avx512(const float *src, float *dst, int64_t w, int6
  * (layout_avx512.c). */
 void ttile_interleave_small_avx512(const float *src, float *dst, int64_t c, int64_t hw,
                                    int64_t p0, int64_t p1);
-/* One tile of those conversions with AVX-512 (layout_avx512.c), and in plain C; with
- * `stream`, whole aligned destination lines are stored past the caches (the portable
- * loop ignores it). */
+/* One tile of those conversions with AVX-512 (layout_avx512.c), AVX2 (layout_avx2.c),
+ * and in plain C; with `stream`, whole aligned destination lines are stored past the
+ * caches (the portable loop ignores it). */
+void ttile_transpose_tile_avx2(const float *src, int64_t sstride, float *dst,
+                               int64_t dstride, int64_t rows, int64_t cols,
+                               int64_t first, int64_t group, int64_t groups, int stream);
 void ttile_transpose_tile_avx512(const float *src, int64_t sstride, float *dst,
                                  int64_t dstride, int64_t rows, int64_t cols,
                                  int64_t first, int64_t group, int64_t groups, int stream);

@@ -498,8 +498,10 @@ def test_the_weight_checks_stay_inside_their_arrays(side, k, panel):
     packed = _kernels.pack_weights(w, panel, 1, np.empty(
         ((k + panel - 1) // panel, 3, 3, 5, panel), np.float32))
     gw, gp, gc = guarded_copy(w, side), guarded_copy(packed, side), guarded_copy(w, side)
-    for isa in AVAILABLE_ISAS:   # AVX2 calls take the portable check
-        flag = None if isa == "avx512f" else _kernels.ISA_PORTABLE
+    codes = {"portable": _kernels.ISA_PORTABLE, "avx2": _kernels.ISA_AVX2,
+             "avx512f": _kernels.ISA_AVX512F}
+    for isa in AVAILABLE_ISAS:
+        flag = codes[isa]
         for threads in (1, 3):
             assert _kernels.packed_matches(gw.array, gp.array, threads, flag)
     for threads in (1, 3):

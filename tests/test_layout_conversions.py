@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from ttile import _kernels
 from conftest import AVAILABLE_ISAS
 
-ISAS = [_kernels.ISA_PORTABLE] + ([_kernels.ISA_AVX512F] if "avx512f" in AVAILABLE_ISAS else [])
+ISAS = ([_kernels.ISA_PORTABLE] + ([_kernels.ISA_AVX2] if "avx2" in AVAILABLE_ISAS else [])
+        + ([_kernels.ISA_AVX512F] if "avx512f" in AVAILABLE_ISAS else []))
 SIZES = st.sampled_from([1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 64, 65])
 
 
@@ -68,7 +69,7 @@ def test_conversions_check_their_output_buffers():
         _kernels.nchw_to_nhwc(x, 1, isa=7)
 
 
-@pytest.mark.skipif("avx512f" not in AVAILABLE_ISAS, reason="AVX-512F generic kernel")
+@pytest.mark.skipif("avx2" not in AVAILABLE_ISAS, reason="a vector generic kernel")
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_generic_kernel_streams_a_large_nchw_output(residual):
     """An NCHW output past 8 MB leaves the generic kernel's tiles with streaming stores,

@@ -176,21 +176,24 @@ def test_same_bytes(n):
             np.zeros((4, 4), np.float32).T, np.zeros((4, 4), np.float32).T, 1)
 
 
-@pytest.mark.parametrize("k, panel", [(128, 48), (96, 32), (40, 16), (64, 64)])
-def test_packed_matches(k, panel):
+@pytest.mark.parametrize("isa", [None, _kernels.ISA_PORTABLE]
+                         + ([_kernels.ISA_AVX2] if ttile.has_avx2() else [])
+                         + ([_kernels.ISA_AVX512F] if ttile.has_avx512f() else []))
+@pytest.mark.parametrize("k, panel", [(128, 48), (96, 32), (40, 16), (64, 64), (36, 24)])
+def test_packed_matches(k, panel, isa):
     w = np.random.default_rng(k).standard_normal((3, 3, 24, k)).astype(np.float32)
     packed = _kernels.pack_weights(w, panel, 1, np.empty(((k + panel - 1) // panel, 3, 3, 24,
                                                            panel), np.float32))
     for threads in (1, 2, 5):
-        assert _kernels.packed_matches(w, packed, threads)
+        assert _kernels.packed_matches(w, packed, threads, isa)
         for i in {0, 7, w.size // 2, w.size - 1}:   # first, last, middle panels' words
             changed = w.copy()
             changed.reshape(-1).view(np.uint32)[i] ^= np.uint32(1 << (i % 32))
-            assert not _kernels.packed_matches(changed, packed, threads)
+            assert not _kernels.packed_matches(changed, packed, threads, isa)
     if k % panel:   # the tail panel's zero fill is not the weights': not compared
         tail = packed.copy()
         tail[-1, ..., -1] = 1.0
-        assert _kernels.packed_matches(w, tail, 1)
+        assert _kernels.packed_matches(w, tail, 1, isa)
     with pytest.raises(ValueError):
         _kernels.packed_matches(w[:, :, :12].copy(), packed, 1)
     with pytest.raises(ValueError):

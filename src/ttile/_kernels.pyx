@@ -867,16 +867,22 @@ def packed_matches(cnp.ndarray w, cnp.ndarray packed, int nthreads=1, isa=None) 
 
 
 cdef int _layout_isa(isa) except -1:
-    """The ISA flag of the layout conversions: AVX-512 tiles unless asked for the
-    portable loop, never AVX-512 on a CPU without it."""
+    """The ISA code of the layout conversions and weight packers (the C side's
+    TTILE_LAYOUT_*, equal to ISA_*): None for the widest tiles this CPU runs (AVX-512,
+    else AVX2, else the portable loop), or the one asked for, never one the CPU lacks."""
     if isa is None:
-        return ttile_cpu_has_avx512f()
+        return _ISA_AVX512F if ttile_cpu_has_avx512f() == 1 \
+            else _ISA_AVX2 if ttile_cpu_has_avx2() == 1 else _ISA_PORTABLE
     if isa == ISA_PORTABLE:
-        return 0
+        return _ISA_PORTABLE
     if isa == ISA_AVX512F:
         if ttile_cpu_has_avx512f() != 1:
             raise RuntimeError("this CPU does not support AVX-512F")
-        return 1
+        return _ISA_AVX512F
+    if isa == ISA_AVX2:
+        if ttile_cpu_has_avx2() != 1:
+            raise RuntimeError("this CPU does not support AVX2 with FMA")
+        return _ISA_AVX2
     raise ValueError(f"unknown isa {isa!r}")
 
 

@@ -109,10 +109,12 @@ def get_isa() -> Isa:
 
 
 def layout_isa() -> Optional[int]:
-    """The layout conversions' and weight packers' ISA code: AVX-512 tiles only in the
-    AVX-512F family (a call held to AVX2 runs no AVX-512 instruction anywhere), else
-    portable C."""
-    return None if get_isa() is Isa.AVX512F else _kernels.ISA_PORTABLE
+    """The layout conversions' and weight packers' ISA code: the tiles of the family
+    calls use (a call held to AVX2 runs no AVX-512 instruction anywhere: AVX2 tiles), and
+    portable C in the portable family."""
+    isa = get_isa()
+    return (None if isa is Isa.AVX512F else _kernels.ISA_AVX2 if isa is Isa.AVX2
+            else _kernels.ISA_PORTABLE)
 
 
 def _isa_from_environment() -> None:

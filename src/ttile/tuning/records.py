@@ -48,7 +48,7 @@ GENERIC_REVISION = 6
 #: The first 16 hex digits of the SHA-256 of the generic kernel's sources, in this order.
 GENERIC_SOURCES = ("kernels/generic_conv.inc", "kernels/generic_avx512.c",
                    "kernels/generic_avx2.c")
-GENERIC_SOURCES_SHA256 = "dc66b10b48fe3016"
+GENERIC_SOURCES_SHA256 = "676f2905c53af8c5"
 
 
 class RecordError(ValueError):
