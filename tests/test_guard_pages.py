@@ -543,3 +543,35 @@ def test_small_channel_conversion_stays_in_bounds(isa, side, shape):
         _kernels.nchw_to_nhwc(gx.array, threads, gy.array, isa=flag)
         assert gy.canary_intact() and gx.canary_intact()
         np.testing.assert_array_equal(gy.array, x.transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("shape", [(1, 9, 7, 9), (2, 17, 5, 11), (1, 33, 13, 3), (1, 8, 8, 8)],
+                         ids=lambda v: "x".join(map(str, v)))
+def test_layout_tiles_stay_in_bounds(isa, side, shape):
+    """NCHW <-> NHWC through each family's tiles (8x8 AVX2 or 16x16 AVX-512 registers, the
+    ragged edges in plain C) and KCRS weights into panels: nothing read or written past
+    the arrays."""
+    flag = {"portable": _kernels.ISA_PORTABLE, "avx2": _kernels.ISA_AVX2,
+            "avx512f": _kernels.ISA_AVX512F}[isa]
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    gx = guarded_copy(x, side)
+    for threads in (1, 2):
+        gy = guarded_copy(np.zeros(x.transpose(0, 2, 3, 1).shape, np.float32), side)
+        _kernels.nchw_to_nhwc(gx.array, threads, gy.array, isa=flag)
+        assert gy.canary_intact() and gx.canary_intact()
+        np.testing.assert_array_equal(gy.array, x.transpose(0, 2, 3, 1))
+        gb = guarded_copy(np.zeros(shape, np.float32), side)
+        _kernels.nhwc_to_nchw(gy.array, threads, gb.array, isa=flag)
+        assert gb.canary_intact() and gy.canary_intact()
+        np.testing.assert_array_equal(gb.array, x)
+    k, c = shape[1], shape[2]
+    w = np.random.default_rng(5).standard_normal((k, c, 3, 3)).astype(np.float32)
+    gw = guarded_copy(w, side)
+    for panel in (8, 16, 24):
+        expected = _kernels.pack_weights(np.ascontiguousarray(w.transpose(2, 3, 1, 0)), panel, 1)
+        gp = guarded_copy(np.zeros(expected.shape, np.float32), side)
+        _kernels.pack_weights_kcrs(gw.array, panel, 2, gp.array, isa=flag)
+        assert gp.canary_intact() and gw.canary_intact()
+        np.testing.assert_array_equal(gp.array, expected)

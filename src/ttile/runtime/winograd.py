@@ -2,12 +2,14 @@
 
 The direct kernels (searched, tuned here or generic) run 3x3 layers at 85-99 % of the
 FMA peak, as oneDNN's and MLAS's do: past that only fewer multiplications help.
-F(4x4, 3x3) (``kernels/winograd_conv.inc``, for AVX-512F and AVX2) does 36 per 4x4 output tile and channel pair
-where the direct method does 144. Measured on an AMD EPYC Zen 5 core against the generic
-kernel on the same arrays, weights transformed beforehand: 1.4-3.4x on the 3x3 stride-1
-layers of Fig. 8 with 32 to 512 input channels at 1 thread, 1.1-3.3x at 2 (Yolo9000-2's
-32 channels on 272x272 the least, its transforms being most of its work), and 0.6x on
-Yolo9000-0's 3 input channels, whose reduction is too short to amortise the transforms.
+F(4x4, 3x3) (``kernels/winograd_conv.inc``, compiled for AVX-512F and for AVX2) does 36
+per 4x4 output tile and channel pair where the direct method does 144. Measured against
+the generic kernel of the same family on the same arrays, weights transformed
+beforehand: on an AMD EPYC Zen 5 core (AVX-512F) 1.4-3.4x on the 3x3 stride-1 layers of
+Fig. 8 with 32 to 512 input channels at 1 thread, 1.1-3.3x at 2 (Yolo9000-2's 32 channels
+on 272x272 the least, its transforms being most of its work), and 0.6x on Yolo9000-0's 3
+input channels, whose reduction is too short to amortise the transforms; on a Zen 3
+core (AVX2) 2.1-3.6x at 1 thread on the same nine layers.
 
 Its weights are 4x the layer's (36 transformed points per filter instead of 9) and the
 transform runs at 5-14 GB/s, so it is made once: by ``ttile.Conv2d``, or for a per-call
@@ -54,8 +56,8 @@ FAMILIES = (Isa.AVX512F, Isa.AVX2)
 
 def serves(spec: ConvSpec, isa: Isa, groups: int = 1) -> bool:
     """Whether the Winograd kernel serves ``spec`` (before the per-call weight rule):
-    a vector family (AVX-512F or AVX2), 3x3, stride 1, no dilation, one group, at least MIN_CHANNELS input and
-    MIN_OUTPUTS output channels, an output at least one tile (4x4) wide and tall and at
+    a vector family (AVX-512F or AVX2), 3x3, stride 1, no dilation, one group, at least
+    MIN_CHANNELS input and MIN_OUTPUTS output channels, an output at least one tile (4x4) wide and tall and at
     least MIN_TILES tiles in all, and the Winograd kernel switched on
     (``ttile.use_winograd``)."""
     return (settings.winograd_on() and isa in FAMILIES and groups == 1
