@@ -211,6 +211,7 @@ def test_a_record_that_cannot_be_read_is_an_error_naming_file_and_line(tmp_path)
 
 
 def test_format_1_records_are_migrated_with_their_warm_pairs(tmp_path):
+    from ttile.tuning.records import GENERIC_REVISION
     spec = ConvSpec(1, 16, 4, 6, 6, 1, 1)
     scheme = "[T6 h; T6 w; T4 c; V k]"
     common = {"calls": 15, "cpu": "cpu-m", "generator_version": 3, "gflops": 1.0,
@@ -223,7 +224,7 @@ def test_format_1_records_are_migrated_with_their_warm_pairs(tmp_path):
           dict(common, protocol="warm", scheme=scheme, seconds=0.9e-3, strategy="warm",
                detail=""),
           dict(common, protocol="warm", scheme="generic", seconds=1e-3, strategy="warm",
-               detail=f"against {scheme} (generic r5)")]
+               detail=f"against {scheme} (generic r{GENERIC_REVISION})")]
     path = tmp_path / "cpu-m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in v1))
     db = TuningDatabase(tmp_path, cpu_id="cpu-m")
@@ -231,7 +232,8 @@ def test_format_1_records_are_migrated_with_their_warm_pairs(tmp_path):
     assert [(r.protocol, r.scheme) for r in generic] == [(Protocol.PAPER, ""), (Protocol.WARM, "")]
     warm = [r for r in db.records if r.protocol is Protocol.WARM]
     assert warm[0].comparison == warm[1].comparison == "v1-3"
-    assert warm[0].strategy is Strategy.SEQUENTIAL and warm[1].generic_revision == 5
+    assert warm[0].strategy is Strategy.SEQUENTIAL
+    assert warm[1].generic_revision == GENERIC_REVISION
     assert db.warm_ratios(spec, 1, scheme) == [pytest.approx(0.9)]
     db.rewrite()                                           # records migrate
     assert all(json.loads(line)["format"] == 2 for line in path.read_text().splitlines())
