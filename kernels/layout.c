@@ -115,7 +115,8 @@ static void transpose_batched(const float *src, float *dst, int64_t batch, int64
 void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
                         int nthreads, int isa)
 {
-    if (isa == TTILE_LAYOUT_AVX512 && c <= SMALL_CHANNELS) {   /* an RGB image: interleaved by permutes */
+    /* an RGB image: interleaved by AVX-512 permutes (the AVX2 family transposes it) */
+    if (isa == TTILE_LAYOUT_AVX512 && c <= SMALL_CHANNELS) {
         const int64_t blocks = (hw + SMALL_PIXELS - 1) / SMALL_PIXELS;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (int64_t b = 0; b < n; b++)
