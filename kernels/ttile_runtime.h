@@ -104,6 +104,11 @@ int ttile_conv_winograd_avx2(const ttile_conv_shape *shape, const float *x, cons
 void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads,
                                  const ttile_epilogue *ep);
+/* The same with 8 channels in the vector lanes, for the AVX2 + FMA family
+ * (depthwise_avx2.c). */
+void ttile_conv_depthwise_avx2(const ttile_conv_shape *shape, const float *x,
+                               const float *w, float *y, int nthreads,
+                               const ttile_epilogue *ep);
 
 /* The same in torch's layout: x[N][groups][H][W], weights [groups][1][R][S], y and the
  * residual [N][groups][Ho][Wo]; 16 outputs of a row in the vector lanes

@@ -436,16 +436,27 @@ OFF_LINE_SHAPES = [
 ]
 
 
-@requires_avx512
 @pytest.mark.parametrize("off", [1, 4, 8, 12, 15])
 @pytest.mark.parametrize("case", OFF_LINE_SHAPES,
                          ids=lambda c: f"n{c[0]}w{c[2]}c{c[3]}r{c[4]}s{c[5]}p{c[6]}")
-def test_depthwise_input_off_its_lines_gives_the_line_aligned_result(case, off):
+@pytest.mark.parametrize("isa", ["avx2", "avx512f"])
+def test_depthwise_input_off_its_lines_gives_the_line_aligned_result(isa, case, off):
     """An NHWC input that does not start on a line (numpy's own arrays start 16 bytes into
-    one) runs other code (channel vectors along the input's lines, dw_fast0 and the
-    wrapped vector 0): its results must be those of the same input on a line, bit for
-    bit, with every epilogue operand, inf and NaN in the input staying in the outputs
-    whose windows hold them, and nothing read from outside the array."""
+    one) runs other code in the AVX-512 kernel (channel vectors along the input's lines,
+    dw_fast0 and the wrapped vector 0), and vector loads across lines in the AVX2 one:
+    its results must be those of the same input on a line, bit for bit, with every
+    epilogue operand, inf and NaN in the input staying in the outputs whose windows hold
+    them, and nothing read from outside the array."""
+    if isa not in AVAILABLE_ISAS:
+        pytest.skip(f"this CPU cannot run the {isa} family")
+    previous = ttile.set_isa(isa)
+    try:
+        _check_off_line_depthwise(case, off)
+    finally:
+        ttile.set_isa(previous)
+
+
+def _check_off_line_depthwise(case, off):
     n, h, w, c, r, stride, pad = case
     rng = np.random.default_rng(off)
     x = rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32)
@@ -474,12 +485,22 @@ def test_depthwise_input_off_its_lines_gives_the_line_aligned_result(case, off):
     np.testing.assert_allclose(plain[finite], reference[finite], rtol=1e-4, atol=1e-4)
 
 
-@requires_avx512
 @pytest.mark.parametrize("off", [0, 4, 8, 12])
-def test_a_new_depthwise_output_is_placed_like_its_input(off):
+@pytest.mark.parametrize("isa", ["avx2", "avx512f"])
+def test_a_new_depthwise_output_is_placed_like_its_input(isa, off):
     """Without out=, the NHWC depthwise kernel's output starts as far into a line as its
     input (its stores then follow whole lines, like its loads); other outputs start on a
     line."""
+    if isa not in AVAILABLE_ISAS:
+        pytest.skip(f"this CPU cannot run the {isa} family")
+    previous = ttile.set_isa(isa)
+    try:
+        _check_depthwise_output_placement(off)
+    finally:
+        ttile.set_isa(previous)
+
+
+def _check_depthwise_output_placement(off):
     x = _off_line(np.ones((1, 20, 40, 48), np.float32), off)
     wt = np.ones((3, 3, 1, 48), np.float32)
     y = ttile.conv2d(x, wt, None, 1, 1, 1, 48, layout="NHWC")

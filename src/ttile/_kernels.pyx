@@ -51,6 +51,9 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
+    void ttile_conv_depthwise_avx2(const ttile_conv_shape *shape, const float *x,
+                                   const float *w, float *y, int nthreads,
+                                   const ttile_epilogue *ep)
     int ttile_depthwise_nchw_supported(const ttile_conv_shape *shape)
     int ttile_pointwise_nchw_supported(const ttile_conv_shape *shape)
     int ttile_conv_pointwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
@@ -308,11 +311,12 @@ def conv2d_generic_nhwc(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
 def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                      int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
                      int nthreads, *, int64_t dil_h=1, int64_t dil_w=1,
-                     bias=None, residual=None, int activation=0, float slope=0.01):
-    """The AVX-512F depthwise kernel: x (N,H,W,C), weights (R,S,1,C) (channels_last
-    depthwise weights, one output channel per input channel), y (N,Ho,Wo,C)."""
-    if ttile_cpu_has_avx512f() != 1:
-        raise RuntimeError("AVX-512F kernel requested on a CPU without AVX-512F")
+                     bias=None, residual=None, int activation=0, float slope=0.01,
+                     int isa=_ISA_AVX512F):
+    """The depthwise kernel of ``isa`` (ISA_AVX512F or ISA_AVX2): x (N,H,W,C), weights
+    (R,S,1,C) (channels_last depthwise weights, one output channel per input channel),
+    y (N,Ho,Wo,C)."""
+    _require_isa(isa)
     _check_f32_c4(w, "w")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
@@ -329,7 +333,10 @@ def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
-        ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
+        if isa == _ISA_AVX2:
+            ttile_conv_depthwise_avx2(&shape, xp, wp, yp, nthreads, ep)
+        else:
+            ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
 
 
 cdef int _check_avx512_arrays(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y) except -1:

@@ -77,7 +77,7 @@ def run_nhwc_kernel(choice: dispatch.KernelChoice, plan: CallPlan, x: np.ndarray
                                  **fused, isa=extension_code(choice.isa))
     elif kind is KernelKind.DEPTHWISE:
         _kernels.conv2d_depthwise(x, weights, y, *_generic_args(spec), nthreads,
-                                  **_dilation(spec), **fused)
+                                  **_dilation(spec), **fused, isa=extension_code(choice.isa))
     elif choice.panel:
         # 4-D weights: RSCK for a dense NHWC call, KCRS for NCHW and grouped calls
         kcrs = weights.ndim == 4 and (plan.family is not Family.DENSE or plan.layout == "NCHW")

@@ -173,14 +173,15 @@ def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
             return dispatch.KernelChoice(kind=KernelKind.POINTWISE, problem=spec, panel=0,
                                          nchw=True, note=note)
         return None
-    if plan.family is Family.DEPTHWISE and isa is Isa.AVX512F:
-        if plan.layout == "NCHW" and plan.spec.wo >= DEPTHWISE_NCHW_MIN_WIDTH \
+    if plan.family is Family.DEPTHWISE and isa in (Isa.AVX512F, Isa.AVX2):
+        if plan.layout == "NCHW" and isa is Isa.AVX512F \
+                and plan.spec.wo >= DEPTHWISE_NCHW_MIN_WIDTH \
                 and _kernels.depthwise_nchw_supported(plan.spec.s, plan.spec.stride_w):
             return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec,
                                          panel=0, nchw=True,
                                          note="the NCHW depthwise kernel (16 outputs of a "
                                               "row in the vector lanes, nothing converted)")
         return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec, panel=0,
-                                     note="the depthwise kernel (channels in the vector "
-                                          "lanes)")
+                                     isa=isa, note="the depthwise kernel (channels in the "
+                                                   "vector lanes)")
     return dispatch.generic_choice(isa, plan.spec, f"the generic kernel, {plan.groups} groups")
