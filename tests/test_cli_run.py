@@ -52,3 +52,23 @@ def test_run_times_the_installed_peers_beside_ttile(capsys):
         assert cells[-1] == "ok", row
     assert "kernel set:" in out and "run-time tuning: off" in out
     assert "torch: " in out and "x as fast" in out
+
+
+def test_a_new_cpus_search_is_quick_unless_asked_for_the_full_one():
+    """--search auto is the quick search on a CPU whose microkernel table is step 1's quick
+    one (a new CPU), the full search otherwise; quick measures fewer of each layer's
+    candidates on fewer classes, and an explicit --search wins."""
+    import argparse
+    from types import SimpleNamespace
+    from ttile.cli import EFFORTS, SearchDepth, _search_depth
+    quick_table, full_table = SimpleNamespace(quick=True), SimpleNamespace(quick=False)
+    auto = argparse.Namespace(search="auto")
+    assert _search_depth(auto, quick_table) is SearchDepth.QUICK
+    assert _search_depth(auto, full_table) is SearchDepth.FULL
+    assert _search_depth(auto, None) is SearchDepth.FULL     # from records: nothing measured
+    assert _search_depth(argparse.Namespace(search="full"), quick_table) is SearchDepth.FULL
+    assert _search_depth(argparse.Namespace(search="quick"), full_table) is SearchDepth.QUICK
+    quick, full = EFFORTS[SearchDepth.QUICK], EFFORTS[SearchDepth.FULL]
+    assert quick.rank_measure < full.rank_measure and quick.budget_seconds < full.budget_seconds
+    assert quick.classes is not None and full.classes is None
+    assert quick.max_points < full.max_points

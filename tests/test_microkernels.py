@@ -173,10 +173,50 @@ def test_cli_parses_the_microkernels_command():
     assert legacy.data_dir == Path("old")       # the flag's former name still works
 
 
+@pytest.mark.parametrize("isa", ["avx512f", "avx2"])
+def test_a_quick_table_covers_every_built_in_layer(isa):
+    """Every dense layer of the built-in networks has a candidate from the shapes step 1's
+    quick mode measures (taken as all selected, as the search's last fallback does): the
+    quick search on a new CPU once found none for ResNet-18's 7x7 layers."""
+    from ttile.core.kinds import Isa
+    from ttile.core.vectors import vector_isa
+    from ttile.generator import networks
+    from ttile.generator.microkernels import MicrokernelClass, quick_shapes
+    from ttile.generator.search import class_fits, microkernel_choices
+    family = Isa(isa)
+    shapes = quick_shapes(family, cpu_id="someone-1-1-00000000")
+    if not shapes:
+        pytest.skip(f"no {isa} table shipped to take the quick shapes from")
+    classes = [MicrokernelClass(s.unroll_r, s.unroll_s, s.axis, s.alpha, s.beta, s.beta,
+                                100.0) for s in shapes]
+    lanes = vector_isa(family).lanes
+    for name in ("resnet18", "yolo9000", "mobilenet_v2"):
+        for layer in networks.NETWORKS[name]:
+            if layer.groups > 1:
+                continue
+            spec = layer.spec()
+            covered = any(microkernel_choices(spec.ho if c.axis == "h" else spec.wo, c)
+                          for c in classes if class_fits(spec, c, lanes))
+            # or a pair of one block's betas (the search's lambda-seq)
+            betas = {}
+            for c in classes:
+                if class_fits(spec, c, lanes):
+                    betas.setdefault((c.unroll_r, c.unroll_s, c.axis, c.alpha), set()).add(c.beta_min)
+            for (_, _, axis, _), found in betas.items():
+                extent = spec.ho if axis == "h" else spec.wo
+                covered = covered or any(
+                    extent % (m * b1 + n * b2) == 0
+                    for b1 in found for b2 in found if b1 < b2
+                    for m in range(1, extent // b1 + 1)
+                    for n in range(1, (extent - m * b1) // b2 + 1))
+            assert covered, f"{layer.name}: no quick-mode microkernel covers it"
+
+
 def test_quick_shapes_are_what_other_cpus_selected(tmp_path):
     """Step 1's quick mode measures the union of the classes other CPUs' tables of the
-    family selected: a fraction of every shape, never this CPU's own table's, never a
-    quick table's (a subset of the tables it came from)."""
+    family selected, with their blocks' smaller betas: a fraction of every shape, never
+    this CPU's own table's, never a quick table's (a subset of the tables it came
+    from)."""
     from ttile.core.kinds import Isa
     from ttile.generator.microkernels import quick_shapes
     every = set(enumerate_shapes())
@@ -186,10 +226,19 @@ def test_quick_shapes_are_what_other_cpus_selected(tmp_path):
     tables = [MicrokernelTable.from_json(json.loads(p.read_text()))
               for p in sorted((REPO / "generator" / "microkernels").glob("*.json"))]
     avx512 = [t for t in tables if t.isa is Isa.AVX512F]
+    def completed(selected):
+        lowest = {}
+        for s in selected:
+            key = (s.unroll_r, s.unroll_s, s.axis, s.alpha)
+            lowest[key] = min(lowest.get(key, s.beta), s.beta)
+        return selected | {MicrokernelShape(*key, beta) for key, low in lowest.items()
+                           for beta in range(2, low)}
+
     union = {s for t in avx512 for c in t.classes for s in c.shapes()}
-    assert set(stranger) == union
+    assert set(stranger) == completed(union) and union < set(stranger)
     own = avx512[0].cpu.id
-    without_own = {s for t in avx512 if t.cpu.id != own for c in t.classes for s in c.shapes()}
+    without_own = completed({s for t in avx512 if t.cpu.id != own
+                             for c in t.classes for s in c.shapes()})
     assert set(quick_shapes(Isa.AVX512F, tmp_path, cpu_id=own)) == without_own
     # a quick table in the data directory adds nothing
     quick_table = MicrokernelTable(**{**avx512[0].__dict__, "quick": True,

@@ -23,7 +23,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Optional
 
 from .core.kinds import Isa, KernelKind
 from .core.vectors import family_stem, vector_isa
@@ -60,8 +63,38 @@ class _Progress:
             print(file=sys.stderr)
 
 
+class SearchDepth(Enum):
+    """How much of each layer's ranked candidates the network search measures."""
+    QUICK = "quick"   # a new CPU's first search: minutes for a network
+    FULL = "full"     # the search the shipped sets come from
+
+
+@dataclass(frozen=True)
+class SearchEffort:
+    """What one depth measures per layer: the seconds of screening at 1 thread (half at
+    N), the learned ranking's first picks screened, the sequential schemes whose parallel
+    variants are tuned, the finalists re-timed with the paper's protocol, and how many of
+    the fastest microkernel classes the scheme space is built on, with how many
+    completions per loop order the model ranks (the run-time tuner ranks 20 000)."""
+    budget_seconds: float
+    rank_measure: int
+    parallel_from: int
+    refine_top: int
+    classes: Optional[int] = None   # the microkernel classes searched (None: every one
+                                    # that fits; the model ranks permutations above each,
+                                    # 5-8 s per class and layer on a Zen 3)
+    max_points: int = 200_000       # completions ranked per loop order: the model's cost
+                                    # of ~300 000 of them took 60 s of ResNet18-8's search
+
+
+#: The full search found the ResNet-18 kernels of the shipped sets; the quick one took
+#: ResNet-18 at 1 and 2 threads from no microkernel table (step 1's quick mode included)
+#: from about 9 minutes to under 3 on a 2-core Zen 3 (see the results page).
+EFFORTS = {SearchDepth.FULL: SearchEffort(90.0, 24, 4, 4),
+           SearchDepth.QUICK: SearchEffort(12.0, 6, 1, 2, classes=2, max_points=20_000)}
+
 #: Candidates per layer the offline search screens in the learned ranking's order.
-DEFAULT_RANK_MEASURE = 24
+DEFAULT_RANK_MEASURE = EFFORTS[SearchDepth.FULL].rank_measure
 
 
 def _search_isa(args: argparse.Namespace) -> Isa:
@@ -428,6 +461,14 @@ def _table_or_quick_step1(args: argparse.Namespace, isa: Isa):
     return table
 
 
+def _search_depth(args: argparse.Namespace, table) -> SearchDepth:
+    """--search, where "auto" is quick on a CPU whose microkernel table is step 1's quick
+    one (a new CPU: its first network in minutes) and full otherwise."""
+    if args.search != "auto":
+        return SearchDepth(args.search)
+    return SearchDepth.QUICK if table is not None and table.quick else SearchDepth.FULL
+
+
 def _cmd_network(args: argparse.Namespace) -> int:
     from .generator.autotune import TuneSettings, compare_warm, measure_generic, tune_layer
     from .generator.emit import databases_in, emit, registry_entries
@@ -445,7 +486,12 @@ def _cmd_network(args: argparse.Namespace) -> int:
     else:
         table = _table_or_quick_step1(args, isa)
         caches = load_or_measure(args.data_dir).caches()
-    settings = TuneSettings(budget_seconds=args.budget)
+    depth = _search_depth(args, table)
+    effort = EFFORTS[depth]
+    budget = args.budget if args.budget is not None else effort.budget_seconds
+    parallel_from = args.parallel_from if args.parallel_from is not None \
+        else effort.parallel_from
+    settings = TuneSettings(budget_seconds=budget, refine_top=effort.refine_top)
     search = _distributed_search(args, database)
     ranking = context = None
     if args.rank_measure != 0 and not args.from_records:
@@ -457,7 +503,14 @@ def _cmd_network(args: argparse.Namespace) -> int:
             raise SystemExit("ttile-generate: --rank-measure needs a learned ranking "
                              "(ttile-generate train-ranker)")
         context = CpuContext.from_table(table) if ranking is not None else None
-    rank_measure = args.rank_measure or DEFAULT_RANK_MEASURE
+    rank_measure = args.rank_measure or effort.rank_measure
+    if not args.from_records:
+        picks = f"the ranking's first {rank_measure}" if ranking is not None else "candidates"
+        print(f"{depth.value} search: {picks} per layer within {budget:g} s, parallel "
+              f"variants of the best {parallel_from}"
+              + (" (a new CPU; --search full measures more)"
+                 if depth is SearchDepth.QUICK and args.search == "auto" else ""),
+              file=sys.stderr)
     source = (f"--network {' '.join(args.network)}" if args.network
               else f"--onnx {Path(args.onnx).name}" if args.onnx
               else f"--layers-file {args.layers_file}")
@@ -474,7 +527,11 @@ def _cmd_network(args: argparse.Namespace) -> int:
             rows.append((layer, None))
             continue
         if not args.from_records:
-            candidates = scheme_space(spec, classes_for(spec, table), caches, top=args.top,
+            classes = classes_for(spec, table)
+            if effort.classes is not None:   # the fastest ones
+                classes = sorted(classes, key=lambda c: -c.best_percent)[:effort.classes]
+            candidates = scheme_space(spec, classes, caches, top=args.top,
+                                      max_points=effort.max_points,
                                       keep_fraction=args.keep_fraction, isa=isa)
             if ranking is not None:   # the learned ranking's first picks, and only those
                 candidates = rank_order(ranking, spec, candidates, 1, isa,
@@ -498,14 +555,15 @@ def _cmd_network(args: argparse.Namespace) -> int:
                     continue             # calls of this layer never run on N threads
                 parallel, sources = [], 0
                 for record in screened:  # the fastest that have a loop to parallelize
-                    if sources == args.parallel_from:
+                    if sources == parallel_from:
                         break
                     if record.scheme in by_text:
                         variants = parallel_variants(by_text[record.scheme], spec, threads,
                                                      isa)
                         parallel += variants
                         sources += bool(variants)
-                parallel_settings = TuneSettings(budget_seconds=args.budget / 2)
+                parallel_settings = TuneSettings(budget_seconds=budget / 2,
+                                                 refine_top=effort.refine_top)
                 tune_layer(layer.name, spec, parallel, threads, database, bench,
                            parallel_settings, verbose, command)
             del bench
@@ -607,9 +665,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "model (shapes by ONNX shape inference; needs ttile[onnx])")
     parser.add_argument("--kernels-dir", type=Path, default=Path("kernels/gen"),
                         help="where generated kernels and the registry go")
-    parser.add_argument("--budget", type=float, default=90.0,
+    parser.add_argument("--search", choices=("auto", "quick", "full"), default="auto",
+                        help="how much of each layer's candidates is measured: full (the "
+                             "shipped sets' search), quick (a few of the learned ranking's "
+                             "picks: a network in minutes), auto (quick on a CPU whose "
+                             "microkernel table is step 1's quick one, else full)")
+    parser.add_argument("--budget", type=float, default=None,
                         help="seconds of measurement per layer for the single-thread search "
-                             "(half as much for the parallel one)")
+                             "(half as much for the parallel one; default 90 for the full "
+                             "search, 12 for the quick one)")
     parser.add_argument("--threads", type=int, nargs="+", default=[2],
                         help="thread counts of the parallel variants, e.g. 2 4 16 (each is "
                              "tuned, and served at exactly that count)")
@@ -623,8 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{DEFAULT_RANK_MEASURE} where a ranking is installed: yolo9000 "
                              "searched 2.4x faster for the same final kernels; 0: the "
                              "model's order until the budget is spent)")
-    parser.add_argument("--parallel-from", type=int, default=4,
-                        help="sequential schemes whose parallel variants are tuned")
+    parser.add_argument("--parallel-from", type=int, default=None,
+                        help="sequential schemes whose parallel variants are tuned (default "
+                             "4 for the full search, 1 for the quick one)")
     parser.add_argument("--warm-check", action="store_true",
                         help="before emitting, time each layer's best scheme against the "
                              "generic kernel warm, side by side, and ship it only if faster")

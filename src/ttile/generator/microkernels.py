@@ -422,7 +422,8 @@ def load_table(data_dir: Optional[Path] = None, cpu: Optional[CpuFingerprint] = 
 def quick_shapes(isa: Isa = Isa.AVX512F, data_dir: Optional[Path] = None,
                  cpu_id: Optional[str] = None) -> list[MicrokernelShape]:
     """Step 1's quick mode: the microkernels that some other CPU's table of the vector
-    family ``isa`` selected (its classes), in a stable order. A class is a register block
+    family ``isa`` selected (its classes) and the same blocks' smaller betas, in a stable
+    order. A class is a register block
     that suits the family's registers; which of them win differs between cores, so each
     is measured again here, but the blocks no CPU ranked near its best are left out: the
     tables shipped with ttile select 100-320 of the 1 640 AVX-512 shapes each (about
@@ -442,7 +443,25 @@ def quick_shapes(isa: Isa = Isa.AVX512F, data_dir: Optional[Path] = None,
                 continue   # a quick table's classes are a subset of the tables it came from
             for cls in table.classes:
                 shapes.update(cls.shapes())
-    return sorted(shapes, key=lambda s: (s.family, s.axis, s.alpha, s.beta))
+    return sorted(_with_smaller_betas(shapes), key=lambda s: (s.family, s.axis, s.alpha, s.beta))
+
+
+def _with_smaller_betas(shapes: set[MicrokernelShape]) -> set[MicrokernelShape]:
+    """``shapes`` and, for each of their blocks (unrolls, axis, alpha), the betas from 2 up
+    to the smallest one selected. The selected betas start at 4-8, and a 7-wide output
+    axis (ResNet-18's last layers) is covered by none of them nor by any pair: from a
+    quick table alone, the search found no candidate for ResNet18-10/-11/-12 on a Zen 3,
+    where a full table's measurements let it fall back to 3 + 4. Smaller betas always fit
+    the registers the larger one fits."""
+    smallest: dict[tuple, int] = {}
+    for shape in shapes:
+        key = (shape.unroll_r, shape.unroll_s, shape.axis, shape.alpha)
+        smallest[key] = min(smallest.get(key, shape.beta), shape.beta)
+    out = set(shapes)
+    for (unroll_r, unroll_s, axis, alpha), beta_min in smallest.items():
+        out.update(MicrokernelShape(unroll_r, unroll_s, axis, alpha, beta)
+                   for beta in range(2, beta_min))
+    return out
 
 
 def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,

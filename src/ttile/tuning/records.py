@@ -262,6 +262,7 @@ class TuningDatabase:
         self.ship = ship
         self.records: list[TuningRecord] = []
         self._keys: set[tuple] = set()
+        self._by_layer: dict[tuple[str, int], list[TuningRecord]] = {}
         if self.path.exists():
             for record in read_records(self.path):
                 self._remember(record)
@@ -269,6 +270,7 @@ class TuningDatabase:
     def _remember(self, record: TuningRecord) -> None:
         self.records.append(record)
         self._keys.add(record.key())
+        self._by_layer.setdefault((record.spec.key(), record.threads), []).append(record)
 
     def has(self, spec: ConvSpec, scheme: str, threads: int, protocol: Protocol) -> bool:
         return (spec.key(), scheme, threads, protocol, GENERATOR_VERSION) in self._keys
@@ -286,10 +288,11 @@ class TuningDatabase:
 
     def for_layer(self, spec: ConvSpec, threads: int, protocol: Optional[Protocol] = None,
                   status: RecordStatus = RecordStatus.OK) -> list[TuningRecord]:
-        key = spec.key()
-        return [r for r in self.records
-                if r.spec.key() == key and r.threads == threads and r.status is status
-                and r.generator_version == GENERATOR_VERSION
+        # from the records of this problem and thread count, in the order they were
+        # added: filtering every record by its spec's key took the emit step of a
+        # 6 300-record database 27 s
+        return [r for r in self._by_layer.get((spec.key(), threads), ())
+                if r.status is status and r.generator_version == GENERATOR_VERSION
                 and (protocol is None or r.protocol is protocol)]
 
     def layers(self) -> list[tuple[ConvSpec, str]]:
