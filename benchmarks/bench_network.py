@@ -259,8 +259,8 @@ def main(argv=None) -> int:
             for name in args.networks:
                 result = bench(name, batch, threads, args.reps, args.compile)
                 rows.append(result)
-                cells = " | ".join(f"{label} {value:.1f}" for label, value in
-                                   result["ms"].items())
+                cells = "; ".join(f"{label} {value:.1f}" for label, value in
+                                  result["ms"].items())   # one cell: the header's column
                 lines.append(f"| {name} | {batch} | {threads} | {cells} | "
                              f"{result['first']:.1f} s | {result['ratio_engines']:.2f} | "
                              f"{result['ratio']:.2f} | {result['ratio_nchw']:.2f} | "
