@@ -54,11 +54,20 @@ def vector_isa(isa: Isa | str) -> VectorIsa:
                          f"{', '.join(v.isa.value for v in VECTOR_ISAS)}") from None
 
 
+_EXTENSION_CODES: dict = {}
+
+
 def extension_code(isa: Isa | str) -> int:
     """The extension's number (``_kernels.ISA_AVX512F`` / ``ISA_AVX2``) of a vector
-    family's kernels: what the generic kernel, the FMA-peak and bandwidth benchmarks take."""
-    from .. import _kernels
-    return _kernels.ISA_AVX2 if vector_isa(isa) is AVX2 else _kernels.ISA_AVX512F
+    family's kernels: what the generic kernel, the FMA-peak and bandwidth benchmarks take.
+    Remembered per argument: every kernel call asks (the import and the family lookup
+    were about a microsecond of each converted layer's call)."""
+    code = _EXTENSION_CODES.get(isa)
+    if code is None:
+        from .. import _kernels
+        code = _kernels.ISA_AVX2 if vector_isa(isa) is AVX2 else _kernels.ISA_AVX512F
+        _EXTENSION_CODES[isa] = code
+    return code
 
 
 def family_stem(cpu_id: str, isa: Isa | str = Isa.AVX512F) -> str:
