@@ -173,25 +173,32 @@ def test_microkernel_keeps_accumulators_in_registers(case, text):
 
 
 @requires_avx512
+def _hand_written_assembly(source: str, flags: list[str]) -> str:
+    """The assembly GCC makes of kernels/``source`` with the build's optimisation and
+    ``flags`` (skips outside a source checkout or without a compiler)."""
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    path = root / "kernels" / source
+    if not path.exists():
+        pytest.skip("not a source checkout")
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    proc = subprocess.run([compiler, "-O3", *flags, "-fopenmp", "-fno-math-errno",
+                           "-I", str(root / "kernels"), "-S", "-o", "-", str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def test_generic_kernel_stores_vectors_only_to_the_output():
     """The hand-written generic kernel's register blocks stay in registers: no vector
     register goes to the stack, and the blocks' stores are masked output stores (the
     only unmasked ones fill weight panels and transpose tiles). Register arrays sized by
     function arguments become stack VLAs; that once halved its speed."""
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    source = root / "kernels" / "generic_avx512.c"
-    if not source.exists():
-        pytest.skip("not a source checkout")
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    import subprocess
-    proc = subprocess.run([compiler, "-O3", "-mavx512f", "-mfma", "-fopenmp", "-fno-math-errno",
-                           "-I", str(root / "kernels"), "-S", "-o", "-", str(source)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    stores = re.findall(r"vmov\w*\s+%zmm\d+,\s*[^%\s].*", proc.stdout)
+    asm = _hand_written_assembly("generic_avx512.c", ["-mavx512f", "-mfma"])
+    stores = re.findall(r"vmov\w*\s+%zmm\d+,\s*[^%\s].*", asm)
     assert any("{%k" in s for s in stores), "no masked stores: is this the generic kernel?"
     spills = [s for s in stores if "%rsp" in s or "%rbp" in s]
     assert not spills, f"vector registers stored to the stack: {spills[:5]}"
@@ -204,20 +211,8 @@ def test_avx2_depthwise_blocks_keep_their_vectors_in_registers():
     (GCC 12 leaves one dead store of a weight vector in the 3-wide 5x5 stride-2 block,
     never read back: not a spill. The AVX-512 kernel's 5x5 two-vector blocks do spill,
     with 27 live zmm registers at 8 outputs; they are not held to this.)"""
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    path = root / "kernels" / "depthwise_avx2.c"
-    if not path.exists():
-        pytest.skip("not a source checkout")
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    import subprocess
-    proc = subprocess.run([compiler, "-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno",
-                           "-I", str(root / "kernels"), "-S", "-o", "-", str(path)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    functions = re.split(r"\n(?=\w+:\n)", proc.stdout)
+    asm = _hand_written_assembly("depthwise_avx2.c", ["-mavx2", "-mfma"])
+    functions = re.split(r"\n(?=\w+:\n)", asm)
     blocks = [f for f in functions if re.match(r"dw2_(fast|block)_\w+:", f)]
     assert len(blocks) == 8 + 4 * 8, "not the depthwise kernel's block functions"
     for body in blocks:
