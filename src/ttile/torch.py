@@ -133,7 +133,8 @@ class _PackedLayer:
         owner = self._owner()
         if owner is None:
             raise RuntimeError("ttile: the TTileConv2d of these packed weights is gone")
-        weight, bias = owner.weight, owner.bias
+        parameters = owner._parameters   # module attribute lookup costs a microsecond
+        weight, bias = parameters["weight"], parameters.get("bias")
         source = (_identity(weight), _identity(bias))
         layer = self._layers.get(layout)
         if layer is not None and source == self._source:
@@ -153,19 +154,20 @@ class _PackedLayer:
         return layer
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], threads: int):
+        # numpy's transpose of a view costs a third of torch's permute
         if x.is_contiguous(memory_format=torch.channels_last):
-            layout, x_np = "NHWC", x.permute(0, 2, 3, 1).numpy()
+            layout, x_np = "NHWC", x.numpy().transpose(0, 2, 3, 1)
         else:
             layout, x_np = "NCHW", x.contiguous().numpy()
         r_np = None
         if residual is not None:
             if layout == "NHWC":
                 r_np = residual.contiguous(memory_format=torch.channels_last)
-                r_np = r_np.permute(0, 2, 3, 1).numpy()
+                r_np = r_np.numpy().transpose(0, 2, 3, 1)
             else:
                 r_np = residual.contiguous().numpy()
-        y = torch.from_numpy(self.layer(layout)(x_np, threads, residual=r_np))
-        return y.permute(0, 3, 1, 2) if layout == "NHWC" else y
+        y = self.layer(layout)(x_np, threads, residual=r_np)
+        return torch.from_numpy(y.transpose(0, 3, 1, 2) if layout == "NHWC" else y)
 
 
 def _serve_check(conv: nn.Conv2d) -> Optional[str]:
@@ -256,7 +258,7 @@ class TTileConv2d(nn.Module):
             raise RuntimeError("ttile.torch computes no gradients, and this input requires "
                                "grad: run the model under torch.no_grad() or "
                                "torch.inference_mode()")
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4:
+        if x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 4:
             raise TypeError(f"ttile serves 4-D float32 CPU inputs, got a {x.dim()}-D "
                             f"{x.dtype} tensor on {x.device}")
         if self.residual != (residual is not None):

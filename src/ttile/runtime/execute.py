@@ -39,65 +39,107 @@ def _run_searched(choice: dispatch.KernelChoice, x: np.ndarray, weights: np.ndar
                   y: np.ndarray, nthreads: int, fused: dict, nchw_out: bool = False) -> None:
     """A tuned or JIT kernel on arrays of exactly its problem's shapes (``nchw_out``: its
     NCHW entry point, x, y and the residual in NCHW)."""
+    _searched_call(choice, weights, nthreads, fused, nchw_out)(x, y, fused["residual"])
+
+
+#: A kernel bound to its weights, thread count, geometry and the epilogue's bias and
+#: activation: ``call(x, y, residual)`` runs it.
+KernelCall = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], None]
+
+
+def _searched_call(choice: dispatch.KernelChoice, weights: np.ndarray, nthreads: int,
+                   fused: dict, nchw_out: bool = False) -> KernelCall:
+    bias, activation, slope = fused["bias"], fused["activation"], fused["slope"]
     if choice.kind is KernelKind.TUNED:
-        _kernels.run_tuned(choice.index, x, weights, y, nthreads, **fused, nchw_out=nchw_out)
-    else:
-        # The kernel's sizes are those of the problem it was compiled for: the arrays
-        # are checked against that problem, not against themselves.
-        problem = choice.problem
-        n, ho, wo, k = problem.output_shape()
-        _, h, w, c = problem.input_shape()
-        _kernels.run_compiled(choice.address_nchw if nchw_out else choice.address, x,
-                              weights, y, nthreads,
-                              (n, c, h, w) if nchw_out else (n, h, w, c),
-                              problem.packed_weight_shape(choice.panel),
-                              (n, k, ho, wo) if nchw_out else (n, ho, wo, k), **fused,
-                              nchw_out=nchw_out, isa=extension_code(choice.isa))
+        index = choice.index
+        return lambda x, y, residual: _kernels.run_tuned(
+            index, x, weights, y, nthreads, bias, residual, activation, slope, nchw_out)
+    # The kernel's sizes are those of the problem it was compiled for: the arrays are
+    # checked against that problem, not against themselves.
+    problem = choice.problem
+    n, ho, wo, k = problem.output_shape()
+    _, h, w, c = problem.input_shape()
+    address = choice.address_nchw if nchw_out else choice.address
+    x_shape = (n, c, h, w) if nchw_out else (n, h, w, c)
+    w_shape = problem.packed_weight_shape(choice.panel)
+    y_shape = (n, k, ho, wo) if nchw_out else (n, ho, wo, k)
+    isa = extension_code(choice.isa)
+    return lambda x, y, residual: _kernels.run_compiled(
+        address, x, weights, y, nthreads, x_shape, w_shape, y_shape, bias, residual,
+        activation, slope, nchw_out, isa=isa)
+
+
+def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.ndarray,
+                     nthreads: int, fused: dict) -> KernelCall:
+    """``choice`` bound to run on NHWC x into NHWC y with the epilogue ``fused``
+    (Fused.kwargs; its residual is the call's argument, not bound); ``weights`` are in
+    the kernel's format (panels of ``choice.panel``, RSCK for panel 0; (R, S, 1, C) for
+    the NHWC depthwise kernel; KCRS for the vector generic kernel, grouped). Binding once
+    is what lets a ``Conv2d`` called again skip every decision below (a few
+    microseconds of Python per call)."""
+    kind, spec = choice.kind, plan.spec
+    bias, activation, slope = fused["bias"], fused["activation"], fused["slope"]
+    stride_h, stride_w, pad_top, pad_left = spec.stride_h, spec.stride_w, spec.pad_top, \
+        spec.pad_left
+    dil_h, dil_w, groups = spec.dilation_h, spec.dilation_w, plan.groups
+    if kind in (KernelKind.TUNED, KernelKind.JIT):
+        searched = _searched_call(choice, weights, nthreads, fused)
+        if choice.problem.n == spec.n:
+            return searched
+
+        def image_by_image(x, y, residual):
+            # a kernel searched for one image, on a batch: NHWC images are contiguous,
+            # so the slices are views
+            for i in range(spec.n):
+                searched(x[i:i + 1], y[i:i + 1], None if residual is None
+                         else residual[i:i + 1])
+        return image_by_image
+    if not choice.panel and kind not in (KernelKind.WINOGRAD, KernelKind.DEPTHWISE):
+        # the portable generic kernel (no vector family to name)
+        return lambda x, y, residual: _kernels.conv2d_generic_nhwc(
+            x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads,
+            _kernels.ISA_PORTABLE, groups=groups, dil_h=dil_h, dil_w=dil_w, bias=bias,
+            residual=residual, activation=activation, slope=slope)
+    isa = extension_code(choice.isa)
+    if kind is KernelKind.WINOGRAD:
+        return lambda x, y, residual: _kernels.conv2d_winograd(
+            x, weights, y, pad_top, pad_left, nthreads, bias=bias, residual=residual,
+            activation=activation, slope=slope, isa=isa)
+    if kind is KernelKind.DEPTHWISE:
+        return lambda x, y, residual: _kernels.conv2d_depthwise(
+            x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads, dil_h=dil_h,
+            dil_w=dil_w, bias=bias, residual=residual, activation=activation, slope=slope,
+            isa=isa)
+    # the vector generic kernel; 4-D weights: RSCK for a dense NHWC call, KCRS for NCHW
+    # and grouped calls
+    kcrs = weights.ndim == 4 and (plan.family is not Family.DENSE or plan.layout == "NCHW")
+    return lambda x, y, residual: _kernels.conv2d_generic_packed(
+        x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads, False, kcrs,
+        dil_h=dil_h, dil_w=dil_w, groups=groups, bias=bias, residual=residual,
+        activation=activation, slope=slope, isa=isa)
 
 
 def run_nhwc_kernel(choice: dispatch.KernelChoice, plan: CallPlan, x: np.ndarray,
                     weights: np.ndarray, y: np.ndarray, nthreads: int, fused: dict) -> None:
-    """Run ``choice`` on NHWC x into NHWC y with the epilogue ``fused`` (Fused.kwargs);
-    ``weights`` are in the kernel's format (panels of ``choice.panel``, RSCK for panel 0;
-    (R, S, 1, C) for the NHWC depthwise kernel; KCRS for the vector generic kernel,
-    grouped)."""
-    kind, spec = choice.kind, plan.spec
-    if kind in (KernelKind.TUNED, KernelKind.JIT):
-        if choice.problem.n == spec.n:
-            _run_searched(choice, x, weights, y, nthreads, fused)
-            return
-        # a kernel searched for one image, on a batch: image by image (NHWC images are
-        # contiguous, so the slices are views)
-        residual = fused["residual"]
-        for i in range(spec.n):
-            one = dict(fused, residual=None if residual is None else residual[i:i + 1])
-            _run_searched(choice, x[i:i + 1], weights, y[i:i + 1], nthreads, one)
-    elif kind is KernelKind.WINOGRAD:
-        _kernels.conv2d_winograd(x, weights, y, spec.pad_top, spec.pad_left, nthreads,
-                                 **fused, isa=extension_code(choice.isa))
-    elif kind is KernelKind.DEPTHWISE:
-        _kernels.conv2d_depthwise(x, weights, y, *_generic_args(spec), nthreads,
-                                  **_dilation(spec), **fused, isa=extension_code(choice.isa))
-    elif choice.panel:
-        # 4-D weights: RSCK for a dense NHWC call, KCRS for NCHW and grouped calls
-        kcrs = weights.ndim == 4 and (plan.family is not Family.DENSE or plan.layout == "NCHW")
-        _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, False,
-                                       kcrs, groups=plan.groups, **_dilation(spec), **fused,
-                                       isa=extension_code(choice.isa))
-    else:
-        _kernels.conv2d_generic_nhwc(x, weights, y, *_generic_args(spec), nthreads,
-                                     _kernels.ISA_PORTABLE, groups=plan.groups,
-                                     **_dilation(spec), **fused)
+    """Run ``choice`` on NHWC x into NHWC y with the epilogue ``fused`` (Fused.kwargs),
+    see :func:`nhwc_kernel_call`."""
+    nhwc_kernel_call(choice, plan, weights, nthreads, fused)(x, y, fused["residual"])
 
 
-def _nhwc(plan, choice, x, weights, nthreads, fused: Fused, out):
-    if out is not None:
-        y = out
-    elif choice.kind is KernelKind.DEPTHWISE and plan.out_shape[-1] % 16 == 0:
-        y = aligned_empty(plan.out_shape, x)   # stores along x's lines, as its loads
-    else:
-        y = aligned_empty(plan.out_shape)
-    run_nhwc_kernel(choice, plan, x, weights, y, nthreads, fused.kwargs())
+def nhwc_output(plan: CallPlan, choice: dispatch.KernelChoice, x: np.ndarray) -> np.ndarray:
+    """A new NHWC output for ``choice`` on ``x``."""
+    if choice.kind is KernelKind.DEPTHWISE and plan.out_shape[-1] % 16 == 0:
+        return aligned_empty(plan.out_shape, x)   # stores along x's lines, as its loads
+    return aligned_empty(plan.out_shape)
+
+
+def _nhwc(plan, choice, x, weights, nthreads, fused: Fused, out,
+          kernel: Optional[KernelCall] = None):
+    # ``kernel``: this call's kernel already bound (a Conv2d called again)
+    y = out if out is not None else nhwc_output(plan, choice, x)
+    if kernel is None:
+        kernel = nhwc_kernel_call(choice, plan, weights, nthreads, fused.kwargs())
+    kernel(x, y, fused.residual)
     return y
 
 
