@@ -325,6 +325,12 @@ def main(argv=None) -> int:
     layers = []
     for name in args.layers or ["yolo9000", "resnet18"]:   # the paper's Fig. 8 layers
         layers.extend(NETWORKS.get(name.lower(), ()) or [find_layer(name)])
+    grouped = [layer.name for layer in layers if layer.groups > 1]
+    if grouped:
+        # this table times dense convolutions; a grouped layer's one-group problem is not it
+        print(f"left out {len(grouped)} grouped layers (bench_semantics.py times them): "
+              + ", ".join(grouped), file=sys.stderr)
+        layers = [layer for layer in layers if layer.groups == 1]
 
     cpus = sorted(os.sched_getaffinity(0))
     counts = [len(cpus) if t == "all" else int(t) for t in args.threads]
