@@ -20,6 +20,7 @@
 #define G_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define G_ADD(a, b) _mm256_add_ps(a, b)
 #define G_MAX(a, b) _mm256_max_ps(a, b)
+#define G_MIN(a, b) _mm256_min_ps(a, b)
 #define G_MASKZ_LOAD(m, p) _mm256_maskload_ps(p, m)
 #define G_MASK_STORE(p, m, v) ttile_maskstore256(p, m, v)   /* plain when whole */
 #define G_EPILOGUE_APPLY ttile_epilogue_apply256

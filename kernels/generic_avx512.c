@@ -17,6 +17,7 @@
 #define G_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define G_ADD(a, b) _mm512_add_ps(a, b)
 #define G_MAX(a, b) _mm512_max_ps(a, b)
+#define G_MIN(a, b) _mm512_min_ps(a, b)
 #define G_MASKZ_LOAD(m, p) _mm512_maskz_loadu_ps(m, p)
 #define G_MASK_STORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
 #define G_EPILOGUE_APPLY ttile_epilogue_apply512
