@@ -7,8 +7,12 @@ compiler's ASan runtime preloaded into Python and ``TTILE_JIT_CFLAGS`` carrying 
 sanitizers into every kernel compiled by the tests. Any finding aborts that run, and
 this test fails with the sanitizer's report. Deselect with ``-m 'not sanitize'``.
 
-Instrumented: the extension module, the hand-written kernels, and every kernel the code
-generator emits while the tests run (the run-time tuner's and test_codegen's). The build
+Instrumented: the extension module, the hand-written kernels of every family this machine
+runs (an AVX-512 family it cannot run is compiled at -O0 without the sanitizers,
+``-C cmake.define.TTILE_SANITIZE_ALL_FAMILIES=ON`` instruments it anyway), and every
+kernel the code generator emits while the tests run (the run-time tuner's and
+test_codegen's). The generic kernel applies every epilogue from L1 in this build
+(``TTILE_GENERIC_EPILOGUES_FROM_MEMORY``). The build
 leaves the committed generated kernels (kernels/gen) out (``TTILE_SHIPPED_KERNELS=OFF``,
 an empty registry): the same generator's output is covered instrumented through the
 kernels compiled at run time, and the shipped ones' bounds by the guard-page tests in

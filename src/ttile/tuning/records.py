@@ -48,7 +48,7 @@ GENERIC_REVISION = 7
 #: The first 16 hex digits of the SHA-256 of the generic kernel's sources, in this order.
 GENERIC_SOURCES = ("kernels/generic_conv.inc", "kernels/generic_avx512.c",
                    "kernels/generic_avx2.c")
-GENERIC_SOURCES_SHA256 = "44113b6de4e6844c"
+GENERIC_SOURCES_SHA256 = "78cd51551a498f73"
 
 
 class RecordError(ValueError):
