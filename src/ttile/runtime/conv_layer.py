@@ -17,14 +17,13 @@ import numpy as np
 from .. import _kernels
 from ..core.kinds import KernelKind
 from . import epilogue, winograd
-from . import settings
 from .arguments import (FLOAT32, IntPair, as_float32, as_pair, default_threads,
                         thread_count)
 from .call_plan import Family, call_plan
 from .epilogue import Fused
 from .execute import RUNNERS, execute, nhwc_kernel_call
 from .packing import family_weights
-from .routes import Route, select
+from .routes import Route, remembered, select
 
 
 #: The most input signatures a Conv2d remembers a bound call for.
@@ -57,7 +56,7 @@ class _Bound:
     @classmethod
     def of(cls, plan, selection, weights, nthreads, fused) -> Optional["_Bound"]:
         """The bound call of a selection that is final (remembered in its plan)."""
-        if plan.choices.get(_selection_key(nthreads)) is not selection:
+        if remembered(plan, nthreads, per_call=False) is not selection:
             return None
         return cls(plan, selection, weights, nthreads, fused)
 
@@ -65,7 +64,7 @@ class _Bound:
         if x.dtype != FLOAT32 or not _plain(x):
             return None
         plan, selection = self.plan, self.selection
-        if plan.choices.get(_selection_key(self.nthreads)) is not selection:
+        if remembered(plan, self.nthreads, per_call=False) is not selection:
             return None
         fused = self.fused
         if residual is not None:
@@ -80,11 +79,6 @@ class _Bound:
 def _plain(array: np.ndarray) -> bool:
     flags = array.flags
     return flags.c_contiguous and flags.aligned
-
-
-def _selection_key(nthreads: int) -> tuple:
-    """The key ``select`` remembers a Conv2d's final selection under."""
-    return (nthreads, False, True, settings.generation())
 
 
 class Conv2d:
@@ -202,9 +196,14 @@ class Conv2d:
         selection = select(plan, nthreads, per_call=False)
         weights = self._weights_for(plan, selection.choice)
         result = execute(plan, selection, x_arr, weights, nthreads, fused, y)
-        bound = _Bound.of(plan, selection, weights, nthreads, self._fused)
-        if out is None and bound is not None and x_arr is x and len(self._bound) < _MAX_BOUND:
-            self._bound[(x.shape, asked, residual is None)] = bound
+        if out is None and x_arr is x:   # bound once per selection, not on every call
+            key = (x.shape, asked, residual is None)
+            known = self._bound.get(key)
+            if (known.selection is not selection if known is not None
+                    else len(self._bound) < _MAX_BOUND):
+                bound = _Bound.of(plan, selection, weights, nthreads, self._fused)
+                if bound is not None:
+                    self._bound[key] = bound
         return result
 
     def __repr__(self) -> str:

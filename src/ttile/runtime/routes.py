@@ -69,7 +69,7 @@ def select(plan: CallPlan, nthreads: int, per_call: bool = True,
     Winograd kernel out (a per-call call that would transform large weights on every
     call). A final selection is remembered in the plan, so a repeated call costs one
     dictionary lookup."""
-    key = (nthreads, per_call, with_winograd, settings.generation())
+    key = _choice_key(nthreads, per_call, with_winograd)
     selection = plan.choices.get(key)
     if selection is not None:
         return selection
@@ -84,6 +84,17 @@ def select(plan: CallPlan, nthreads: int, per_call: bool = True,
     if choice.final and tune:
         plan.choices[key] = selection
     return selection
+
+
+def _choice_key(nthreads: int, per_call: bool, with_winograd: bool) -> tuple:
+    return (nthreads, per_call, with_winograd, settings.generation())
+
+
+def remembered(plan: CallPlan, nthreads: int, per_call: bool = True,
+               with_winograd: bool = True) -> Optional[Selection]:
+    """The final selection ``select`` would return for these arguments without deciding
+    anything, or None (none made yet, or made under other settings)."""
+    return plan.choices.get(_choice_key(nthreads, per_call, with_winograd))
 
 
 def route(plan: CallPlan, choice: dispatch.KernelChoice, nthreads: int) -> Route:
