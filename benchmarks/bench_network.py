@@ -28,6 +28,11 @@ MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 * ttile: ``ttile.torch.convert(model, example_input=x)`` called on the channels_last
   input (ttile's native layout) and on the NCHW input.
 
+With ``--breakdown``, each network also gets a per-layer table (``network_layers.py``):
+every converted convolution's time inside the network and alone, beside the same node's
+time in onnxruntime's profile and OpenVINO's performance counters, so that a lost
+millisecond has a layer.
+
 Every output is compared with torch eager's (relative error <= 1e-4) before timing. The
 first ttile call (which tunes every layer's shape, by ``ttile.set_tuning``'s policy) is
 timed apart and reported; the tuned kernels are cached on disk.
@@ -178,7 +183,8 @@ def onnx_export(model, x) -> bytes:
     return buffer.getvalue()
 
 
-def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dict:
+def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
+          breakdown: bool = False) -> dict:
     import torch
 
     import ttile.torch as tt
@@ -222,12 +228,17 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool) -> dic
         for fn in runs.values():
             fn()
         times = rounds(runs, reps, Cache.WARM)
+        layers = None
+        if breakdown:
+            from network_layers import breakdown as per_layer
+            layers = per_layer(name, model, converted, x_cl, x, exported, threads, reps)
     eager = [min(a, b) for a, b in zip(times["torch NCHW"], times["torch channels_last"])]
     best_ttile = [min(a, b) for a, b in zip(times["ttile channels_last"], times["ttile NCHW"])]
     engines = [label for label in ("onnxruntime", "OpenVINO") if label in times]
     best_engine = [min(ts) for ts in zip(*(times[label] for label in engines))] \
         if engines else None
     return dict(name=name, batch=batch, threads=threads, first=first, notes=notes,
+                layers=layers,
                 ratio_engines=(statistics.median(e / t for e, t in zip(best_engine, best_ttile))
                                if best_engine else float("nan")),
                 ms={label: statistics.median(t) * 1e3 for label, t in times.items()},
@@ -244,6 +255,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--chart", help="write a bar chart (PNG) of the ratios here")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each convolution inside the network beside the same "
+                             "node in onnxruntime's and OpenVINO's profilers "
+                             "(network_layers.py)")
     parser.add_argument("--record", action="store_true",
                         help="write the result file for the results page (benchmarks/records)")
     args = parser.parse_args(argv)
@@ -253,11 +268,13 @@ def main(argv=None) -> int:
     rows, lines = [], ["| network | batch | threads | ms per contender (median) | first call | "
                        "best engine / ttile | eager / ttile | eager / ttile NCHW | notes |",
                        "|---|---|---|---|---|---|---|---|---|"]
+    breakdowns: list[str] = []
     for threads in args.threads:
         pin(threads)
         for batch in args.batch:
             for name in args.networks:
-                result = bench(name, batch, threads, args.reps, args.compile)
+                result = bench(name, batch, threads, args.reps, args.compile,
+                               args.breakdown)
                 rows.append(result)
                 cells = "; ".join(f"{label} {value:.1f}" for label, value in
                                   result["ms"].items())   # one cell: the header's column
@@ -266,6 +283,10 @@ def main(argv=None) -> int:
                              f"{result['ratio']:.2f} | {result['ratio_nchw']:.2f} | "
                              f"{'; '.join(result['notes'])} |")
                 print(lines[-1], flush=True)
+                if result["layers"] is not None:
+                    from network_layers import format_breakdown
+                    breakdowns.extend(format_breakdown(result["layers"]))
+                    print("\n".join(format_breakdown(result["layers"])), flush=True)
     if args.record:
         import results
         from ttile.peers import Peer, available, version

@@ -1,0 +1,297 @@
+"""Where a network's time goes, layer by layer: each converted convolution's time inside
+the network beside the same node's time in onnxruntime's and OpenVINO's profilers.
+
+Run through ``bench_network.py --breakdown``. A whole-network ratio says that ttile loses;
+this table says on which layers. Each convolution is timed four ways:
+
+* **in network**: the ``TTileConv2d`` module's wall time (forward pre/post hooks) while
+  the whole converted network runs, median over the rounds. Its input was just written by
+  the layer before and its weights were last touched one inference ago: the context the
+  layer really runs in. Includes the module's call overhead;
+* **alone**: the same module called again and again on the input it saw in the network
+  (warm caches, weights in L2 where they fit): the number a single-layer benchmark gives;
+* **onnxruntime**: the node's ``_kernel_time`` in onnxruntime's profile (default graph
+  optimizations, so a Conv there carries its fused bias/activation/Add, and its NCHWc
+  reorders are separate nodes, summed under "other");
+* **OpenVINO**: the node's ``real_time`` from its performance counters (``PERF_COUNT``).
+
+Nodes are matched to ttile's layers, not taken in order (the engines run a block's
+branches in another order than torch does): onnxruntime's by their output and weight
+sizes from its profile (its fused nodes are named after their outputs), OpenVINO's by the
+module path in their names (``/4/downsample/downsample.0/Conv`` is ``4.downsample.0``,
+the conv a ``TTileConv2d``'s ``source`` names first). A layer an engine merged away or a
+node left unmatched is counted in its totals only, and the notes say how many.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One convolution: what it is and its median time (µs) per contender."""
+    index: int
+    name: str
+    shape: str
+    in_network: float
+    alone: float
+    engines: dict = field(default_factory=dict)   # engine -> µs (absent: not matched)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    network: str
+    threads: int
+    layers: tuple[LayerTime, ...]
+    totals: dict        # contender -> ms: network wall time, conv sum, other
+    notes: tuple[str, ...]
+
+
+def _ttile_layer_times(converted, x, reps: int):
+    """Per-module wall times (s) inside the network and each module's captured input."""
+    import torch
+
+    import ttile.torch as tt
+    layers = tt.served_layers(converted)
+    started: dict = {}
+    times: dict = {name: [] for name, _ in layers}
+    inputs: dict = {}
+    order: list = []
+    handles = []
+    for name, module in layers:
+        def pre(mod, args, name=name):
+            if name not in inputs:
+                inputs[name] = tuple(a.clone() if isinstance(a, torch.Tensor) else a
+                                     for a in args)
+                order.append(name)
+            started[name] = time.perf_counter()
+
+        def post(mod, args, out, name=name):
+            times[name].append(time.perf_counter() - started[name])
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    walls = []
+    with torch.no_grad():
+        converted(x)
+        for name in times:
+            times[name].clear()
+        for _ in range(reps):
+            converted(x)   # warm, as bench_network's rounds run it
+            for name in times:
+                del times[name][-1:]
+            t0 = time.perf_counter()
+            converted(x)
+            walls.append(time.perf_counter() - t0)
+    for h in handles:
+        h.remove()
+    modules = dict(layers)
+    return [(name, modules[name], times[name], inputs[name]) for name in order], walls
+
+
+def _alone(module, args, reps: int) -> float:
+    import torch
+    with torch.no_grad():
+        for _ in range(3):
+            module(*args)
+        samples = []
+        for _ in range(max(reps, 5)):
+            t0 = time.perf_counter()
+            module(*args)
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _is_conv(op: str) -> bool:
+    return "Conv" in op and "Transpose" not in op
+
+
+def _onnxruntime_nodes(model: bytes, x: np.ndarray, threads: int, reps: int):
+    """[(node, op, µs)] in execution order (per run, median over runs) and the median
+    wall time (ms) of a profiled run."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ort")
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x}
+    for _ in range(3):
+        session.run(None, feed)
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        walls.append(time.perf_counter() - t0)
+    path = session.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    # a run's node events precede its model_run event in the file
+    runs = _runs_by_closing_event(events)
+    timed = runs[-reps:]
+    nodes = [(name, op, statistics.median(run[i][2] for run in timed), key)
+             for i, (name, op, _, key) in enumerate(timed[0])]
+    return nodes, statistics.median(walls) * 1e3
+
+
+def _elements(shapes, i: int) -> int:
+    """The element count of the i-th of a profile event's typed shapes (0: absent)."""
+    if len(shapes) <= i:
+        return 0
+    return int(np.prod(next(iter(shapes[i].values()))))
+
+
+def _runs_by_closing_event(events) -> list[list]:
+    runs, current = [], []
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            args = event.get("args", {})
+            key = ("size", _elements(args.get("output_type_shape", []), 0),
+                   _elements(args.get("input_type_shape", []), 1))
+            current.append((event["name"][:-len("_kernel_time")],
+                            args.get("op_name", "?"), event["dur"], key))
+        elif event.get("cat") == "Session" and event.get("name") == "model_run":
+            runs.append(current)
+            current = []
+    return [run for run in runs if run]
+
+
+def _openvino_nodes(model: bytes, x: np.ndarray, threads: int, reps: int):
+    import openvino as ov
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model=model), "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_NUM_THREADS": str(threads), "PERF_COUNT": "YES"})
+    request = compiled.create_infer_request()
+    for _ in range(3):
+        request.infer({0: x})
+    samples: dict = {}
+    order: list = []
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        request.infer({0: x})
+        walls.append(time.perf_counter() - t0)
+        for info in request.get_profiling_info():
+            if info.status != info.Status.EXECUTED:
+                continue
+            key = (info.node_name, info.node_type)
+            if key not in samples:
+                samples[key] = []
+                order.append(key)
+            samples[key].append(info.real_time.total_seconds() * 1e6)
+    nodes = [(name, op, statistics.median(samples[(name, op)]), ("name", _module_path(name)))
+             for name, op in order]
+    return nodes, statistics.median(walls) * 1e3
+
+
+def _module_path(node_name: str) -> str:
+    """The torch module path in an exported node's name: ``/4/downsample/downsample.0/
+    Conv/WithoutBiases`` -> ``4.downsample.0`` (a scope repeats its parent's name as a
+    prefix when it is a container's child)."""
+    parts: list[str] = []
+    for component in node_name.strip("/").split("/"):
+        if component[:1].isupper():   # the op (Conv), then what the engine added
+            break
+        if parts and component.startswith(parts[-1] + "."):
+            parts[-1] = component
+        else:
+            parts.append(component)
+    return ".".join(parts)
+
+
+def _shape(module, args) -> str:
+    x = args[0]
+    k, cg, r, s = module.weight.shape
+    c = cg * module.groups
+    n, h, w = x.shape[0], x.shape[2], x.shape[3]
+    kind = "dw " if module.groups == c and c == k and c > 1 else (
+        f"g{module.groups} " if module.groups > 1 else "")
+    return (f"{kind}{r}x{s}/{module.stride[0]} {c}->{k} {h}x{w}"
+            + (f" N={n}" if n > 1 else ""))
+
+
+def _layer_keys(module, args) -> set:
+    """The keys an engine's node may carry for this layer (see the module text)."""
+    x = args[0]
+    k, cg, r, s = module.weight.shape
+    n, h, w = x.shape[0], x.shape[2], x.shape[3]
+    ho = (h + 2 * module.padding[0] - module.dilation[0] * (r - 1) - 1) // module.stride[0] + 1
+    wo = (w + 2 * module.padding[1] - module.dilation[1] * (s - 1) - 1) // module.stride[1] + 1
+    path = module.source.split("+")[0]
+    return {("size", n * k * ho * wo, k * cg * r * s), ("name", path)}
+
+
+def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[bytes],
+              threads: int, reps: int) -> Breakdown:
+    """The per-layer table of one network at one thread count (see the module text)."""
+    layers, walls = _ttile_layer_times(converted, x_cl, reps)
+    notes = []
+    engines: dict = {}
+    totals = {"ttile": (statistics.median(walls) * 1e3,)}
+    if onnx_model is not None:
+        for label, fn in (("onnxruntime", _onnxruntime_nodes), ("OpenVINO", _openvino_nodes)):
+            try:
+                nodes, wall = fn(onnx_model, x_nchw.numpy(), threads, reps)
+            except ImportError:
+                notes.append(f"{label} not installed")
+                continue
+            convs = [node for node in nodes if _is_conv(node[1])]
+            conv_us = sum(node[2] for node in convs)
+            other = sum(node[2] for node in nodes) - conv_us
+            totals[label] = (wall, conv_us / 1e3, other / 1e3)
+            engines[label] = convs
+    rows = []
+    matched: dict = {label: set() for label in engines}
+    for i, (lname, module, samples, args) in enumerate(layers):
+        keys = _layer_keys(module, args)
+        times = {}
+        for label, convs in engines.items():
+            for j, (_, _, us, key) in enumerate(convs):
+                if j not in matched[label] and key in keys:
+                    matched[label].add(j)
+                    times[label] = us
+                    break
+        rows.append(LayerTime(
+            index=i, name=lname, shape=_shape(module, args),
+            in_network=statistics.median(samples) * 1e6,
+            alone=_alone(module, args, reps) * 1e6, engines=times))
+    for label, convs in engines.items():
+        missing = sum(label not in r.engines for r in rows)
+        if missing or len(matched[label]) != len(convs):
+            notes.append(f"{label}: {missing} of ttile's {len(rows)} layers unmatched, "
+                         f"{len(convs) - len(matched[label])} of its {len(convs)} "
+                         f"convolution nodes unmatched")
+    conv_sum = sum(r.in_network for r in rows) / 1e3
+    totals["ttile"] = (totals["ttile"][0], conv_sum, totals["ttile"][0] - conv_sum)
+    return Breakdown(name, threads, tuple(rows), totals, tuple(notes))
+
+
+def format_breakdown(b: Breakdown) -> list[str]:
+    engines = [e for e in ("onnxruntime", "OpenVINO") if any(e in r.engines for r in b.layers)]
+    lines = [f"#### {b.network}, {b.threads} thread{'s' if b.threads > 1 else ''}", "",
+             "| # | layer | shape | ttile in network µs | ttile alone µs | "
+             + " | ".join(f"{e} µs" for e in engines)
+             + " | " + " | ".join(f"{e} / ttile" for e in engines) + " |",
+             "|---|---|---|---|---|" + "---|" * (2 * len(engines))]
+    for r in b.layers:
+        times = " | ".join(f"{r.engines[e]:.0f}" if e in r.engines else "-" for e in engines)
+        ratios = " | ".join(f"{r.engines[e] / r.in_network:.2f}" if e in r.engines else "-"
+                            for e in engines)
+        lines.append(f"| {r.index} | {r.name} | {r.shape} | {r.in_network:.0f} | "
+                     f"{r.alone:.0f} | {times} | {ratios} |")
+    lines += ["", "| contender | network ms (profiled run) | convolutions ms | other ms |",
+              "|---|---|---|---|"]
+    for label, (wall, conv, other) in b.totals.items():
+        lines.append(f"| {label} | {wall:.2f} | {conv:.2f} | {other:.2f} |")
+    if b.notes:
+        lines += ["", "Notes: " + "; ".join(b.notes)]
+    return lines + [""]
