@@ -9,13 +9,6 @@ import ttile
 # tuning is off unless a test turns it on (with its own cache directory).
 _SESSION_POLICY = ttile.set_tuning(mode="never")
 
-# Whether a per-call call of a 3x3 layer runs the Winograd kernel depends on this CPU's
-# FLOPs per byte of memory bandwidth (winograd.per_call_serves): the suite pins that
-# balance unknown, so that which kernel serves does not depend on the CPU it runs on;
-# test_winograd.py checks the rule with balances of its own.
-from ttile.runtime import winograd as _winograd  # noqa: E402
-_winograd.machine_balance = lambda isa: None
-
 # TTILE_TEST_AS_CPU=<fingerprint id> runs the suite as if this machine were that CPU for
 # the registry (e.g. a stranger the wheel ships no set for: the user's usual case), to
 # check that the tests of the shipped sets run and assert there too.

@@ -170,43 +170,6 @@ def test_it_can_be_switched_off_and_serves_each_vector_family():
         ttile.set_isa(before)
 
 
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_per_call_calls_of_low_intensity_take_a_direct_kernel_on_a_memory_bound_cpu(
-        kernel_calls, monkeypatch, layout):
-    """A per-call call reads the transformed weights and checks the caller's against
-    their copy on every call: below PER_CALL_BALANCE_FRACTION of the CPU's FLOPs per byte
-    of memory bandwidth it runs a direct kernel; a Conv2d keeps Winograd; with the
-    balance unknown, or low, per-call calls keep it too."""
-    rng = np.random.default_rng(3)
-    x_nchw = rng.uniform(-1, 1, (1, 32, 14, 14)).astype(np.float32)
-    w_kcrs = rng.uniform(-1, 1, (32, 32, 3, 3)).astype(np.float32)
-    x = x_nchw if layout == "NCHW" else np.ascontiguousarray(x_nchw.transpose(0, 2, 3, 1))
-    w = w_kcrs if layout == "NCHW" else np.ascontiguousarray(w_kcrs.transpose(2, 3, 1, 0))
-    spec = ttile.plan(x.shape, w.shape, padding=1, layout=layout).problem
-    intensity = winograd.per_call_intensity(spec)
-    # 2*14*14*32*32*9 FLOPs over 36 + 2*9 floats per (k, c) pair
-    assert intensity == pytest.approx(2 * 196 * 9 / (4 * (36 + 18)))
-    isa = ttile.plan(x.shape, w.shape, padding=1, layout=layout).isa
-    for balance, per_call_winograd in ((None, True), (intensity, True),
-                                       (2 * intensity, False)):
-        monkeypatch.setattr(winograd, "machine_balance", lambda isa, b=balance: b)
-        forget_choices()
-        kernel_calls.clear()
-        assert winograd.per_call_serves(spec, isa) is per_call_winograd
-        per_call = ttile.plan(x.shape, w.shape, padding=1, layout=layout)
-        prepacked = ttile.plan(x.shape, w.shape, padding=1, layout=layout, prepacked=True)
-        assert (per_call.kind is KernelKind.WINOGRAD) is per_call_winograd, balance
-        assert prepacked.kind is KernelKind.WINOGRAD
-        y = ttile.conv2d(x, w, padding=1, layout=layout)
-        assert conv_mismatch(y, x, w, (1, 1), (1, 1, 1, 1), layout) is None
-        assert (kernel_calls[-1] is KernelKind.WINOGRAD) is per_call_winograd
-    # above PER_CALL_ALWAYS_INTENSITY nothing is looked up
-    monkeypatch.setattr(winograd, "machine_balance", lambda isa: 1e9)
-    big = ttile.plan((1, 64, 56, 56), (64, 64, 3, 3), padding=1).problem
-    assert winograd.per_call_intensity(big) >= winograd.PER_CALL_ALWAYS_INTENSITY
-    assert winograd.per_call_serves(big, isa)
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The kinds of kernel the calls ran, in order (every route's runner records)."""

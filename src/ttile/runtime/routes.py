@@ -161,8 +161,7 @@ def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
     serves, or of an NCHW 1x1 call (None for any other dense call: dispatch decides)."""
     if plan.family is Family.DENSE:
         spec = plan.spec
-        if with_winograd and winograd.serves(spec, isa) \
-                and (not per_call or winograd.per_call_serves(spec, isa)):
+        if with_winograd and winograd.serves(spec, isa):
             # 4x fewer multiplications than any direct kernel (see runtime/winograd.py)
             return winograd.choice(spec, isa)
         if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \

@@ -17,14 +17,9 @@ transform runs at 5-14 GB/s, so it is made once: by ``ttile.Conv2d``, or for a p
 call that cannot reuse them (a converted copy, an array that changes between calls, the
 weight cache off) transforms them on every call only when they are small
 (:data:`PER_CALL_MAX_BYTES`); larger ones are served by the direct kernels then
-(``packing.call_weights``). A per-call call that can reuse them still reads them and the
-caller's weights on every call, which costs more than the products save on a CPU whose
-memory is slow for its FLOPs (:func:`per_call_serves`).
+(``packing.call_weights``).
 """
 from __future__ import annotations
-
-import functools
-from typing import Optional
 
 import numpy as np
 
@@ -52,68 +47,6 @@ MIN_TILES = 9
 #: a transformed copy (the weight cache's threshold: the transform of 128 KB of weights
 #: writes 0.5 MB, about 0.05 ms).
 PER_CALL_MAX_BYTES = 128 << 10
-
-
-#: A per-call call reads, on each call, the transformed weights and, to check that they
-#: are still the caller's, the caller's weights and their copy: 6x the weight bytes, from
-#: memory wherever other work ran in between (a network's other layers, a benchmark's
-#: other contenders). Where the layer's FLOPs per byte of that traffic fall below this
-#: fraction of the core's own FLOPs per byte of memory bandwidth (its FMA peak over its
-#: DRAM read bandwidth), a per-call call runs a direct kernel instead. Measured on a Xeon
-#: model 167 (balance 24: 242 GFLOP/s, 9.9 GB/s), in rounds that interleave eight
-#: contenders: ResNet18-9 (16 FLOPs per byte) ran per call in 1.65 ms on Winograd and
-#: 1.57 on the generic kernel; Yolo9000-18 (24) in 15.7 against 16.2; ResNet18-6 and -8
-#: (65) 1.8-1.9x faster on Winograd. A Zen 5 (balance about 8) keeps Winograd on all
-#: of them, where ResNet18-9 measured 1.4-1.8x faster on it. ``ttile.Conv2d`` keeps its
-#: transformed weights and reads nothing more: it is not affected.
-PER_CALL_BALANCE_FRACTION = 0.85
-#: From this many FLOPs per byte, no balance is looked up: above every balance measured.
-PER_CALL_ALWAYS_INTENSITY = 64.0
-
-
-def per_call_intensity(spec: ConvSpec) -> float:
-    """FLOPs of a per-call Winograd call per byte it reads besides the activations (the
-    transformed weights, the caller's weights and the copy they are checked against)."""
-    weight_bytes = 4.0 * spec.k * spec.c * spec.r * spec.s
-    transformed = 4.0 * spec.k * spec.c * 36
-    return spec.flops / (transformed + 2 * weight_bytes)
-
-
-def per_call_serves(spec: ConvSpec, isa: Isa) -> bool:
-    """Whether a per-call call of ``spec`` (one :func:`serves`) runs the Winograd kernel:
-    see :data:`PER_CALL_BALANCE_FRACTION`. Where this CPU's balance is not known (no
-    machine model of its microarchitecture shipped or measured into the cache by
-    run-time tuning), it does."""
-    intensity = per_call_intensity(spec)
-    if intensity >= PER_CALL_ALWAYS_INTENSITY:
-        return True
-    balance = machine_balance(isa)
-    return balance is None or intensity >= PER_CALL_BALANCE_FRACTION * balance
-
-
-@functools.lru_cache(maxsize=4)
-def machine_balance(isa: Isa) -> Optional[float]:
-    """FLOPs per byte of DRAM bandwidth of one core of this CPU in the vector family
-    ``isa``: its FMA peak (measured once per process, a few ms) over the DRAM read
-    bandwidth of its machine model (shipped for its microarchitecture, or measured into
-    the cache directory by run-time tuning); None without a model."""
-    from ..core.cpuinfo import fingerprint
-    from ..generator.data import DataKind, find_cpu_file, read_json
-    from .cache import default_directory
-    try:
-        path = find_cpu_file(DataKind.MACHINE, fingerprint().id, default_directory())
-        if path is None:
-            return None
-        dram = float(read_json(path)["bandwidths"]["dram"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if dram <= 0:
-        return None
-    iterations = 200_000
-    code = extension_code(isa)
-    peak = max(iterations * _kernels.fma_peak_flops(code)
-               / _kernels.fma_peak_seconds(iterations, code) for _ in range(3))
-    return peak / dram
 
 
 #: The vector families with a Winograd kernel (``kernels/winograd_conv.inc``, compiled
