@@ -298,7 +298,12 @@ def main(argv=None) -> int:
                       tuning=ttile.tuning_policy().mode,
                       notes="ms columns: each contender's median; ratios: medians of each "
                             "round's ratio (> 1: ttile faster); ttile is the faster of its "
-                            "channels_last and NCHW calls")
+                            "channels_last and NCHW calls. At 2 threads and more the "
+                            "contenders, interleaved in one process, slow each other down "
+                            "(each runtime's threads spin for a while after its call; "
+                            "onnxruntime suffers most, up to 3-5x): a ratio there flatters "
+                            "whoever suffers least, so time each engine alone in its own "
+                            "process before reading it")
     if args.chart:
         import matplotlib
         matplotlib.use("Agg")
