@@ -268,7 +268,6 @@ def main(argv=None) -> int:
     rows, lines = [], ["| network | batch | threads | ms per contender (median) | first call | "
                        "best engine / ttile | eager / ttile | eager / ttile NCHW | notes |",
                        "|---|---|---|---|---|---|---|---|---|"]
-    breakdowns: list[str] = []
     for threads in args.threads:
         pin(threads)
         for batch in args.batch:
@@ -285,7 +284,6 @@ def main(argv=None) -> int:
                 print(lines[-1], flush=True)
                 if result["layers"] is not None:
                     from network_layers import format_breakdown
-                    breakdowns.extend(format_breakdown(result["layers"]))
                     print("\n".join(format_breakdown(result["layers"])), flush=True)
     if args.record:
         import results

@@ -66,6 +66,7 @@ def _ttile_layer_times(converted, x, reps: int):
     inputs: dict = {}
     order: list = []
     handles = []
+    timing = [False]   # only the timed forward of each round is recorded
     for name, module in layers:
         def pre(mod, args, name=name):
             if name not in inputs:
@@ -75,21 +76,19 @@ def _ttile_layer_times(converted, x, reps: int):
             started[name] = time.perf_counter()
 
         def post(mod, args, out, name=name):
-            times[name].append(time.perf_counter() - started[name])
+            if timing[0]:
+                times[name].append(time.perf_counter() - started[name])
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     walls = []
     with torch.no_grad():
-        converted(x)
-        for name in times:
-            times[name].clear()
         for _ in range(reps):
             converted(x)   # warm, as bench_network's rounds run it
-            for name in times:
-                del times[name][-1:]
+            timing[0] = True
             t0 = time.perf_counter()
             converted(x)
             walls.append(time.perf_counter() - t0)
+            timing[0] = False
     for h in handles:
         h.remove()
     modules = dict(layers)
@@ -114,15 +113,11 @@ def _is_conv(op: str) -> bool:
 
 
 def _onnxruntime_nodes(model: bytes, x: np.ndarray, threads: int, reps: int):
-    """[(node, op, µs)] in execution order (per run, median over runs) and the median
-    wall time (ms) of a profiled run."""
-    import onnxruntime as ort
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ort")
-    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    """[(node, op, µs, key)] in execution order (per run, median over runs; key: see
+    the module text) and the median wall time (ms) of a profiled run."""
+    from ttile.peers import onnxruntime_session
+    session = onnxruntime_session(model, threads,
+                                  profile_prefix=os.path.join(tempfile.mkdtemp(), "ort"))
     feed = {session.get_inputs()[0].name: x}
     for _ in range(3):
         session.run(None, feed)
@@ -165,12 +160,9 @@ def _runs_by_closing_event(events) -> list[list]:
 
 
 def _openvino_nodes(model: bytes, x: np.ndarray, threads: int, reps: int):
-    import openvino as ov
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(model=model), "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-        "INFERENCE_NUM_THREADS": str(threads), "PERF_COUNT": "YES"})
-    request = compiled.create_infer_request()
+    """As :func:`_onnxruntime_nodes`, from OpenVINO's performance counters."""
+    from ttile.peers import openvino_request
+    request = openvino_request(model, threads, perf_counters=True)
     for _ in range(3):
         request.infer({0: x})
     samples: dict = {}

@@ -92,23 +92,40 @@ def onnx_runner(peer: Peer, model: bytes, x: np.ndarray,
     onnxruntime or OpenVINO, configured as the module text says (one place, so a single
     convolution and a whole network meet the same engine settings)."""
     if peer is Peer.ONNXRUNTIME:
-        import onnxruntime as ort
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        session = onnxruntime_session(model, threads)
         name = session.get_inputs()[0].name
         return lambda: session.run(None, {name: x})[0]
     if peer is not Peer.OPENVINO:
         raise ValueError(f"{peer.value} does not run ONNX models")
-    import openvino as ov
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(model=model), "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-        "INFERENCE_NUM_THREADS": str(threads)})
-    request = compiled.create_infer_request()
+    request = openvino_request(model, threads)
 
     def run_openvino():
         request.infer({0: x})
         return request.get_output_tensor(0).data
     return run_openvino
+
+
+def onnxruntime_session(model: bytes, threads: int, profile_prefix: Optional[str] = None):
+    """An onnxruntime CPU session for ``model`` with the module text's settings; with
+    ``profile_prefix``, profiling each node into a file of that prefix."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def openvino_request(model: bytes, threads: int, perf_counters: bool = False):
+    """An OpenVINO CPU infer request for ``model`` with the module text's settings; with
+    ``perf_counters``, timing each node (``PERF_COUNT``)."""
+    import openvino as ov
+    core = ov.Core()
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+              "INFERENCE_NUM_THREADS": str(threads)}
+    if perf_counters:
+        config["PERF_COUNT"] = "YES"
+    return core.compile_model(core.read_model(model=model), "CPU", config) \
+        .create_infer_request()
