@@ -51,6 +51,7 @@ import ttile
 from bench_semantics import rounds
 from ttile import _kernels, peers
 from ttile.runtime import registry
+from ttile.runtime.arguments import process_cpus
 from ttile.generator.networks import NETWORKS, layer as find_layer
 
 
@@ -332,10 +333,8 @@ def main(argv=None) -> int:
               + ", ".join(grouped), file=sys.stderr)
         layers = [layer for layer in layers if layer.groups == 1]
 
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = list(process_cpus())   # not the affinity: OMP_PROC_BIND narrows it on import
     counts = [len(cpus) if t == "all" else int(t) for t in args.threads]
-    if len(cpus) < max(counts):  # OMP_PROC_BIND bound this thread when torch loaded
-        cpus = list(range(os.cpu_count() or 1))
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {os.cpu_count()} CPUs; "
              + ", ".join(f"{name} {v}" for name, v in versions.items())
              + f", ttile {ttile.__version__} at {commit()} "

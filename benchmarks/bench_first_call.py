@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_conv import commit, cpu_model  # noqa: E402
 
 import ttile  # noqa: E402
+from ttile.runtime.arguments import process_cpus  # noqa: E402
 from ttile import _kernels  # noqa: E402
 from ttile.core import cbuild  # noqa: E402
 from ttile.core.kinds import KernelKind  # noqa: E402
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true",
                         help="write the result file for the results page (benchmarks/records)")
     args = parser.parse_args(argv)
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = process_cpus()   # not the affinity: OMP_PROC_BIND narrows it on import
     os.sched_setaffinity(0, cpus[:args.threads])
     shapes = [(layer.name, layer.spec()) for layer in SHAPES] + list(MORE)
     lines = [f"Measured {datetime.date.today()} on {cpu_model()}, {args.threads} thread(s), "

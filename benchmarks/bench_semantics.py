@@ -32,6 +32,7 @@ from enum import Enum
 import numpy as np
 
 import ttile
+from ttile.runtime.arguments import process_cpus
 from ttile.generator.networks import NETWORKS
 
 # (channels, input size, stride) of MobileNetV2's 3x3 depthwise layers
@@ -40,8 +41,11 @@ MOBILENET_V2_DEPTHWISE = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (192, 28, 1)
 
 
 #: The CPUs this process may use when it starts (pinning narrows the affinity, so it must
-#: not be read back: a 2-thread run after a 1-thread one would get one CPU).
-PROCESS_CPUS = sorted(os.sched_getaffinity(0))
+#: not be read back: a 2-thread run after a 1-thread one would get one CPU). Not the
+#: affinity read here either: with OMP_PROC_BIND set, importing ttile or torch bound this
+#: thread to one CPU, and every "2-thread" contender then shared it (onnxruntime's
+#: MobileNetV2 ran 13.6 ms at "2 threads" against 3.05 on two CPUs).
+PROCESS_CPUS = list(process_cpus())
 
 
 def pin(threads: int) -> None:

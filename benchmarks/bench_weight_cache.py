@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 import ttile
+from ttile.runtime.arguments import process_cpus
 from bench_semantics import rounds
 from ttile.generator.networks import layer as find_layer
 from ttile.runtime import weight_cache
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ttile.set_tuning(mode="never")
     weight_cache.MIN_THREADS = 1
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = process_cpus()   # not the affinity: OMP_PROC_BIND narrows it on import
     print("| layer | threads | on ms | off ms | on NCHW ms | off NCHW ms | Conv2d ms | "
           "on/off | on/off NCHW |\n|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:

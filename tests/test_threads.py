@@ -82,3 +82,41 @@ def test_the_nchw_pointwise_kernel_splits_channels_and_columns(shape, threads):
     y = np.full((n, k, h, w_), np.nan, np.float32)
     _kernels.conv2d_pointwise_nchw(x, w, y, threads)
     assert_conv_close(y, x, w, (1, 1), (0, 0, 0, 0), layout="NCHW")
+
+
+_DEFAULT_THREADS = ("import os, ttile\n"
+                    "from ttile.runtime.arguments import default_threads\n"
+                    "print(default_threads(), len(os.sched_getaffinity(0)))")
+
+
+def _default_threads_in_child(cpus, **env):
+    import os
+    import subprocess
+    import sys
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("OMP_PROC_BIND", "OMP_PLACES", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _DEFAULT_THREADS], check=True, text=True,
+                         capture_output=True, env={**environment, **env},
+                         preexec_fn=lambda: os.sched_setaffinity(0, cpus)).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+@pytest.mark.parametrize("binding", [{"OMP_PROC_BIND": "true"}, {"OMP_PLACES": "cores"}])
+def test_the_default_thread_count_is_every_cpu_when_openmp_binds_the_importing_thread(binding):
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    threads, affinity_after_import = _default_threads_in_child(cpus, **binding)
+    # the runtime bound the importing thread to one CPU; the default still counts them all
+    assert affinity_after_import == 1
+    assert threads == len(cpus)
+
+
+@pytest.mark.parametrize("binding", [{}, {"OMP_PROC_BIND": "true"}])
+def test_the_default_thread_count_follows_an_affinity_narrowed_before_start(binding):
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    assert _default_threads_in_child(cpus[-1:], **binding)[0] == 1
+    if len(cpus) >= 2:
+        assert _default_threads_in_child(cpus[:2], **binding)[0] == 2

@@ -185,6 +185,32 @@ def cpu_has_avx2():
     return ttile_cpu_has_avx2() == 1
 
 
+cdef extern from "omp.h" nogil:
+    int omp_get_num_places()
+    int omp_get_place_num_procs(int place_num)
+    void omp_get_place_proc_ids(int place_num, int *ids)
+
+
+def openmp_place_cpus():
+    """The CPUs in the OpenMP runtime's place list, sorted; empty when no place list is in
+    force (neither OMP_PROC_BIND nor OMP_PLACES set).
+
+    With a place list in force, loading the runtime binds the importing thread to the first
+    place, so the process's affinity read afterwards says one CPU: the place list still
+    holds every CPU the runtime started with."""
+    cdef int places = omp_get_num_places()
+    cdef int place, i, count
+    cdef int ids[4096]
+    found = set()
+    for place in range(places):
+        count = omp_get_place_num_procs(place)
+        if 0 < count <= 4096:
+            omp_get_place_proc_ids(place, ids)
+            for i in range(count):
+                found.add(ids[i])
+    return sorted(found)
+
+
 def cpu_l2_bytes():
     """This core's L2 cache in bytes, as cpuid reports it (0 when unknown)."""
     return ttile_cpu_l2_bytes()

@@ -27,12 +27,27 @@ MAX_THREADS = 1024
 FLOAT32 = np.dtype(np.float32)
 
 
-def default_threads() -> int:
-    """All CPUs this process may run on."""
+def process_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on.
+
+    With OMP_PROC_BIND or OMP_PLACES set, an OpenMP runtime (ttile's, or torch's loaded
+    first) binds the importing thread to one CPU when it loads, so the affinity read after
+    ``import ttile`` says one CPU while the process may use them all: a default taken from
+    it ran every call on one thread. The runtime's place list keeps the CPUs it started
+    with, and is read instead whenever it is in force."""
+    from .. import _kernels
+    places = tuple(_kernels.openmp_place_cpus())
+    if places:
+        return places
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
+
+
+def default_threads() -> int:
+    """All CPUs this process may run on (``process_cpus``)."""
+    return len(process_cpus())
 
 
 def memory_limit_bytes() -> int:
