@@ -28,6 +28,12 @@ MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 * ttile: ``ttile.torch.convert(model, example_input=x)`` called on the channels_last
   input (ttile's native layout) and on the NCHW input.
 
+With ``--alone``, each contender is also timed by itself in a child process of its own
+(back-to-back calls, the kernels tuned by the interleaved run served from the disk cache):
+at 2 threads and more, the interleaved contenders' thread pools spin after their calls and
+take cores from whoever runs next, so only the alone ratios say what a user running one
+engine meets, and the two tables side by side say what interleaving costs.
+
 With ``--breakdown``, each network also gets a per-layer table (``network_layers.py``):
 every converted convolution's time inside the network and alone, beside the same node's
 time in onnxruntime's profile and OpenVINO's performance counters, so that a lost
@@ -48,7 +54,7 @@ import time
 import numpy as np
 
 import ttile
-from bench_semantics import Cache, pin, rounds
+from bench_semantics import PROCESS_CPUS, Cache, pin, rounds
 from ttile.peers import Peer, onnx_runner
 
 
@@ -183,17 +189,78 @@ def onnx_export(model, x) -> bytes:
     return buffer.getvalue()
 
 
-def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
-          breakdown: bool = False) -> dict:
+def models(name: str, batch: int):
+    """The network in both layouts (the same weights) and its NCHW and channels_last input."""
     import torch
-
-    import ttile.torch as tt
-    torch.set_num_threads(threads)
     model = build(name)
     x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     x_cl = x.contiguous(memory_format=torch.channels_last)
     model_cl = build(name).to(memory_format=torch.channels_last)
     model_cl.load_state_dict(model.state_dict())
+    return model, model_cl, x, x_cl
+
+
+def alone(name: str, batch: int, threads: int, reps: int, label: str) -> dict:
+    """One contender timed by itself in this process: ``reps`` back-to-back calls after five
+    untimed ones, as a service answering one request after another meets it, with no other
+    runtime's threads spinning on the cores (what `--alone` runs in a child process)."""
+    import torch
+
+    import ttile.torch as tt
+    torch.set_num_threads(threads)
+    model, model_cl, x, x_cl = models(name, batch)
+    with torch.no_grad():
+        expected = model(x)
+        if label.startswith("ttile"):
+            converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
+            fn = (lambda: converted(x_cl)) if label == "ttile channels_last" else \
+                (lambda: converted(x))
+        elif label == "torch NCHW":
+            fn = lambda: model(x)
+        elif label == "torch channels_last":
+            fn = lambda: model_cl(x_cl)
+        elif label == "torch.compile":
+            compiled = torch.compile(model_cl)
+            fn = lambda: compiled(x_cl)
+        else:
+            peer = {"onnxruntime": Peer.ONNXRUNTIME, "OpenVINO": Peer.OPENVINO}[label]
+            fn = onnx_runner(peer, onnx_export(model, x), x.numpy(), threads)
+        got = torch.as_tensor(fn())
+        error = float((got - expected).abs().max() / expected.abs().max())
+        if error > 1e-4:
+            raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return dict(label=label, ms=statistics.median(times) * 1e3)
+
+
+def alone_in_children(name: str, batch: int, threads: int, reps: int, labels) -> dict:
+    """Each contender's median from ``alone`` in a child process of its own, pinned to the
+    same CPUs, one after another: ms by label."""
+    import json
+    import subprocess
+    ms = {}
+    for label in labels:
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--alone-child", label,
+             "--networks", name, "--batch", str(batch), "--threads", str(threads),
+             "--reps", str(reps)], check=True, capture_output=True, text=True).stdout
+        ms[label] = json.loads(out.strip().splitlines()[-1])["ms"]
+    return ms
+
+
+def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
+          breakdown: bool = False, separately: bool = False) -> dict:
+    import torch
+
+    import ttile.torch as tt
+    torch.set_num_threads(threads)
+    model, model_cl, x, x_cl = models(name, batch)
     t0 = time.perf_counter()
     converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
     first = time.perf_counter() - t0
@@ -237,13 +304,24 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
     engines = [label for label in ("onnxruntime", "OpenVINO") if label in times]
     best_engine = [min(ts) for ts in zip(*(times[label] for label in engines))] \
         if engines else None
-    return dict(name=name, batch=batch, threads=threads, first=first, notes=notes,
-                layers=layers,
-                ratio_engines=(statistics.median(e / t for e, t in zip(best_engine, best_ttile))
-                               if best_engine else float("nan")),
-                ms={label: statistics.median(t) * 1e3 for label, t in times.items()},
-                ratio=statistics.median(e / t for e, t in zip(eager, best_ttile)),
-                ratio_nchw=statistics.median(e / t for e, t in zip(eager, times["ttile NCHW"])))
+    result = dict(name=name, batch=batch, threads=threads, first=first, notes=notes,
+                  layers=layers,
+                  ratio_engines=(statistics.median(e / t for e, t in zip(best_engine, best_ttile))
+                                 if best_engine else float("nan")),
+                  ms={label: statistics.median(t) * 1e3 for label, t in times.items()},
+                  ratio=statistics.median(e / t for e, t in zip(eager, best_ttile)),
+                  ratio_nchw=statistics.median(e / t for e, t in zip(eager, times["ttile NCHW"])))
+    if separately:
+        # The converted model's kernels are tuned and cached on disk by now: the child's
+        # convert finds them there and its first call tunes nothing.
+        ms = alone_in_children(name, batch, threads, max(reps * 3, 20), list(runs))
+        ttile_ms = min(ms["ttile channels_last"], ms["ttile NCHW"])
+        result["alone"] = dict(
+            ms=ms,
+            ratio_engines=(min(ms[label] for label in engines) / ttile_ms if engines
+                           else float("nan")),
+            ratio=min(ms["torch NCHW"], ms["torch channels_last"]) / ttile_ms)
+    return result
 
 
 def main(argv=None) -> int:
@@ -251,7 +329,7 @@ def main(argv=None) -> int:
     parser.add_argument("--networks", nargs="+",
                         default=["resnet18", "resnet50", "mobilenet_v2", "yolo"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
-    parser.add_argument("--threads", type=int, nargs="+", default=[len(os.sched_getaffinity(0))])
+    parser.add_argument("--threads", type=int, nargs="+", default=[len(PROCESS_CPUS)])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--chart", help="write a bar chart (PNG) of the ratios here")
@@ -259,21 +337,34 @@ def main(argv=None) -> int:
                         help="also time each convolution inside the network beside the same "
                              "node in onnxruntime's and OpenVINO's profilers "
                              "(network_layers.py)")
+    parser.add_argument("--alone", action="store_true",
+                        help="also time each contender by itself, in a process of its own "
+                             "(at 2 threads and more, interleaved contenders slow each other "
+                             "down)")
+    parser.add_argument("--alone-child", metavar="CONTENDER", help=argparse.SUPPRESS)
     parser.add_argument("--record", action="store_true",
                         help="write the result file for the results page (benchmarks/records)")
     args = parser.parse_args(argv)
+    if args.alone_child:
+        import json
+        pin(args.threads[0])
+        print(json.dumps(alone(args.networks[0], args.batch[0], args.threads[0], args.reps,
+                               args.alone_child)))
+        return 0
     import torch
     cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].split("\n")[0]
     print(f"# {cpu.strip()}, torch {torch.__version__}", flush=True)
     rows, lines = [], ["| network | batch | threads | ms per contender (median) | first call | "
                        "best engine / ttile | eager / ttile | eager / ttile NCHW | notes |",
                        "|---|---|---|---|---|---|---|---|---|"]
+    alone_lines = ["| network | batch | threads | ms per contender alone (median) | "
+                   "best engine / ttile | eager / ttile |", "|---|---|---|---|---|---|"]
     for threads in args.threads:
         pin(threads)
         for batch in args.batch:
             for name in args.networks:
                 result = bench(name, batch, threads, args.reps, args.compile,
-                               args.breakdown)
+                               args.breakdown, args.alone)
                 rows.append(result)
                 cells = "; ".join(f"{label} {value:.1f}" for label, value in
                                   result["ms"].items())   # one cell: the header's column
@@ -282,9 +373,18 @@ def main(argv=None) -> int:
                              f"{result['ratio']:.2f} | {result['ratio_nchw']:.2f} | "
                              f"{'; '.join(result['notes'])} |")
                 print(lines[-1], flush=True)
+                if "alone" in result:
+                    solo = result["alone"]
+                    cells = "; ".join(f"{label} {value:.1f}" for label, value in
+                                      solo["ms"].items())
+                    alone_lines.append(f"| {name} | {batch} | {threads} | {cells} | "
+                                       f"{solo['ratio_engines']:.2f} | {solo['ratio']:.2f} |")
+                    print("alone: " + alone_lines[-1], flush=True)
                 if result["layers"] is not None:
                     from network_layers import format_breakdown
                     print("\n".join(format_breakdown(result["layers"])), flush=True)
+    if len(alone_lines) > 2:
+        lines += ["", "Each contender alone, in a process of its own:", ""] + alone_lines
     if args.record:
         import results
         from ttile.peers import Peer, available, version
@@ -300,8 +400,9 @@ def main(argv=None) -> int:
                             "contenders, interleaved in one process, slow each other down "
                             "(each runtime's threads spin for a while after its call; "
                             "onnxruntime suffers most, up to 3-5x): a ratio there flatters "
-                            "whoever suffers least, so time each engine alone in its own "
-                            "process before reading it")
+                            "whoever suffers least; the 'alone' table (--alone) times each "
+                            "contender by itself in a process of its own, back-to-back calls, "
+                            "which is the ratio a user serving one engine meets")
     if args.chart:
         import matplotlib
         matplotlib.use("Agg")
