@@ -31,8 +31,9 @@ MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 With ``--alone``, each contender is also timed by itself in a child process of its own
 (back-to-back calls, the kernels tuned by the interleaved run served from the disk cache):
 at 2 threads and more, the interleaved contenders' thread pools spin after their calls and
-take cores from whoever runs next, so only the alone ratios say what a user running one
-engine meets, and the two tables side by side say what interleaving costs.
+take cores from whoever runs next (every engine's MobileNetV2 about 1.3x at 2 threads on a
+Xeon model 167), so the alone ratios say what a user running one engine meets, and the two
+tables side by side say what interleaving costs.
 
 With ``--breakdown``, each network also gets a per-layer table (``network_layers.py``):
 every converted convolution's time inside the network and alone, beside the same node's
@@ -398,11 +399,11 @@ def main(argv=None) -> int:
                             "round's ratio (> 1: ttile faster); ttile is the faster of its "
                             "channels_last and NCHW calls. At 2 threads and more the "
                             "contenders, interleaved in one process, slow each other down "
-                            "(each runtime's threads spin for a while after its call; "
-                            "onnxruntime suffers most, up to 3-5x): a ratio there flatters "
-                            "whoever suffers least; the 'alone' table (--alone) times each "
-                            "contender by itself in a process of its own, back-to-back calls, "
-                            "which is the ratio a user serving one engine meets")
+                            "(each runtime's threads spin for a while after its call: every "
+                            "engine's MobileNetV2 ran about 1.3x slower interleaved at 2 "
+                            "threads on a Xeon model 167); the 'alone' table (--alone) times "
+                            "each contender by itself in a process of its own, back-to-back "
+                            "calls: the ratio a user serving one engine meets")
     if args.chart:
         import matplotlib
         matplotlib.use("Agg")

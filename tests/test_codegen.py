@@ -13,6 +13,7 @@ import pytest
 from ttile.core.cbuild import EpilogueArgs, assembly, build, find_compiler
 from ttile.core import codegen
 from ttile.core.codegen import generate, kernel_name
+from ttile.core.kinds import Isa
 from ttile.core.scheme import Scheme
 from ttile.core.spec import ConvSpec
 from conftest import random_tensors, requires_avx512
@@ -78,6 +79,37 @@ def test_generated_kernel_matches_reference(case, threads):
     library.run(kernel, x, w, y, nthreads=threads)
     assert_conv_close(y, x, w, (spec.stride_h, spec.stride_w),
                       (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right))
+
+
+@requires_avx512
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_kernel_prefetching_its_weights_computes_the_same_bits(case):
+    spec, text = CASES[case]
+    plain = generate(Scheme.parse(text), spec)
+    ahead = generate(Scheme.parse(text), spec, weight_prefetch=True)
+    assert ahead.name != plain.name and "_mm_prefetch" in ahead.code
+    assert "_mm_prefetch" not in plain.code
+    library = build([plain, ahead])
+    rng = np.random.default_rng(11)
+    x, w = random_tensors(rng, (spec.n, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
+    outputs = []
+    for kernel in (plain, ahead):
+        y = np.full((spec.n, spec.ho, spec.wo, spec.k), np.nan, dtype=np.float32)
+        library.run(kernel, x, w, y, nthreads=2)
+        outputs.append(y)
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_weight_prefetch_asks_for_each_line_once_per_step():
+    spec = CASES["unroll_rsc"][0]   # K 64
+    text = "[T2 k; T8 h; T4 w; T8 c; U3 r; U3 s; U2 c; U2 w; U2 k; V k]"
+    code = _nhwc_code(generate(Scheme.parse(text), spec, weight_prefetch=True))
+    # two 64-byte vectors per step: a prefetch each
+    assert code.count("_mm_prefetch") == code.count("const __m512 wv") > 0
+    text = "[T4 k; T8 h; T4 w; T8 c; U3 r; U3 s; U2 c; U2 w; U2 k; V k]"
+    avx2 = _nhwc_code(generate(Scheme.parse(text), spec, isa=Isa.AVX2, weight_prefetch=True))
+    # AVX2 vectors are half a line: one prefetch per two weight loads
+    assert 2 * avx2.count("_mm_prefetch") == avx2.count("const __m256 wv") > 0
 
 
 def _loop_trip_counts(code: str) -> list[int]:

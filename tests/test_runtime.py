@@ -19,7 +19,7 @@ import ttile
 from conftest import forget_choices, random_tensors, requires_avx512
 from ttile.runtime import dispatch, jit, registry
 from ttile.runtime.arguments import make_spec
-from ttile.runtime.cache import KernelCache, _json_checksum
+from ttile.runtime.cache import CACHE_FORMAT, KernelCache, _json_checksum
 from ttile.core.reference import assert_conv_close
 
 # the direct kernels' machinery, on 3x3 stride-1 shapes too (see conftest.no_winograd)
@@ -47,7 +47,7 @@ def _call(x, w, **kw):
 
 
 def _entries(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / "kernels-v3").glob("*.json"))
+    return sorted((cache_dir / f"kernels-v{CACHE_FORMAT}").glob("*.json"))
 
 
 def test_first_call_tunes_and_caches(jit_cache, prefer_jit):
@@ -274,7 +274,7 @@ def test_full_disk_degrades_to_memory_with_one_warning(jit_cache, prefer_jit, mo
     _expect_one_warning(record, "No space left")
     assert ttile.plan(X_SHAPE, W_SHAPE, stride=1, padding=1, layout="NHWC", threads=1).kind == "jit"
     assert _entries(jit_cache) == []             # nothing half-written left behind
-    assert not list((jit_cache / "kernels-v3").glob("*.so"))
+    assert not list((jit_cache / f"kernels-v{CACHE_FORMAT}").glob("*.so"))
 
 
 def test_no_compiler_degrades_to_generic_with_one_warning(jit_cache, monkeypatch):
@@ -327,8 +327,8 @@ def test_two_processes_tuning_the_same_shape_leave_one_valid_entry(jit_cache, pr
     assert [o[0].strip() for o in outs] == ["jit", "jit"]
     entries = KernelCache(jit_cache).entries()
     assert len(entries) == 1 and entries[0]["valid"]
-    assert len(list((jit_cache / "kernels-v3").glob("*.so"))) == 1
-    assert not list((jit_cache / "kernels-v3").glob(".*.tmp"))
+    assert len(list((jit_cache / f"kernels-v{CACHE_FORMAT}").glob("*.so"))) == 1
+    assert not list((jit_cache / f"kernels-v{CACHE_FORMAT}").glob(".*.tmp"))
 
 
 def test_background_mode_serves_generic_then_the_tuned_kernel(jit_cache, prefer_jit):

@@ -678,6 +678,28 @@ def fma_peak_flops(int isa=_ISA_AVX512F):
     return 192 if isa == _ISA_AVX2 else 768
 
 
+cdef extern from "<immintrin.h>" nogil:
+    void _mm_clflush(const void *p)
+    void _mm_mfence()
+
+
+def evict(cnp.ndarray array):
+    """Write back and drop every cache line of ``array`` (C-contiguous) from every cache
+    level: the next read comes from memory, as a layer's weights do inside a network whose
+    weights outgrow the caches, while its input stays warm from the layer before."""
+    if not cnp.PyArray_IS_C_CONTIGUOUS(array):
+        raise ValueError("array must be C-contiguous")
+    cdef const char *p = <const char *>cnp.PyArray_DATA(array)
+    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(array)
+    cdef Py_ssize_t i
+    with nogil:
+        i = -(<Py_ssize_t>p & 63)
+        while i < nbytes:
+            _mm_clflush(p + i)
+            i += 64
+        _mm_mfence()
+
+
 def read_seconds(cnp.ndarray buffer, int64_t reps, int isa=_ISA_AVX512F):
     """Seconds to read all of a float32 ``buffer`` ``reps`` times (vector loads of
     ``isa``: AVX-512F or AVX2)."""

@@ -8,6 +8,7 @@ same way on every path. (The epilogue's arrays and ``out`` are checked in ``epil
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from typing import Union
@@ -27,6 +28,13 @@ MAX_THREADS = 1024
 FLOAT32 = np.dtype(np.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _openmp_places() -> tuple[int, ...]:
+    """OpenMP's place list is fixed when the runtime loads: read once."""
+    from .. import _kernels
+    return tuple(_kernels.openmp_place_cpus())
+
+
 def process_cpus() -> tuple[int, ...]:
     """The CPUs this process may run on.
 
@@ -35,8 +43,7 @@ def process_cpus() -> tuple[int, ...]:
     ``import ttile`` says one CPU while the process may use them all: a default taken from
     it ran every call on one thread. The runtime's place list keeps the CPUs it started
     with, and is read instead whenever it is in force."""
-    from .. import _kernels
-    places = tuple(_kernels.openmp_place_cpus())
+    places = _openmp_places()
     if places:
         return places
     try:

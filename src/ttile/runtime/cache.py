@@ -40,7 +40,9 @@ from ..core.spec import ConvSpec
 #: 2: entries name the problem their kernel was compiled for and count the candidates
 #: the search found wrong or could not build.
 #: 3: kernels take the fused epilogue as a fifth argument (generator version 4).
-CACHE_FORMAT = 3
+#: 4: kernels tuned at run time prefetch their weights (codegen.WEIGHT_PREFETCH_STEPS):
+#: entries of format 3 hold kernels without, and are tuned again.
+CACHE_FORMAT = 4
 WRITER = "ttile"
 #: Entry kinds: a compiled kernel (KernelKind.JIT), or the verdict that the generic
 #: kernel was faster (KernelKind.GENERIC, remembered so later processes do not search).

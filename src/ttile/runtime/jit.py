@@ -275,7 +275,8 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
             or time.monotonic() - started <= 0.7 * budget,
             # keep the rest of the budget for the final comparison
             next_kernel=lambda timed: not timed
-            or time.monotonic() - started <= 0.85 * budget, isa=isa):
+            or time.monotonic() - started <= 0.85 * budget, isa=isa,
+            weight_prefetch=True):
         if measured.status is RecordStatus.OK:
             screened.append((measured.seconds, chosen[measured.index], measured.kernel,
                              measured.library))

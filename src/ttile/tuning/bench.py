@@ -148,9 +148,11 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                      slow_seconds: Optional[float] = None,
                      next_group: Callable[[int], bool] = lambda attempted: True,
                      next_kernel: Callable[[int], bool] = lambda timed: True,
-                     isa: Isa = Isa.AVX512F) -> Iterator[Measured]:
-    """Build, check and time ``schemes`` (generated in the vector family ``isa``) in
-    order; yields one :class:`Measured` each.
+                     isa: Isa = Isa.AVX512F,
+                     weight_prefetch: bool = False) -> Iterator[Measured]:
+    """Build, check and time ``schemes`` (generated in the vector family ``isa``, with
+    ``weight_prefetch`` as :func:`~ttile.core.codegen.generate` takes it) in order; yields
+    one :class:`Measured` each.
 
     Groups of ``batch_size * jobs`` schemes are compiled at once (``jobs`` compilers in
     parallel). Before each group ``next_group(attempted so far)`` and before each kernel
@@ -164,7 +166,8 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
             return
         group = list(enumerate(schemes))[start:start + step]
         batches = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
-        sources = [[generate(scheme, spec, command, isa) for _, scheme in batch]
+        sources = [[generate(scheme, spec, command, isa, weight_prefetch)
+                    for _, scheme in batch]
                    for batch in batches]
         libraries = build_batches(sources, jobs=jobs, timers=True, timeout=compile_timeout)
         for batch, kernels, library in zip(batches, sources, libraries):
