@@ -572,3 +572,14 @@ def test_conv2d_layer_refuses_bad_arguments():
         layer(np.ones((1, 2, 8, 8), np.float32))   # channel mismatch
     with pytest.raises(ValueError):
         layer(np.ones((1, 3, 8, 8), np.float32), threads=0)
+
+
+def test_evict_drops_an_array_from_the_caches_and_keeps_its_values():
+    from ttile import _kernels
+    a = np.arange(100_000, dtype=np.float32)
+    before = a.copy()
+    _kernels.evict(a)
+    _kernels.evict(a[1:])   # not starting on a line
+    np.testing.assert_array_equal(a, before)
+    with pytest.raises(ValueError):
+        _kernels.evict(a.reshape(100, 1000)[:, ::2])

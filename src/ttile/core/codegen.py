@@ -107,9 +107,10 @@ class KernelSource:
 #: ``weight_prefetch``) asks for the weights: this many reduction steps of its panel, and
 #: at least 2 KiB. Inside a network each layer's weights come from memory (MobileNetV2's
 #: 14 MB and ResNet-50's 100 MB outgrow the caches between two inferences), and a kernel
-#: reading its panels with plain loads waited for every line: K=160 C=960 7x7 at 1 thread,
-#: weights flushed before the call, 127 us, 97 with the prefetch; 77 -> 68 with its
-#: weights in L2 (Xeon model 167).
+#: reading its panels with plain loads waited for every line. The schemes run-time tuning
+#: picks for those networks' weight-heavy 1x1 layers ran 1.02-1.18x faster with their
+#: weights flushed before the call, and the same with them warm (Xeon model 167, 1 thread,
+#: benchmarks/bench_weight_prefetch.py); a k-outer scheme on C=960 K=160 7x7: 127 -> 97 us.
 WEIGHT_PREFETCH_STEPS = 16
 WEIGHT_PREFETCH_MIN_FLOATS = 512
 
