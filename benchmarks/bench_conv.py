@@ -51,7 +51,7 @@ import ttile
 from bench_semantics import rounds
 from ttile import _kernels, peers
 from ttile.runtime import registry
-from ttile.runtime.arguments import process_cpus
+from ttile.core.cpuinfo import process_cpus
 from ttile.generator.networks import NETWORKS, layer as find_layer
 
 

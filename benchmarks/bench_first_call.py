@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_conv import commit, cpu_model  # noqa: E402
 
 import ttile  # noqa: E402
-from ttile.runtime.arguments import process_cpus  # noqa: E402
+from ttile.core.cpuinfo import process_cpus  # noqa: E402
 from ttile import _kernels  # noqa: E402
 from ttile.core import cbuild  # noqa: E402
 from ttile.core.kinds import KernelKind  # noqa: E402

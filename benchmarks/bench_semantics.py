@@ -32,7 +32,7 @@ from enum import Enum
 import numpy as np
 
 import ttile
-from ttile.runtime.arguments import process_cpus
+from ttile.core.cpuinfo import process_cpus
 from ttile.generator.networks import NETWORKS
 
 # (channels, input size, stride) of MobileNetV2's 3x3 depthwise layers

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 import ttile
-from ttile.runtime.arguments import process_cpus
+from ttile.core.cpuinfo import process_cpus
 from bench_semantics import rounds
 from ttile.generator.networks import layer as find_layer
 from ttile.runtime import weight_cache

@@ -29,7 +29,7 @@ from ttile import _kernels
 from ttile.core import cbuild, codegen
 from ttile.core.scheme import Scheme
 from ttile.core.spec import ConvSpec
-from ttile.runtime.arguments import process_cpus
+from ttile.core.cpuinfo import process_cpus
 
 #: (K, C, H): 1x1 stride-1 layers of MobileNetV2 (7x7, 14x14) and ResNet-50 (7x7, 14x14)
 LAYERS = [(160, 960, 7), (960, 160, 7), (320, 960, 7), (576, 96, 14), (96, 576, 14),

@@ -314,8 +314,8 @@ def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
     import ttile.tuning.bench as bench_module
     real_generate = bench_module.generate
 
-    def bad_generate(scheme, spec_, command, isa):
-        source = real_generate(scheme, spec_, command, isa)
+    def bad_generate(scheme, spec_, command, isa, weight_prefetch=False):
+        source = real_generate(scheme, spec_, command, isa, weight_prefetch)
         return dataclasses.replace(source, code=source.code + "\n#error x\n")
 
     monkeypatch.setattr(bench_module, "generate", bad_generate)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -110,3 +111,27 @@ def fingerprint() -> CpuFingerprint:
         model=info.get("model", "unknown"),
         flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
         l1d_bytes=caches["l1d"], l2_bytes=caches["l2"], l3_bytes=caches["l3"])
+
+
+@lru_cache(maxsize=None)
+def _openmp_places() -> tuple[int, ...]:
+    """OpenMP's place list is fixed when the runtime loads: read once."""
+    from .. import _kernels
+    return tuple(_kernels.openmp_place_cpus())
+
+
+def process_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on.
+
+    With OMP_PROC_BIND or OMP_PLACES set, an OpenMP runtime (ttile's, or torch's loaded
+    first) binds the importing thread to one CPU when it loads, so the affinity read after
+    ``import ttile`` says one CPU while the process may use them all: a default taken from
+    it ran every call on one thread. The runtime's place list keeps the CPUs it started
+    with, and is read instead whenever it is in force."""
+    places = _openmp_places()
+    if places:
+        return places
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))

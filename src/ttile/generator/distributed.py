@@ -115,7 +115,7 @@ def _pin_worker_core() -> None:
         name = get_worker().name
     except (ImportError, ValueError):
         return
-    from ..runtime.arguments import process_cpus
+    from ..core.cpuinfo import process_cpus
     allowed = process_cpus()
     index = name if isinstance(name, int) else sum(str(name).encode())
     os.sched_setaffinity(0, {allowed[index % len(allowed)]})

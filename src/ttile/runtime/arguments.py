@@ -8,13 +8,13 @@ same way on every path. (The epilogue's arrays and ``out`` are checked in ``epil
 """
 from __future__ import annotations
 
-import functools
 import operator
 import os
 from typing import Union
 
 import numpy as np
 
+from ..core.cpuinfo import process_cpus
 from ..core.spec import ConvSpec
 
 IntPair = Union[int, tuple[int, int]]
@@ -28,32 +28,8 @@ MAX_THREADS = 1024
 FLOAT32 = np.dtype(np.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _openmp_places() -> tuple[int, ...]:
-    """OpenMP's place list is fixed when the runtime loads: read once."""
-    from .. import _kernels
-    return tuple(_kernels.openmp_place_cpus())
-
-
-def process_cpus() -> tuple[int, ...]:
-    """The CPUs this process may run on.
-
-    With OMP_PROC_BIND or OMP_PLACES set, an OpenMP runtime (ttile's, or torch's loaded
-    first) binds the importing thread to one CPU when it loads, so the affinity read after
-    ``import ttile`` says one CPU while the process may use them all: a default taken from
-    it ran every call on one thread. The runtime's place list keeps the CPUs it started
-    with, and is read instead whenever it is in force."""
-    places = _openmp_places()
-    if places:
-        return places
-    try:
-        return tuple(sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return tuple(range(os.cpu_count() or 1))
-
-
 def default_threads() -> int:
-    """All CPUs this process may run on (``process_cpus``)."""
+    """All CPUs this process may run on (:func:`ttile.core.cpuinfo.process_cpus`)."""
     return len(process_cpus())
 
 
