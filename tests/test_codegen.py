@@ -82,7 +82,7 @@ def test_generated_kernel_matches_reference(case, threads):
 
 
 @requires_avx512
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ["lseq", "unroll_rsc", "k_inside_c"])
 def test_a_kernel_prefetching_its_weights_computes_the_same_bits(case):
     spec, text = CASES[case]
     plain = generate(Scheme.parse(text), spec)
