@@ -51,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -201,35 +202,50 @@ def models(name: str, batch: int):
     return model, model_cl, x, x_cl
 
 
+def contender(label: str, model, model_cl, x, x_cl, threads: int, converted=None,
+              exported: Optional[bytes] = None):
+    """The call that times contender ``label`` (the converted model and the ONNX export
+    are made here when not given)."""
+    import torch
+
+    import ttile.torch as tt
+    if label.startswith("ttile"):
+        if converted is None:
+            converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
+        return (lambda: converted(x_cl)) if label == "ttile channels_last" else \
+            (lambda: converted(x))
+    if label == "torch NCHW":
+        return lambda: model(x)
+    if label == "torch channels_last":
+        return lambda: model_cl(x_cl)
+    if label == "torch.compile":
+        compiled = torch.compile(model_cl)
+        compiled(x_cl)
+        return lambda: compiled(x_cl)
+    peer = {"onnxruntime": Peer.ONNXRUNTIME, "OpenVINO": Peer.OPENVINO}[label]
+    return onnx_runner(peer, exported if exported is not None else onnx_export(model, x),
+                       x.numpy(), threads)
+
+
+def check_output(name: str, label: str, fn, expected) -> None:
+    """``fn``'s output within 1e-4 (relative to its largest value) of torch eager's."""
+    import torch
+    got = torch.as_tensor(fn())
+    error = float((got - expected).abs().max() / expected.abs().max())
+    if error > 1e-4:
+        raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
+
+
 def alone(name: str, batch: int, threads: int, reps: int, label: str) -> dict:
     """One contender timed by itself in this process: ``reps`` back-to-back calls after five
     untimed ones, as a service answering one request after another meets it, with no other
     runtime's threads spinning on the cores (what `--alone` runs in a child process)."""
     import torch
-
-    import ttile.torch as tt
     torch.set_num_threads(threads)
     model, model_cl, x, x_cl = models(name, batch)
     with torch.no_grad():
-        expected = model(x)
-        if label.startswith("ttile"):
-            converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
-            fn = (lambda: converted(x_cl)) if label == "ttile channels_last" else \
-                (lambda: converted(x))
-        elif label == "torch NCHW":
-            fn = lambda: model(x)
-        elif label == "torch channels_last":
-            fn = lambda: model_cl(x_cl)
-        elif label == "torch.compile":
-            compiled = torch.compile(model_cl)
-            fn = lambda: compiled(x_cl)
-        else:
-            peer = {"onnxruntime": Peer.ONNXRUNTIME, "OpenVINO": Peer.OPENVINO}[label]
-            fn = onnx_runner(peer, onnx_export(model, x), x.numpy(), threads)
-        got = torch.as_tensor(fn())
-        error = float((got - expected).abs().max() / expected.abs().max())
-        if error > 1e-4:
-            raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
+        fn = contender(label, model, model_cl, x, x_cl, threads)
+        check_output(name, label, fn, model(x))
         for _ in range(5):
             fn()
         times = []
@@ -265,34 +281,33 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
     t0 = time.perf_counter()
     converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
     first = time.perf_counter() - t0
-    runs = {"torch NCHW": lambda: model(x), "torch channels_last": lambda: model_cl(x_cl),
-            "ttile channels_last": lambda: converted(x_cl), "ttile NCHW": lambda: converted(x)}
+    runs = {label: contender(label, model, model_cl, x, x_cl, threads, converted)
+            for label in ("torch NCHW", "torch channels_last", "ttile channels_last",
+                          "ttile NCHW")}
     notes = []
     with torch.no_grad():
         expected = model(x)
         if compile_:
             try:
-                compiled = torch.compile(model_cl)
-                compiled(x_cl)
-                runs["torch.compile"] = lambda: compiled(x_cl)
+                runs["torch.compile"] = contender("torch.compile", model, model_cl, x, x_cl,
+                                                  threads)
             except Exception as error:   # inductor needs a C++ toolchain and more
                 notes.append(f"torch.compile failed: {type(error).__name__}")
         try:
             exported = onnx_export(model, x)
-            runs["onnxruntime"] = onnx_runner(Peer.ONNXRUNTIME, exported, x.numpy(), threads)
+            runs["onnxruntime"] = contender("onnxruntime", model, model_cl, x, x_cl, threads,
+                                            exported=exported)
         except Exception as error:
             exported = None
             notes.append(f"onnx export failed: {type(error).__name__}: {error}")
         if exported is not None:
             try:
-                runs["OpenVINO"] = onnx_runner(Peer.OPENVINO, exported, x.numpy(), threads)
+                runs["OpenVINO"] = contender("OpenVINO", model, model_cl, x, x_cl, threads,
+                                             exported=exported)
             except ImportError:
                 notes.append("OpenVINO not installed")
         for label, fn in runs.items():
-            got = torch.as_tensor(fn())
-            error = float((got - expected).abs().max() / expected.abs().max())
-            if error > 1e-4:
-                raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
+            check_output(name, label, fn, expected)
         for fn in runs.values():
             fn()
         times = rounds(runs, reps, Cache.WARM)
