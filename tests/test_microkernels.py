@@ -275,3 +275,83 @@ def test_network_search_without_a_table_runs_the_quick_step_1(tmp_path, monkeypa
     calls.clear()
     monkeypatch.setattr(microkernels, "load_table", lambda *a, **k: got)
     assert cli._table_or_quick_step1(args, Isa.AVX512F) is got and not calls
+
+
+def test_step_1_for_a_network_keeps_the_shapes_its_layers_can_use():
+    """A network's quick step 1 measures the shapes some layer of it can use: ResNet-18
+    (1x1, 3x3, 7x7; 64-512 channels) never a 5-wide unroll or 3 vectors of k, and every
+    shape it keeps fits one of its layers as the search's class test has it."""
+    from ttile.core.kinds import Isa
+    from ttile.core.vectors import vector_isa
+    from ttile.generator import networks
+    from ttile.generator.microkernels import MicrokernelClass, quick_shapes, shapes_for
+    from ttile.generator.search import class_fits
+    lanes = vector_isa(Isa.AVX512F).lanes
+    every = quick_shapes(Isa.AVX512F, cpu_id="someone-1-1-00000000") or enumerate_shapes()
+    specs = [layer.spec() for layer in networks.NETWORKS["resnet18"]]
+    kept = shapes_for(every, specs, lanes)
+    assert 0 < len(kept) < len(every)
+    assert not any(5 in (s.unroll_r, s.unroll_s) or s.alpha in (3, 5, 6) for s in kept)
+    as_class = lambda s: MicrokernelClass(s.unroll_r, s.unroll_s, s.axis, s.alpha, s.beta,
+                                          s.beta, 100.0)
+    for s in every:
+        fits = any(class_fits(spec, as_class(s), lanes) for spec in specs)
+        assert (s in kept) == fits, s
+    assert kept == [s for s in every if s in set(kept)]   # the order is kept
+
+
+def test_a_quick_table_grows_by_the_shapes_a_new_network_needs(tmp_path, monkeypatch):
+    """``ttile-generate --network`` on a CPU whose table is a quick one measures the
+    shapes the new layers can use that it lacks, keeping the table's measurements (the
+    table is passed as ``base``); a table that has them all, or a full one, is used as
+    it is."""
+    from ttile import cli
+    from ttile.core.kinds import Isa
+    from ttile.core.vectors import vector_isa
+    from ttile.generator import microkernels, networks
+    full = MicrokernelTable.from_json(json.loads(sorted(
+        (REPO / "generator" / "microkernels").glob("*.json"))[0].read_text()))
+    specs = [layer.spec() for layer in networks.NETWORKS["resnet18"]]
+    needed = microkernels.shapes_for(
+        microkernels.quick_shapes(Isa.AVX512F, tmp_path, fingerprint().id), specs,
+        vector_isa(Isa.AVX512F).lanes)
+    assert needed
+    half = MicrokernelTable(**{**full.__dict__, "quick": True, "measurements": tuple(
+        Measurement(s, RecordStatus.OK, gflops=1.0) for s in needed[: len(needed) // 2])})
+    calls = []
+
+    def fake_explore(data_dir, **kwargs):
+        calls.append(kwargs)
+        return full
+
+    monkeypatch.setattr(microkernels, "explore", fake_explore)
+    args = cli.build_parser().parse_args(["--data-dir", str(tmp_path), "--network",
+                                          "resnet18"])
+    for table, grows in ((half, True), (full, False),
+                         (MicrokernelTable(**{**half.__dict__, "measurements": tuple(
+                             Measurement(s, RecordStatus.OK, gflops=1.0)
+                             for s in needed)}), False)):
+        calls.clear()
+        monkeypatch.setattr(microkernels, "load_table", lambda *a, table=table, **k: table)
+        got = cli._table_or_quick_step1(args, Isa.AVX512F, specs)
+        assert bool(calls) is grows
+        if grows:
+            assert calls[0]["base"] is half and calls[0]["layers"] == specs
+            assert calls[0]["quick"] is True and got is full
+        else:
+            assert got is table
+
+
+@needs_compiler
+@requires_avx512
+def test_explore_keeps_a_base_tables_measurements(tmp_path):
+    """Step 1 with ``base`` measures only the shapes the base table lacks and keeps the
+    base's measurements as they were (a quick table grown for another network)."""
+    fast = TimingProtocol(sample_seconds=0.0005, samples=3, max_rounds=1)
+    shapes = [MicrokernelShape(1, 1, "w", 1, b) for b in (2, 3, 4)]
+    first = explore(tmp_path, shapes=shapes[:2], reduction=64, protocol=fast, quick=True)
+    grown = explore(tmp_path, shapes=shapes, reduction=64, protocol=fast, base=first)
+    assert [m.shape for m in grown.measurements] == shapes
+    # not measured again (the first beta has no lower neighbour to be found suspect by)
+    assert grown.measurements[0].samples_s == first.measurements[0].samples_s
+    assert grown.quick

@@ -91,6 +91,22 @@ def test_scheme_space_holds_both_loop_order_families():
         lower(c.scheme, spec)
 
 
+def test_a_space_without_model_orders_solves_no_permutation(monkeypatch):
+    """``permutations_per_class=0`` (the quick search) ranks the reduction-innermost
+    orders' completions and never runs the model's permutation solve (seconds each)."""
+    spec = ConvSpec(1, 256, 128, 28, 28, 3, 3, 1, 1, 1, 1, 1, 1)
+    cls = MicrokernelClass(1, 1, "w", 4, 5, 6, 95.0)
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("a permutation was solved")
+
+    monkeypatch.setattr(CostModel, "rank_permutations", no_solve)
+    space = scheme_space(spec, [cls], CACHES, top=40, permutations_per_class=0)
+    assert space and {c.origin for c in space} == {REDUCTION_INNERMOST}
+    for c in space:
+        lower(c.scheme, spec)
+
+
 def test_a_capped_space_ranks_fewer_completions_and_stays_valid():
     spec = ConvSpec(1, 48, 48, 28, 28, 5, 5, 1, 1, 2, 2, 2, 2)
     wide = MicrokernelClass(1, 5, "w", 1, 4, 18, 100.0)   # 100 000+ lambda-seq completions
@@ -293,6 +309,36 @@ def test_a_kernel_whose_nchw_entry_point_is_wrong_is_wrong():
     broken = dataclasses.replace(kernel, code=kernel.code.replace(store, store + " y[7] = 0.5f;"))
     problem = run_and_check(build([broken]), broken, bench, 1)
     assert problem is not None and "NCHW entry point" in problem
+
+
+@requires_avx512
+def test_tuner_compiles_each_candidate_once_on_every_compiler(tmp_path, monkeypatch):
+    """The screened candidates are compiled in as many batches as there are compilers,
+    and the finalists re-timed with the paper's protocol run in the libraries they were
+    screened in: no candidate is compiled twice."""
+    import ttile.tuning.bench as bench_module
+    spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
+    candidates = [_candidate(text, 8, float(i)) for i, text in enumerate(
+        ("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]", "[T3 w; T6 h; T3 r; T3 s; T8 c; U2 w; V k]",
+         "[T6 w; T3 r; T3 s; T8 c; U6 h; V k]"))]
+    batches = []
+    real_build = bench_module.build_batches
+
+    def counting_build(sources, **kwargs):
+        batches.extend([k.name for k in batch] for batch in sources)
+        return real_build(sources, **kwargs)
+
+    monkeypatch.setattr(bench_module, "build_batches", counting_build)
+    db = TuningDatabase(tmp_path, cpu_id="cpu-z")
+    bench = LayerBench.make(spec, copy_bytes=1 << 16)
+    settings = TuneSettings(budget_seconds=30, batch_size=6, jobs=2, screen_calls=3,
+                            paper_calls=5, paper_drop=1, refine_top=2)
+    best = tune_layer("tiny", spec, candidates, 1, db, bench, settings)
+    assert best is not None and best.protocol is Protocol.PAPER
+    assert len(batches) == 2 and sorted(map(len, batches)) == [1, 2]
+    names = [name for batch in batches for name in batch]
+    assert len(names) == len(set(names)) == 3
+    assert len([r for r in db.records if r.protocol is Protocol.PAPER]) == 2
 
 
 @requires_avx512

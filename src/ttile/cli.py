@@ -85,13 +85,18 @@ class SearchEffort:
                                     # 5-8 s per class and layer on a Zen 3)
     max_points: int = 200_000       # completions ranked per loop order: the model's cost
                                     # of ~300 000 of them took 60 s of ResNet18-8's search
+    model_orders: int = 1           # the IOOpt model's loop permutations per class beside
+                                    # the reduction-innermost orders (0: none solved)
 
 
-#: The full search found the ResNet-18 kernels of the shipped sets; the quick one took
+#: The full search found the ResNet-18 kernels of the shipped sets; the quick one tunes
 #: ResNet-18 at 1 and 2 threads from no microkernel table (step 1's quick mode included)
-#: from about 9 minutes to under 3 on a 2-core Zen 3 (see the results page).
+#: in about 2 minutes on 2 cores of a Xeon model 167, where the full one takes 9 or more.
+#: It solves no model permutation (the reduction-innermost orders' completions, ranked):
+#: the solves were a quarter of its time, and its kernels were no faster for them.
 EFFORTS = {SearchDepth.FULL: SearchEffort(90.0, 24, 4, 4),
-           SearchDepth.QUICK: SearchEffort(12.0, 6, 1, 2, classes=2, max_points=20_000)}
+           SearchDepth.QUICK: SearchEffort(12.0, 6, 1, 2, classes=2, max_points=20_000,
+                                           model_orders=0)}
 
 #: Candidates per layer the offline search screens in the learned ranking's order.
 DEFAULT_RANK_MEASURE = EFFORTS[SearchDepth.FULL].rank_measure
@@ -439,21 +444,41 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table_or_quick_step1(args: argparse.Namespace, isa: Isa):
+def _table_or_quick_step1(args: argparse.Namespace, isa: Isa, specs=None):
     """This CPU's microkernel table (or one of the same microarchitecture); where there is
-    none, step 1's quick mode measures one first (about a minute on 2 cores) rather than
-    sending the user to run it."""
-    from .generator.microkernels import explore, load_table
+    none, step 1's quick mode measures one first rather than sending the user to run it:
+    only the shapes the layers ``specs`` can use (about a minute for ResNet-18 on 2
+    cores), and a quick table that lacks some a later network's layers use grows by
+    those."""
+    from .core.cpuinfo import fingerprint
+    from .core.vectors import vector_isa
+    from .generator.microkernels import explore, load_table, quick_shapes, shapes_for
     try:
-        return load_table(args.data_dir, isa=isa)
+        table = load_table(args.data_dir, isa=isa)
     except FileNotFoundError:
-        pass
-    print(f"no {isa.value} microkernel table for this CPU: measuring the quick step 1 "
-          f"first ('ttile-generate microkernels' measures every shape)", file=sys.stderr)
+        table = None
+    if table is not None and not table.quick:
+        return table
+    if table is not None:
+        if specs is None:
+            return table
+        measured = {m.shape for m in table.measurements}
+        missing = [s for s in shapes_for(quick_shapes(isa, args.data_dir, fingerprint().id),
+                                         specs, vector_isa(isa).lanes)
+                   if s not in measured]
+        if not missing:
+            return table
+        print(f"the quick {isa.value} microkernel table lacks {len(missing)} shapes these "
+              f"layers can use: measuring them", file=sys.stderr)
+    else:
+        print(f"no {isa.value} microkernel table for this CPU: measuring the quick step 1 "
+              f"first, the shapes these layers can use ('ttile-generate microkernels' "
+              f"measures every shape)", file=sys.stderr)
     progress = _Progress("microkernels")
     started = time.monotonic()
     try:
-        table = explore(args.data_dir, progress=progress, isa=isa, quick=True)
+        table = explore(args.data_dir, progress=progress, isa=isa, quick=True,
+                        layers=specs, base=table)
     finally:
         progress.close()
     print(f"{len(table.measurements)} microkernels measured in "
@@ -484,7 +509,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
     if args.from_records and not args.warm_check:
         table, caches = None, ()   # nothing is measured: no table needed
     else:
-        table = _table_or_quick_step1(args, isa)
+        table = _table_or_quick_step1(args, isa, [layer.spec() for layer in layers
+                                                   if layer.groups == 1])
         caches = load_or_measure(args.data_dir).caches()
     depth = _search_depth(args, table)
     effort = EFFORTS[depth]
@@ -532,6 +558,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
                 classes = sorted(classes, key=lambda c: -c.best_percent)[:effort.classes]
             candidates = scheme_space(spec, classes, caches, top=args.top,
                                       max_points=effort.max_points,
+                                      permutations_per_class=effort.model_orders,
                                       keep_fraction=args.keep_fraction, isa=isa)
             if ranking is not None:   # the learned ranking's first picks, and only those
                 candidates = rank_order(ranking, spec, candidates, 1, isa,

@@ -39,7 +39,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -397,6 +397,30 @@ class MicrokernelTable:
         return best
 
 
+def block_fits(spec: ConvSpec, unroll_r: int, unroll_s: int, axis: str, alpha: int,
+               beta: int, lanes: int) -> bool:
+    """Whether a register block (unrolls, axis, alpha vectors of ``lanes`` by ``beta``
+    outputs) can appear in a scheme for ``spec``: alpha divides k's vectors, each unroll
+    is 1 or the kernel's extent, and beta fits the output axis."""
+    if spec.k_vectors(lanes) % alpha:
+        return False
+    if unroll_r not in (1, spec.r) or unroll_s not in (1, spec.s):
+        return False
+    return beta <= (spec.ho if axis == "h" else spec.wo)
+
+
+def shapes_for(shapes: Iterable[MicrokernelShape], specs: Iterable[ConvSpec],
+               lanes: int) -> list[MicrokernelShape]:
+    """The ``shapes`` some layer of ``specs`` can use (:func:`block_fits`), in order: step
+    1 for a network measures those only. ResNet-18's 1x1, 3x3 and 7x7 layers with 64-512
+    channels use 268 of the 540 shapes the quick mode measures on AVX-512 (no 5-wide
+    unroll, no alpha of 3, 5 or 6)."""
+    specs = list(specs)
+    return [s for s in shapes
+            if any(block_fits(spec, s.unroll_r, s.unroll_s, s.axis, s.alpha, s.beta, lanes)
+                   for spec in specs)]
+
+
 def table_path(directory: Path, cpu: CpuFingerprint, isa: Isa = Isa.AVX512F) -> Path:
     return directory / f"{family_stem(cpu.id, isa)}.json"
 
@@ -470,10 +494,15 @@ def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
             batch_size: int = 24, jobs: int = 2,
             progress: Callable[[int, int, str], None] = lambda done, total, what: None,
             shapes: Optional[list[MicrokernelShape]] = None,
-            isa: Isa = Isa.AVX512F, quick: bool = False) -> MicrokernelTable:
+            isa: Isa = Isa.AVX512F, quick: bool = False,
+            layers: Optional[Sequence[ConvSpec]] = None,
+            base: Optional["MicrokernelTable"] = None) -> MicrokernelTable:
     """Run step 1 for the vector family ``isa``: build, check, time and select; save the
     table under ``data_dir/microkernels`` and return it. ``quick`` measures only
-    :func:`quick_shapes` (every shape where no other table of the family exists).
+    :func:`quick_shapes` (every shape where no other table of the family exists);
+    ``layers`` keeps only the shapes those layers can use (:func:`shapes_for`).
+    ``base`` is an earlier table of this CPU whose measurements are kept as they are: a
+    quick table made for one network grows by the shapes another one needs.
 
     Results are appended to ``<cpu-id>.partial.jsonl`` as they come, and shapes found
     there are not measured again, so an interrupted run resumes where it stopped.
@@ -501,6 +530,12 @@ def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
         quick = shapes is not None
     all_shapes = shapes if shapes is not None else enumerate_shapes(kernel_sizes, axes,
                                                                     vectors.registers)
+    if layers is not None:
+        all_shapes = shapes_for(all_shapes, layers, lanes)
+    kept = {m.shape: m for m in base.measurements} if base is not None else {}
+    for shape, m in kept.items():
+        done.setdefault(shape, m)
+    all_shapes = [*kept, *(s for s in all_shapes if s not in kept)]
     todo = [s for s in all_shapes if s not in done]
     total = len(all_shapes)
     progress(len(all_shapes) - len(todo), total, "resumed" if done else "starting")
@@ -546,7 +581,8 @@ def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
                         done[shape] = again
         # The peak again, at the end: a disturbed first measurement would inflate every
         # percentage. Percentages are recomputed against the better of the two.
-        peak = max(peak, measure_peak_gflops(isa=vectors.isa))
+        peak = max(peak, measure_peak_gflops(isa=vectors.isa),
+                   base.peak_gflops if base is not None else 0.0)
         done = {s: _with_peak(m, peak) for s, m in done.items()}
     finally:
         if previous_affinity:
@@ -558,7 +594,7 @@ def explore(data_dir: Path, kernel_sizes: Iterable[int] = DEFAULT_KERNEL_SIZES,
         compiler=compiler_version(compiler), cflags=kernel_cflags(vectors.isa),
         measured_on=datetime.date.today().isoformat(), measurements=measurements,
         classes=tuple(select_classes(measurements, threshold)), isa=vectors.isa,
-        quick=quick)
+        quick=quick or (base is not None and base.quick))
     table.save(directory)
     partial.unlink(missing_ok=True)
     return table

@@ -48,7 +48,7 @@ from ..tuning.records import Strategy
 from .costmodel import CostModel, RankedPermutation, microkernel_tile
 from .iomodel import divisor_splits
 from .machine import CacheLevel
-from .microkernels import MicrokernelClass, MicrokernelShape, select_classes
+from .microkernels import MicrokernelClass, MicrokernelShape, block_fits, select_classes
 
 
 class LoopFamily(str, Enum):
@@ -87,13 +87,8 @@ class SpacePoint:
 def class_fits(spec: ConvSpec, cls: MicrokernelClass, lanes: int = VECTOR_LANES) -> bool:
     """Whether a class can appear in a scheme for ``spec`` (k vectors of ``lanes``
     divide, r/s match)."""
-    vectors = spec.k_vectors(lanes)
-    if vectors % cls.alpha:
-        return False
-    if cls.unroll_r not in (1, spec.r) or cls.unroll_s not in (1, spec.s):
-        return False
-    axis_extent = spec.ho if cls.axis == "h" else spec.wo
-    return cls.beta_min <= axis_extent
+    return block_fits(spec, cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha, cls.beta_min,
+                      lanes)
 
 
 def microkernel_choices(axis_extent: int, cls: MicrokernelClass) -> list[tuple[tuple[int, int], ...]]:
@@ -314,7 +309,9 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
     The permutation is analysed once per unroll of k, r and s (and axis), as in the
     paper: it does not change with the microkernel's size along the spatial axis.
     ``max_points`` caps the completions of one loop order (the run-time tuner, on a
-    budget of seconds, asks for fewer).
+    budget of seconds, asks for fewer). ``permutations_per_class`` is how many of the
+    IOOpt model's loop permutations join the reduction-innermost orders; 0 solves none
+    (each solve is seconds of SLSQP: a quarter of a quick ResNet-18 search).
     """
     lanes = vector_isa(isa).lanes
     model = CostModel(spec, caches, lanes)
@@ -326,7 +323,9 @@ def scheme_space(spec: ConvSpec, classes: Iterable[MicrokernelClass],
     for cls in fitting:
         axis_extent = spec.ho if cls.axis == "h" else spec.wo
         key = (cls.alpha, cls.unroll_r, cls.unroll_s, cls.axis)
-        if key not in permutations:
+        if key not in permutations and permutations_per_class < 1:
+            permutations[key] = []   # the reduction-innermost orders alone (no solve)
+        elif key not in permutations:
             representative = min(cls.beta_max, axis_extent)
             shape = MicrokernelShape(cls.unroll_r, cls.unroll_s, cls.axis, cls.alpha,
                                      representative)

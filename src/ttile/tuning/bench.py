@@ -154,8 +154,9 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
     ``weight_prefetch`` as :func:`~ttile.core.codegen.generate` takes it) in order; yields
     one :class:`Measured` each.
 
-    Groups of ``batch_size * jobs`` schemes are compiled at once (``jobs`` compilers in
-    parallel). Before each group ``next_group(attempted so far)`` and before each kernel
+    Groups of ``batch_size * jobs`` schemes are compiled at once, split into at least as
+    many batches as there are compilers (``jobs`` in parallel: the quick search's 6
+    candidates in one batch kept one core idle). Before each group ``next_group(attempted so far)`` and before each kernel
     ``next_kernel(correct kernels timed so far)`` may stop the run (a time budget). A
     kernel slower than ``slow_seconds`` per call is a time-out.
     """
@@ -165,7 +166,9 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
         if not next_group(attempted):
             return
         group = list(enumerate(schemes))[start:start + step]
-        batches = [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+        parts = max(-(-len(group) // batch_size), min(jobs, len(group)))
+        batches = [group[len(group) * i // parts:len(group) * (i + 1) // parts]
+                   for i in range(parts)]
         sources = [[generate(scheme, spec, command, isa, weight_prefetch)
                     for _, scheme in batch]
                    for batch in batches]
