@@ -20,7 +20,10 @@ after each call, and took the two cores from whichever contender came next - tti
 MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 
 * torch eager, NCHW and channels_last (the best of the two is the anchor);
-* ``torch.compile`` (inductor) of the channels_last model, where it compiles;
+* ``torch.compile`` (inductor) of the channels_last model, where it compiles; with
+  ``--compile`` also ``torch.compile`` of the converted model (inductor around ttile's
+  custom op) and its ``torch.export`` program run as a module, both on the channels_last
+  input;
 * onnxruntime (CPU provider, default graph optimizations) on the model exported with
   ``torch.onnx.export``;
 * OpenVINO on the same export (CPU, ``INFERENCE_PRECISION_HINT`` f32, ``PERFORMANCE_HINT``
@@ -212,6 +215,13 @@ def contender(label: str, model, model_cl, x, x_cl, threads: int, converted=None
     if label.startswith("ttile"):
         if converted is None:
             converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
+        if label == "ttile torch.compile":   # inductor around ttile's custom op
+            compiled = torch.compile(converted)
+            compiled(x_cl)
+            return lambda: compiled(x_cl)
+        if label == "ttile export":          # torch.export's program, run as a module
+            program = torch.export.export(converted, (x_cl,)).module()
+            return lambda: program(x_cl)
         return (lambda: converted(x_cl)) if label == "ttile channels_last" else \
             (lambda: converted(x))
     if label == "torch NCHW":
@@ -288,11 +298,12 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
     with torch.no_grad():
         expected = model(x)
         if compile_:
-            try:
-                runs["torch.compile"] = contender("torch.compile", model, model_cl, x, x_cl,
-                                                  threads)
-            except Exception as error:   # inductor needs a C++ toolchain and more
-                notes.append(f"torch.compile failed: {type(error).__name__}")
+            for label in ("torch.compile", "ttile torch.compile", "ttile export"):
+                try:
+                    runs[label] = contender(label, model, model_cl, x, x_cl, threads,
+                                            converted)
+                except Exception as error:   # inductor needs a C++ toolchain and more
+                    notes.append(f"{label} failed: {type(error).__name__}")
         try:
             exported = onnx_export(model, x)
             runs["onnxruntime"] = contender("onnxruntime", model, model_cl, x, x_cl, threads,

@@ -161,6 +161,30 @@ def test_custom_op_has_a_fake_kernel_so_export_sees_through_it():
         assert rel_error(exported.module()(x), converted(x)) < 1e-6
 
 
+def test_torch_compile_of_a_converted_model_traces_the_custom_op():
+    """``torch.compile`` of a converted model captures ttile's layers as the custom op
+    (dynamo and AOTAutograd run it on fake tensors through its fake kernel) and computes
+    what the eager model does; the benchmark times it with inductor
+    (bench_network.py --compile)."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    converted = tt.convert(small_net())
+    x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(converted, backend=aot_autograd(fw_compiler=capture),
+                             fullgraph=True)
+    with torch.no_grad():
+        got, expected = compiled(x), converted(x)
+    assert graphs and rel_error(got, expected) < 1e-6
+    assert any("ttile.conv2d" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+
+
 def test_eager_calls_skip_the_custom_op_and_export_still_meets_it(monkeypatch):
     """Eager calls on plain tensors run the packed layers directly (the op's dispatch cost
     more than a small layer's kernel); export must still see the op, whose implementation
