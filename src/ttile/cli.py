@@ -91,9 +91,10 @@ class SearchEffort:
 
 #: The full search found the ResNet-18 kernels of the shipped sets; the quick one tunes
 #: ResNet-18 at 1 and 2 threads from no microkernel table (step 1's quick mode included)
-#: in about 2 minutes on 2 cores of a Xeon model 167, where the full one takes 9 or more.
-#: It solves no model permutation (the reduction-innermost orders' completions, ranked):
-#: the solves were a quarter of its time, and its kernels were no faster for them.
+#: in about 2 minutes on 2 cores of a Xeon model 167 (4 min 47 s with every quick shape
+#: measured and the model's permutations solved). It solves no model permutation (the
+#: reduction-innermost orders' completions, ranked): the solves were a quarter of its
+#: time, and its kernels were no faster for them.
 EFFORTS = {SearchDepth.FULL: SearchEffort(90.0, 24, 4, 4),
            SearchDepth.QUICK: SearchEffort(12.0, 6, 1, 2, classes=2, max_points=20_000,
                                            model_orders=0)}

@@ -156,7 +156,8 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
 
     Groups of ``batch_size * jobs`` schemes are compiled at once, split into at least as
     many batches as there are compilers (``jobs`` in parallel: the quick search's 6
-    candidates in one batch kept one core idle). Before each group ``next_group(attempted so far)`` and before each kernel
+    candidates in one batch kept one core idle). Before each group
+    ``next_group(attempted so far)`` and before each kernel
     ``next_kernel(correct kernels timed so far)`` may stop the run (a time budget). A
     kernel slower than ``slow_seconds`` per call is a time-out.
     """
