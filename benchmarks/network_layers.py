@@ -10,6 +10,10 @@ this table says on which layers. Each convolution is timed four ways:
   layer really runs in. Includes the module's call overhead;
 * **alone**: the same module called again and again on the input it saw in the network
   (warm caches, weights in L2 where they fit): the number a single-layer benchmark gives;
+* **kernel alone**: the module's packed ``ttile.Conv2d`` called the same way on that input
+  in NHWC, without the module's Python path (its call, checks and tensor wrapping, about
+  10 µs a layer on a Xeon model 167): the profilers' numbers below count no such cost,
+  so on small layers this is the column to set beside them;
 * **onnxruntime**: the node's ``_kernel_time`` in onnxruntime's profile (default graph
   optimizations, so a Conv there carries its fused bias/activation/Add, and its NCHWc
   reorders are separate nodes, summed under "other");
@@ -43,6 +47,7 @@ class LayerTime:
     shape: str
     in_network: float
     alone: float
+    kernel: float                                 # the packed Conv2d alone, NHWC
     engines: dict = field(default_factory=dict)   # engine -> µs (absent: not matched)
 
 
@@ -105,6 +110,26 @@ def _alone(module, args, reps: int) -> float:
             t0 = time.perf_counter()
             module(*args)
             samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _kernel_alone(module, args, threads: int, reps: int) -> float:
+    """``_alone`` for the module's packed Conv2d on the NHWC view of its input."""
+    import torch
+
+    def nhwc(tensor):
+        return tensor.contiguous(memory_format=torch.channels_last).numpy() \
+            .transpose(0, 2, 3, 1)
+    x, residual = args[0], (args[1] if len(args) > 1 else None)
+    layer = module._packed.layer("NHWC")
+    x_np, r_np = nhwc(x), (None if residual is None else nhwc(residual))
+    for _ in range(3):
+        layer(x_np, threads, residual=r_np)
+    samples = []
+    for _ in range(max(reps, 5)):
+        t0 = time.perf_counter()
+        layer(x_np, threads, residual=r_np)
+        samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
@@ -255,7 +280,8 @@ def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[by
         rows.append(LayerTime(
             index=i, name=lname, shape=_shape(module, args),
             in_network=statistics.median(samples) * 1e6,
-            alone=_alone(module, args, reps) * 1e6, engines=times))
+            alone=_alone(module, args, reps) * 1e6,
+            kernel=_kernel_alone(module, args, threads, reps) * 1e6, engines=times))
     for label, convs in engines.items():
         missing = sum(label not in r.engines for r in rows)
         if missing or len(matched[label]) != len(convs):
@@ -271,15 +297,16 @@ def format_breakdown(b: Breakdown) -> list[str]:
     engines = [e for e in ("onnxruntime", "OpenVINO") if any(e in r.engines for r in b.layers)]
     lines = [f"#### {b.network}, {b.threads} thread{'s' if b.threads > 1 else ''}", "",
              "| # | layer | shape | ttile in network µs | ttile alone µs | "
+             "ttile kernel alone µs | "
              + " | ".join(f"{e} µs" for e in engines)
              + " | " + " | ".join(f"{e} / ttile" for e in engines) + " |",
-             "|---|---|---|---|---|" + "---|" * (2 * len(engines))]
+             "|---|---|---|---|---|---|" + "---|" * (2 * len(engines))]
     for r in b.layers:
         times = " | ".join(f"{r.engines[e]:.0f}" if e in r.engines else "-" for e in engines)
         ratios = " | ".join(f"{r.engines[e] / r.in_network:.2f}" if e in r.engines else "-"
                             for e in engines)
         lines.append(f"| {r.index} | {r.name} | {r.shape} | {r.in_network:.0f} | "
-                     f"{r.alone:.0f} | {times} | {ratios} |")
+                     f"{r.alone:.0f} | {r.kernel:.0f} | {times} | {ratios} |")
     lines += ["", "| contender | network ms (profiled run) | convolutions ms | other ms |",
               "|---|---|---|---|"]
     for label, (wall, conv, other) in b.totals.items():
