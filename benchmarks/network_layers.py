@@ -100,17 +100,22 @@ def _ttile_layer_times(converted, x, reps: int):
     return [(name, modules[name], times[name], inputs[name]) for name in order], walls
 
 
-def _alone(module, args, reps: int) -> float:
+def _repeated(call, reps: int) -> float:
+    """Median seconds of ``call()`` over back-to-back calls after three untimed ones."""
     import torch
     with torch.no_grad():
         for _ in range(3):
-            module(*args)
+            call()
         samples = []
         for _ in range(max(reps, 5)):
             t0 = time.perf_counter()
-            module(*args)
+            call()
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def _alone(module, args, reps: int) -> float:
+    return _repeated(lambda: module(*args), reps)
 
 
 def _kernel_alone(module, args, threads: int, reps: int) -> float:
@@ -123,14 +128,7 @@ def _kernel_alone(module, args, threads: int, reps: int) -> float:
     x, residual = args[0], (args[1] if len(args) > 1 else None)
     layer = module._packed.layer("NHWC")
     x_np, r_np = nhwc(x), (None if residual is None else nhwc(residual))
-    for _ in range(3):
-        layer(x_np, threads, residual=r_np)
-    samples = []
-    for _ in range(max(reps, 5)):
-        t0 = time.perf_counter()
-        layer(x_np, threads, residual=r_np)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return _repeated(lambda: layer(x_np, threads, residual=r_np), reps)
 
 
 def _is_conv(op: str) -> bool:

@@ -451,7 +451,6 @@ def _table_or_quick_step1(args: argparse.Namespace, isa: Isa, specs=None):
     only the shapes the layers ``specs`` can use (about a minute for ResNet-18 on 2
     cores), and a quick table that lacks some a later network's layers use grows by
     those."""
-    from .core.cpuinfo import fingerprint
     from .core.vectors import vector_isa
     from .generator.microkernels import explore, load_table, quick_shapes, shapes_for
     try:
@@ -464,8 +463,8 @@ def _table_or_quick_step1(args: argparse.Namespace, isa: Isa, specs=None):
         if specs is None:
             return table
         measured = {m.shape for m in table.measurements}
-        missing = [s for s in shapes_for(quick_shapes(isa, args.data_dir, fingerprint().id),
-                                         specs, vector_isa(isa).lanes)
+        missing = [s for s in shapes_for(quick_shapes(isa, args.data_dir), specs,
+                                         vector_isa(isa).lanes)
                    if s not in measured]
         if not missing:
             return table
