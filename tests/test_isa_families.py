@@ -156,3 +156,36 @@ def test_every_cache_blocking_gives_the_reference_result(isa_name, no_winograd):
     finally:
         _kernels.set_generic_cache_bytes(0)
         ttile.set_isa(previous)
+
+
+@pytest.mark.parametrize("isa_name", [i for i in AVAILABLE_ISAS if i != "portable"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_small_outputs_read_rsck_weights_in_place_and_match_the_reference(isa_name, threads,
+                                                                           no_winograd):
+    """A per-call NHWC conv2d on a small output (at most 64 pixels) whose weights exceed
+    the cache blocking reads RSCK where it is, in channel slabs whose partial sums wait in
+    the output: slabs of every size (the last one short), images and panels shared among
+    threads, the epilogue (bias, residual, relu) applied once, after the last slab. A 3x3
+    and a strided 1x1 layer, K a multiple of the vector width, each against float64."""
+    rng = np.random.default_rng(11)
+    cases = [((2, 7, 7, 50), (3, 3, 50, 96), 1, 1), ((1, 12, 11, 130), (1, 1, 130, 64), 2, 0)]
+    previous = ttile.set_isa(isa_name)
+    try:
+        for x_shape, w_shape, stride, pad in cases:
+            x = rng.uniform(-1, 1, x_shape).astype(np.float32)
+            w = rng.uniform(-1, 1, w_shape).astype(np.float32)
+            conv = conv2d_nhwc_f64(x, w, (stride, stride), (pad, pad, pad, pad))
+            bias = rng.uniform(-1, 1, w_shape[3]).astype(np.float32)
+            residual = rng.uniform(-1, 1, conv.shape).astype(np.float32)
+            for nbytes in (8 << 10, 24 << 10, 64 << 10):   # 3x3: slabs of 8 to 50 channels
+                _kernels.set_generic_cache_bytes(nbytes)
+                y = ttile.conv2d(x, w, stride=stride, padding=pad, layout="NHWC",
+                                 threads=threads)
+                np.testing.assert_allclose(y, conv, rtol=1e-4, atol=1e-4)
+                y = ttile.conv2d(x, w, bias, stride=stride, padding=pad, layout="NHWC",
+                                 threads=threads, residual=residual, activation="relu")
+                expected = np.maximum(conv + bias + residual, 0)
+                np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        _kernels.set_generic_cache_bytes(0)
+        ttile.set_isa(previous)
