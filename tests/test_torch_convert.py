@@ -147,6 +147,46 @@ def test_weights_changed_in_place_are_packed_again():
         assert rel_error(converted(x), expected) < 1e-5
 
 
+def test_a_model_converted_and_run_under_inference_mode_serves_and_follows_changes():
+    """Under torch.inference_mode, convert's folded weights are inference tensors, which
+    torch counts no in-place changes of: the module keeps normal copies, whose changes
+    (made in inference mode too) it sees. A weight later replaced by an inference tensor
+    is packed again on every call, never served stale."""
+    model = small_net()
+    x = torch.randn(1, 3, 9, 9)
+    with torch.inference_mode():
+        converted = tt.convert(model)
+        assert rel_error(converted(x), model(x)) < 1e-4
+        layers = [m for m in converted.modules() if isinstance(m, tt.TTileConv2d)]
+        assert layers and not any(p.is_inference() for m in layers for p in m.parameters())
+        layer = layers[-1]
+        layer.weight.mul_(2)
+        expected = torch.sigmoid(torch.nn.functional.conv2d(
+            _input_of(converted, layer, x),
+            layer.weight, layer.bias))
+        assert rel_error(converted(x), expected) < 1e-5
+        layer.weight = nn.Parameter(layer.weight.detach() * 3, requires_grad=False)
+        assert layer.weight.is_inference()
+        expected = torch.sigmoid(torch.nn.functional.conv2d(
+            _input_of(converted, layer, x), layer.weight, layer.bias))
+        assert rel_error(converted(x), expected) < 1e-5
+        layer.weight.mul_(0.5)   # no version count to see it by: packed again anyway
+        expected = torch.sigmoid(torch.nn.functional.conv2d(
+            _input_of(converted, layer, x), layer.weight, layer.bias))
+        assert rel_error(converted(x), expected) < 1e-5
+
+
+def _input_of(model, layer, x):
+    """What ``layer`` receives when ``model`` runs on x (a forward pre-hook's catch)."""
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
 def test_custom_op_has_a_fake_kernel_so_export_sees_through_it():
     converted = tt.convert(small_net())
     x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)

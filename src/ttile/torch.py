@@ -112,11 +112,31 @@ def _conv2d_fake(x, weight, bias, residual, layer, stride, padding, dilation, gr
 
 def _identity(tensor: Optional[torch.Tensor]):
     """What says a tensor is still the one whose values were packed: the object, its
-    memory and layout, and torch's count of in-place changes to it."""
+    memory and layout, and torch's count of in-place changes to it. An inference tensor
+    (made under ``torch.inference_mode``) has no such count, so nothing vouches for its
+    values: it gets an identity of its own on every call, and its layer is packed again
+    each time (:func:`_tracked` keeps the module's own parameters out of that case)."""
     if tensor is None:
         return None
-    return (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape),
+    try:
+        version = tensor._version
+    except RuntimeError:   # "Inference tensors do not track version counter"
+        version = object()
+    return (id(tensor), tensor.data_ptr(), version, tuple(tensor.shape),
             tuple(tensor.stride()))
+
+
+def _tracked(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as float32, contiguous, detached, and a normal tensor whose in-place
+    changes torch counts: a model converted under ``torch.inference_mode`` (or its folded
+    batch norms) hands over inference tensors, which count nothing; those are copied
+    outside inference mode. Others are used as they are (no copy of a plain conv's
+    weights)."""
+    tensor = tensor.detach().to(torch.float32).contiguous()
+    if tensor.is_inference():
+        with torch.inference_mode(False):
+            tensor = tensor.clone()
+    return tensor
 
 
 class _PackedLayer:
@@ -225,11 +245,8 @@ class TTileConv2d(nn.Module):
                  negative_slope: float = 0.01, residual: bool = False,
                  threads: Optional[int] = None, source: str = "", not_fused: str = ""):
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(),
-                                   requires_grad=False)
-        self.bias = (None if bias is None
-                     else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
-                                       requires_grad=False))
+        self.weight = nn.Parameter(_tracked(weight), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(_tracked(bias), requires_grad=False)
         self.stride, self.padding = tuple(stride), tuple(padding)
         self.dilation, self.groups = tuple(dilation), int(groups)
         self.activation, self.negative_slope = activation, float(negative_slope)
