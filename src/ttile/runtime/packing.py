@@ -57,7 +57,8 @@ def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
     panel 0, and of a panel as wide as K). The vector generic kernel takes the weights as
     they are (RSCK, or KCRS): its threads pack the panels they use into buffers of their own,
     so the weights are read once instead of read, written and read back (ResNet18-12 per
-    call at 2 threads, caches cold: 1.35 ms packed beforehand against 0.73 pre-packed)."""
+    call at 2 threads, caches cold: 1.35 ms packed beforehand against 0.73 pre-packed), or
+    on a small output read RSCK in place (see generic_conv.inc)."""
     grouped = family_weights(w, plan.layout, plan, choice)
     if grouped is not None:
         return grouped
