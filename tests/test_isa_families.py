@@ -162,11 +162,12 @@ def test_every_cache_blocking_gives_the_reference_result(isa_name, no_winograd):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_small_outputs_read_rsck_weights_in_place_and_match_the_reference(isa_name, threads,
                                                                            no_winograd):
-    """A per-call NHWC conv2d on a small output (at most 64 pixels) whose weights exceed
-    the cache blocking reads RSCK where it is, in channel slabs whose partial sums wait in
-    the output: slabs of every size (the last one short), images and panels shared among
-    threads, the epilogue (bias, residual, relu) applied once, after the last slab. A 3x3
-    and a strided 1x1 layer, K a multiple of the vector width, each against float64."""
+    """A per-call NHWC conv2d on a small output (at most 64 pixels, one register block per
+    row) whose weights exceed the cache blocking reads RSCK where it is, in channel slabs
+    whose partial sums wait in the output: slabs of every size (the last one short),
+    images and panels shared among threads, the epilogue (bias, residual, relu) applied
+    once, after the last slab. A 3x3 layer (AVX2's 4-pixel blocks take two per row there,
+    so it packs) and a strided 1x1 one, K a multiple of the vector width, against float64."""
     rng = np.random.default_rng(11)
     cases = [((2, 7, 7, 50), (3, 3, 50, 96), 1, 1), ((1, 12, 11, 130), (1, 1, 130, 64), 2, 0)]
     previous = ttile.set_isa(isa_name)
