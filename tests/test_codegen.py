@@ -105,11 +105,11 @@ def test_weight_prefetch_asks_for_each_line_once_per_step():
     text = "[T2 k; T8 h; T4 w; T8 c; U3 r; U3 s; U2 c; U2 w; U2 k; V k]"
     code = _nhwc_code(generate(Scheme.parse(text), spec, weight_prefetch=True))
     # two 64-byte vectors per step: a prefetch each
-    assert code.count("_mm_prefetch") == code.count("const __m512 wv") > 0
+    assert code.count("_mm_prefetch((const char *)(w + ") == code.count("const __m512 wv") > 0
     text = "[T4 k; T8 h; T4 w; T8 c; U3 r; U3 s; U2 c; U2 w; U2 k; V k]"
     avx2 = _nhwc_code(generate(Scheme.parse(text), spec, isa=Isa.AVX2, weight_prefetch=True))
     # AVX2 vectors are half a line: one prefetch per two weight loads
-    assert 2 * avx2.count("_mm_prefetch") == avx2.count("const __m256 wv") > 0
+    assert 2 * avx2.count("_mm_prefetch((const char *)(w + ") == avx2.count("const __m256 wv") > 0
 
 
 def _loop_trip_counts(code: str) -> list[int]:
@@ -288,6 +288,33 @@ def test_generated_kernel_fuses_bias_residual_and_activation(case, activation, c
                 "leaky_relu": np.where(z >= 0, z, 0.1 * z),
                 "silu": z / (1 + np.exp(-z))}[activation]
     np.testing.assert_allclose(y, expected, rtol=2e-5, atol=2e-5 * np.sqrt(spec.c * spec.r * spec.s))
+
+
+@requires_avx512
+@pytest.mark.parametrize("case", EPILOGUE_CASES)
+def test_a_prefetching_kernel_asks_for_its_residual_and_fuses_it(case):
+    """Run-time tuning's kernels (weight_prefetch) prefetch the residual lines a block's
+    store will add, once per line, only when the call has a residual and, where the
+    reduction is split, before its last part; bias + residual + relu against float64."""
+    spec, text = CASES[case]
+    kernel = generate(Scheme.parse(text), spec, weight_prefetch=True)
+    code = _nhwc_code(kernel)
+    assert "_mm_prefetch((const char *)(rp + " in code
+    assert "rp + " not in _nhwc_code(generate(Scheme.parse(text), spec))
+    library = build([kernel])
+    rng = np.random.default_rng(12)
+    x, w = random_tensors(rng, (spec.n, spec.h, spec.w, spec.c), (spec.r, spec.s, spec.c, spec.k))
+    bias = rng.uniform(-1, 1, spec.k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (spec.n, spec.ho, spec.wo, spec.k)).astype(np.float32)
+    from ttile.core.reference import conv2d_nhwc_f64
+    pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
+    z = conv2d_nhwc_f64(x, w, (spec.stride_h, spec.stride_w), pads) + bias
+    for res in (residual, None):   # and without one: rp is NULL, nothing prefetched
+        y = np.full(residual.shape, np.nan, dtype=np.float32)
+        library.run(kernel, x, w, y, nthreads=2, epilogue=EpilogueArgs.of(bias, res, 1, 0.1))
+        expected = np.maximum(z + (0 if res is None else residual), 0)
+        np.testing.assert_allclose(y, expected, rtol=2e-5,
+                                   atol=2e-5 * np.sqrt(spec.c * spec.r * spec.s))
 
 
 @requires_avx512
