@@ -379,14 +379,12 @@ class _Generator:
                 stores.append(store(addr, acc))
         if self.nchw:   # the epilogue is applied by the tile's NCHW store
             return _Code(["{", *_indent(lines + inner.lines + stores), "}"], inner.names)
-        if complete:
-            kind = "epk"
-        else:
-            last = " && ".join(f"{names[d]} + {extents[d]} == {self.totals[d]}"
-                               for d in sorted(REDUCTION_DIMS) if extents[d] != self.totals[d])
-            kind = f"({last}) ? epk : TTILE_EPK_NONE"
+        # the condition of the store that applies the epilogue ("": every store)
+        last = " && ".join(f"{names[d]} + {extents[d]} == {self.totals[d]}"
+                           for d in sorted(REDUCTION_DIMS) if extents[d] != self.totals[d])
+        kind = f"({last}) ? epk : TTILE_EPK_NONE" if last else "epk"
         if self.weight_prefetch:
-            lines = self.residual_prefetch(block, names, complete, extents) + lines
+            lines = self.residual_prefetch(block, names, last) + lines
         # one branch per block store: the common epilogues in registers, the others
         # from memory after the stores (see ttile_epilogue_apply512)
         store = [f"switch ({kind}) {{"]
@@ -398,8 +396,7 @@ class _Generator:
                   "default:", *_indent(stores), "}"]
         return _Code(["{", *_indent(lines + inner.lines + store), "}"], inner.names)
 
-    def residual_prefetch(self, block: Block, names: dict[str, str], complete: bool,
-                          extents: dict[str, int]) -> list[str]:
+    def residual_prefetch(self, block: Block, names: dict[str, str], last: str) -> list[str]:
         """Before the reduction of a block whose store adds a residual, a prefetch of each
         line of the residual it will read. Those lines are a few pixels' channels, rows
         of the map apart, which the hardware's streams do not see coming: a load at the
@@ -411,10 +408,8 @@ class _Generator:
                 if (kv * self.lanes) % 16 == 0:   # one per 64-byte line
                     lines.append(f"_mm_prefetch((const char *)(rp + "
                                  f"{self.y_offset(names, out, kv)}), _MM_HINT_T0);")
-        last = "" if complete else " && " + " && ".join(
-            f"{names[d]} + {extents[d]} == {self.totals[d]}"
-            for d in sorted(REDUCTION_DIMS) if extents[d] != self.totals[d])
-        return [f"if (rp != NULL{last}) {{", *_indent(lines), "}"]
+        condition = "rp != NULL" + (f" && {last}" if last else "")
+        return [f"if ({condition}) {{", *_indent(lines), "}"]
 
     def pointer_region(self, block: Block, fast: _Code, slow: _Code | None) -> _Code:
         """Input addressing for the c/k band: base pointer, or guarded per-pixel pointers."""
@@ -689,8 +684,8 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     With ``weight_prefetch``, every reduction step also prefetches the weights
     :data:`WEIGHT_PREFETCH_STEPS` steps ahead (see there), and a block whose store adds
     a residual first prefetches the residual's lines (``_Generator.residual_prefetch``):
-    run-time tuning generates its kernels so. The offline search's do not yet: its records, and the sets built from
-    them, were measured without it.
+    run-time tuning generates its kernels so. The offline search's do not yet: its
+    records, and the sets built from them, were measured without it.
 
     The unit defines the kernel (NHWC in, NHWC out) and, where the scheme allows
     (:func:`tile_regions`), its NCHW entry point ``nchw_name(name)``: the same loops and
