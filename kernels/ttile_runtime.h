@@ -26,6 +26,19 @@ typedef struct {
     int64_t groups;            /* >= 1 */
 } ttile_conv_shape;
 
+/* An inverted residual block (kernels/inverted_residual_avx512.c): 1x1 expand c -> e
+ * with act1, 3x3 depthwise (padding 1, stride 1 or 2) with act2, 1x1 project e -> k with
+ * act3, plus the block's input when `residual` (stride 1, c == k). */
+typedef struct {
+    int64_t n, h, w, c;        /* input */
+    int64_t e, k;              /* expanded and output channels */
+    int64_t stride;            /* the depthwise stride: 1 or 2 */
+    int64_t ho, wo;            /* output extents */
+    int act1, act2, act3;      /* TTILE_ACT_* of the three stages */
+    float slope1, slope2, slope3;
+    int residual;
+} ttile_ir_shape;
+
 /* 1 when the CPU and the OS (XCR0 state) both support AVX-512F, else 0. */
 int ttile_cpu_has_avx512f(void);
 /* 1 when the CPU has AVX2 and FMA and the OS saves the YMM state, else 0. */
@@ -104,6 +117,19 @@ int ttile_conv_winograd_avx2(const ttile_conv_shape *shape, const float *x, cons
 void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads,
                                  const ttile_epilogue *ep);
+/* An inverted residual block in one call (inverted_residual_avx512.c): x (n, h, w, c),
+ * the packed weights its file describes, y (n, ho, wo, k); scratch holds nthreads times
+ * ttile_inverted_residual_scratch_floats floats on a 64-byte line. -1 (nothing written)
+ * for a stride other than 1 or 2, or a residual the shapes do not allow. */
+int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape);
+/* Packs a 1x1 stage's kk x n weights (row q at w + q * ldw) into out (kk x n rounded up
+ * to 16 floats) as the fused kernel reads them. */
+void ttile_inverted_residual_pack(const float *w, int64_t kk, int64_t n, int64_t ldw,
+                                  float *out);
+int ttile_inverted_residual_avx512(const ttile_ir_shape *shape, const float *x,
+                                   const float *w1, const float *b1, const float *w2,
+                                   const float *b2, const float *w3, const float *b3,
+                                   float *y, float *scratch, int nthreads);
 /* The same with 8 channels in the vector lanes, for the AVX2 + FMA family
  * (depthwise_avx2.c). */
 void ttile_conv_depthwise_avx2(const ttile_conv_shape *shape, const float *x,

@@ -54,6 +54,21 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_conv_depthwise_avx2(const ttile_conv_shape *shape, const float *x,
                                    const float *w, float *y, int nthreads,
                                    const ttile_epilogue *ep)
+    ctypedef struct ttile_ir_shape:
+        int64_t n, h, w, c
+        int64_t e, k
+        int64_t stride
+        int64_t ho, wo
+        int act1, act2, act3
+        float slope1, slope2, slope3
+        int residual
+    int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape)
+    void ttile_inverted_residual_pack(const float *w, int64_t kk, int64_t n, int64_t ldw,
+                                      float *out)
+    int ttile_inverted_residual_avx512(const ttile_ir_shape *shape, const float *x,
+                                       const float *w1, const float *b1, const float *w2,
+                                       const float *b2, const float *w3, const float *b3,
+                                       float *y, float *scratch, int nthreads)
     int ttile_depthwise_nchw_supported(const ttile_conv_shape *shape)
     int ttile_pointwise_nchw_supported(const ttile_conv_shape *shape)
     int ttile_conv_pointwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
@@ -243,6 +258,14 @@ cdef int _check_f32_c4(cnp.ndarray a, str name) except -1:
     return 0
 
 
+cdef int _check_f32_contiguous(cnp.ndarray a, str name) except -1:
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a):
+        raise ValueError(f"{name} must be C-contiguous and aligned")
+    return 0
+
+
 cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
                      int64_t r, int64_t s, int64_t wc, int64_t k,
                      int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
@@ -363,6 +386,93 @@ def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
             ttile_conv_depthwise_avx2(&shape, xp, wp, yp, nthreads, ep)
         else:
             ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
+
+
+cdef int _ir_shape(ttile_ir_shape *sh, cnp.ndarray x, int64_t e, int64_t k, int64_t stride,
+                   tuple activations, tuple slopes, bint residual) except -1:
+    if cnp.PyArray_NDIM(x) != 4:
+        raise ValueError(f"x must be 4-D (N, H, W, C), got {(<object>x).shape}")
+    if stride not in (1, 2):
+        raise ValueError(f"the depthwise stride must be 1 or 2, got {stride}")
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    sh.n, sh.h, sh.w, sh.c = xs[0], xs[1], xs[2], xs[3]
+    sh.e, sh.k, sh.stride = e, k, stride
+    sh.ho, sh.wo = (sh.h - 1) // stride + 1, (sh.w - 1) // stride + 1
+    sh.act1, sh.act2, sh.act3 = activations
+    sh.slope1, sh.slope2, sh.slope3 = slopes
+    sh.residual = residual
+    if residual and (stride != 1 or sh.c != k):
+        raise ValueError("a residual needs stride 1 and as many output channels as input "
+                         f"channels (stride {stride}, {sh.c} -> {k})")
+    if min(sh.n, sh.h, sh.w, sh.c, e, k) < 1:
+        raise ValueError(f"empty inverted residual block: x {(<object>x).shape}, e {e}, k {k}")
+    return 0
+
+
+def inverted_residual_scratch_floats(tuple x_shape, int64_t e, int64_t k, int64_t stride):
+    """Floats of scratch one thread of :func:`inverted_residual` needs."""
+    cdef ttile_ir_shape sh
+    sh.n, sh.h, sh.w, sh.c = x_shape
+    sh.e, sh.k, sh.stride = e, k, stride
+    sh.ho, sh.wo = (sh.h - 1) // stride + 1, (sh.w - 1) // stride + 1
+    return ttile_inverted_residual_scratch_floats(&sh)
+
+
+def inverted_residual_pack(cnp.ndarray w, cnp.ndarray out):
+    """A 1x1 stage's (kk, n) float32 weights (the input channel major) into ``out``
+    (kk, n rounded up to 16), in the fused kernel's panels."""
+    _check_f32_contiguous(w, "w")
+    _check_f32_contiguous(out, "out")
+    if cnp.PyArray_NDIM(w) != 2 or cnp.PyArray_NDIM(out) != 2:
+        raise ValueError("w and out must be 2-D")
+    cdef int64_t kk = w.shape[0], n = w.shape[1]
+    if (<object>out).shape != (kk, (n + 15) // 16 * 16):
+        raise ValueError(f"out must be {(kk, (n + 15) // 16 * 16)}, got {(<object>out).shape}")
+    with nogil:
+        ttile_inverted_residual_pack(<const float *>cnp.PyArray_DATA(w), kk, n, n,
+                                     <float *>cnp.PyArray_DATA(out))
+
+
+def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray w2,
+                      cnp.ndarray b2, cnp.ndarray w3, cnp.ndarray b3, cnp.ndarray y,
+                      cnp.ndarray scratch, int64_t e, int64_t stride, tuple activations,
+                      tuple slopes, bint residual, int nthreads):
+    """The AVX-512 inverted residual block (kernels/inverted_residual_avx512.c): x
+    (N, H, W, C); w1 (C, EP), b1 (EP,), w2 (9, EP), b2 (EP,), w3 (EP, KP), b3 (KP,) packed
+    as that file says (EP, KP: e and k rounded up to 16, zero padded); y (N, Ho, Wo, K);
+    scratch of nthreads * inverted_residual_scratch_floats floats; ``activations`` and
+    ``slopes`` the three stages' TTILE_ACT_* codes and leaky slopes."""
+    _require_isa(_ISA_AVX512F)
+    cdef ttile_ir_shape sh
+    _ir_shape(&sh, x, e, 0 if cnp.PyArray_NDIM(y) != 4 else cnp.PyArray_DIMS(y)[3], stride,
+              activations, slopes, residual)
+    cdef int64_t ep = (e + 15) // 16 * 16, kp = (sh.k + 15) // 16 * 16
+    for name, a, shape in (("x", x, (sh.n, sh.h, sh.w, sh.c)),
+                           ("y", y, (sh.n, sh.ho, sh.wo, sh.k)),
+                           ("w1", w1, (sh.c, ep)), ("b1", b1, (ep,)), ("w2", w2, (9, ep)),
+                           ("b2", b2, (ep,)), ("w3", w3, (ep, kp)), ("b3", b3, (kp,))):
+        _check_f32_contiguous(a, name)
+        if (<object>a).shape != shape:
+            raise ValueError(f"{name} must be {shape}, got {(<object>a).shape}")
+    _check_f32_contiguous(scratch, "scratch")
+    if nthreads < 1:
+        raise ValueError(f"nthreads must be >= 1, got {nthreads}")
+    if scratch.size < nthreads * ttile_inverted_residual_scratch_floats(&sh):
+        raise ValueError("scratch too small for the block at this thread count")
+    if (<size_t>cnp.PyArray_DATA(scratch)) % 64:
+        raise ValueError("scratch must start on a 64-byte line")
+    if not cnp.PyArray_ISWRITEABLE(y):
+        raise ValueError("y is read-only")
+    cdef int rc
+    with nogil:
+        rc = ttile_inverted_residual_avx512(
+            &sh, <const float *>cnp.PyArray_DATA(x), <const float *>cnp.PyArray_DATA(w1),
+            <const float *>cnp.PyArray_DATA(b1), <const float *>cnp.PyArray_DATA(w2),
+            <const float *>cnp.PyArray_DATA(b2), <const float *>cnp.PyArray_DATA(w3),
+            <const float *>cnp.PyArray_DATA(b3), <float *>cnp.PyArray_DATA(y),
+            <float *>cnp.PyArray_DATA(scratch), nthreads)
+    if rc != 0:
+        raise ValueError("the inverted residual kernel refused the block")
 
 
 cdef int _check_avx512_arrays(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y) except -1:

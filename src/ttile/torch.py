@@ -12,7 +12,10 @@ torch modules did:
 * a ReLU / ReLU6 (or ``hardtanh(0, 6)``) / LeakyReLU / SiLU / Sigmoid after that becomes
   its activation;
 
-all applied in the kernel's output store. A model that does not trace gets a plain module
+all applied in the kernel's output store; and an inverted residual block (1x1 expand,
+3x3 depthwise, 1x1 project, + the block's input: MobileNetV2's) becomes one
+:class:`TTileInvertedResidual`, served by one fused kernel where that is faster than its
+three layers. A model that does not trace gets a plain module
 swap (each convolution served alone). Layers ttile cannot serve stay torch's: other
 dtypes or devices, ``padding_mode`` other than "zeros", a string padding that is not
 symmetric.
@@ -42,7 +45,7 @@ import sys
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -50,10 +53,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .core.kinds import Activation
 from .runtime.conv_layer import Conv2d
 from .runtime.api import plan as _ttile_plan
+from .runtime import dispatch as _dispatch
+from .runtime.inverted_residual import (BlockPlan, BlockVerdict, InvertedResidual,
+                                        modelled_verdict)
 
-__all__ = ["convert", "TTileConv2d", "served_layers", "repack"]
+__all__ = ["convert", "TTileConv2d", "TTileInvertedResidual", "served_layers", "repack"]
 
 # layer id -> the packed state of one live TTileConv2d. The custom operator takes tensors
 # and plain values only, so it reaches the packed weights through this id; the module
@@ -311,6 +318,141 @@ class TTileConv2d(nn.Module):
                 f"residual={self.residual}, source={self.source!r}")
 
 
+class TTileInvertedResidual(nn.Module):
+    """An inverted residual block (MobileNetV2's): the converted 1x1 expand, 3x3 depthwise
+    and 1x1 project layers (``expand``, ``depthwise``, ``project``, the last with the
+    block's input as its residual when the block has one), served by the fused kernel
+    (:mod:`ttile.runtime.inverted_residual`) where that is faster, else by the three
+    layers.
+
+    The verdict is per input shape and thread count: with run-time tuning "now" both
+    ways are timed on the block's first call at that shape (the layers tuned first),
+    otherwise it is modelled. The fused kernel serves channels_last float32 inputs on
+    AVX-512 CPUs, in eager mode; everything else (NCHW inputs, tracing, ``torch.compile``,
+    the checks on training mode and gradients) goes through the layers."""
+
+    def __init__(self, expand: TTileConv2d, depthwise: TTileConv2d, project: TTileConv2d):
+        super().__init__()
+        self.expand, self.depthwise, self.project = expand, depthwise, project
+        self.source = " | ".join((expand.source, depthwise.source, project.source))
+        self._attach()
+        self.eval()
+
+    def _attach(self) -> None:
+        self._fused: Optional[InvertedResidual] = None
+        self._packed_from: tuple = ()
+        self._tensors: tuple = ()
+        self.plans: dict[tuple, BlockPlan] = {}   # (NHWC shape, threads) -> verdict
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for name in ("_fused", "_packed_from", "_tensors", "plans", "_lock"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._attach()
+
+    def repack(self) -> None:
+        """Pack the fused kernel's weights again on its next call (see :func:`repack`)."""
+        with self._lock:
+            self._fused, self._packed_from, self._tensors = None, (), ()
+
+    def _sources(self) -> tuple:
+        return tuple(m._parameters[name] if name == "weight" else m._parameters.get(name)
+                     for m in (self.expand, self.depthwise, self.project)
+                     for name in ("weight", "bias"))
+
+    def _block(self) -> InvertedResidual:
+        tensors = self._sources()
+        source = tuple(_identity(t) for t in tensors)
+        fused = self._fused
+        if fused is not None and source == self._packed_from:
+            return fused
+        with self._lock:
+            if self._fused is None or source != self._packed_from:
+                arrays = [None if t is None else t.detach().numpy() for t in tensors]
+                self._fused = InvertedResidual(
+                    *arrays, stride=self.depthwise.stride[0],
+                    activations=tuple(m.activation or "none" for m in
+                                      (self.expand, self.depthwise, self.project)),
+                    slopes=tuple(m.negative_slope for m in
+                                 (self.expand, self.depthwise, self.project)),
+                    residual=self.project.residual)
+                self._packed_from, self._tensors = source, tensors
+            return self._fused
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(self.expand(x))
+        return self.project(y, x) if self.project.residual else self.project(y)
+
+    def _layers_unhooked(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_layers` through the layers' ``forward`` (timing: no hooks fire)."""
+        y = self.depthwise.forward(self.expand.forward(x))
+        return self.project.forward(y, x if self.project.residual else None)
+
+    def _plan(self, x: torch.Tensor, x_np: np.ndarray, threads: int) -> BlockPlan:
+        key = (x_np.shape, threads)
+        with self._lock:
+            plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        block = self._block()
+        if _dispatch.tuning_policy().mode != "now":
+            verdict = modelled_verdict(block.shape_of(x_np.shape))
+            plan = BlockPlan(verdict, threads, "modelled: fused unless the 1x1 weights "
+                             "exceed half of L2 (run-time tuning is off)")
+        else:
+            import time
+            for _ in range(3):   # the layers' own first-call tuning and warm-up, untimed
+                self._layers_unhooked(x)
+                block(x_np, threads)
+            layers, fused = [], []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                self._layers_unhooked(x)
+                t1 = time.perf_counter()
+                block(x_np, threads)
+                t2 = time.perf_counter()
+                layers.append(t1 - t0)
+                fused.append(t2 - t1)
+            import statistics
+            layers_us = statistics.median(layers) * 1e6
+            fused_us = statistics.median(fused) * 1e6
+            verdict = BlockVerdict.FUSED if fused_us <= layers_us else BlockVerdict.LAYERS
+            plan = BlockPlan(verdict, threads, f"timed on the first call: fused "
+                             f"{fused_us:.0f} us, layers {layers_us:.0f} us",
+                             fused_us, layers_us)
+        from .runtime.epilogue import describe
+        stages = [describe(m.bias is not None, m is self.project and m.residual,
+                           Activation(m.activation or "none"))
+                  for m in (self.expand, self.depthwise, self.project)]
+        plan = replace(plan, epilogue=" | ".join(stages))
+        with self._lock:
+            self.plans[key] = plan
+        return plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (type(x) is torch.Tensor and not self.training and x.dtype is torch.float32
+                and x.is_cpu and x.ndim == 4
+                and not (x.requires_grad and torch.is_grad_enabled())
+                and x.is_contiguous(memory_format=torch.channels_last)
+                and x.shape[1] == self.expand.weight.shape[1]
+                and InvertedResidual.unsupported() is None
+                and not torch.compiler.is_compiling()):
+            threads = self.project.threads or torch.get_num_threads()
+            x_np = x.numpy().transpose(0, 2, 3, 1)
+            plan = self.plans.get((x_np.shape, threads))
+            if plan is None:
+                plan = self._plan(x, x_np, threads)
+            if plan.verdict is BlockVerdict.FUSED:
+                y = self._block()(x_np, threads)
+                return torch.from_numpy(y.transpose(0, 3, 1, 2))
+        return self._layers(x)
+
+
 # --- what follows a convolution in the graph -------------------------------------------
 
 _ACTIVATION_MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu",
@@ -459,6 +601,70 @@ def _rewrite_graph(gm: torch.fx.GraphModule, threads) -> int:
     return count
 
 
+def _is_pointwise(m) -> bool:
+    return (isinstance(m, TTileConv2d) and tuple(m.weight.shape[2:]) == (1, 1)
+            and m.stride == (1, 1) and m.padding == (0, 0) and m.dilation == (1, 1)
+            and m.groups == 1)
+
+
+def _fuse_inverted_residuals(gm: torch.fx.GraphModule) -> int:
+    """Replaces each expand (1x1) -> depthwise (3x3, padding 1, stride 1 or 2) -> project
+    (1x1, residual only from the block's input) chain of converted layers, each feeding
+    only the next, by one :class:`TTileInvertedResidual`; returns how many."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        project = modules.get(node.target) if node.op == "call_module" else None
+        if not _is_pointwise(project) or not node.args:
+            continue
+        mid = node.args[0]
+        if not isinstance(mid, torch.fx.Node) or mid.op != "call_module" \
+                or _sole_user(mid) is not node or len(mid.args) != 1:
+            continue
+        depthwise = modules.get(mid.target)
+        if not isinstance(depthwise, TTileConv2d) or depthwise.residual:
+            continue
+        e = depthwise.weight.shape[0]
+        if (tuple(depthwise.weight.shape) != (e, 1, 3, 3) or depthwise.groups != e
+                or depthwise.padding != (1, 1) or depthwise.dilation != (1, 1)
+                or depthwise.stride not in ((1, 1), (2, 2))
+                or project.weight.shape[1] != e):
+            continue
+        first = mid.args[0]
+        if not isinstance(first, torch.fx.Node) or first.op != "call_module" \
+                or _sole_user(first) is not mid or len(first.args) != 1:
+            continue
+        expand = modules.get(first.target)
+        if not _is_pointwise(expand) or expand.residual or expand.weight.shape[0] != e:
+            continue
+        block_input = first.args[0]
+        if project.residual:
+            if len(node.args) != 2 or node.args[1] is not block_input \
+                    or depthwise.stride != (1, 1):
+                continue
+        elif len(node.args) != 1:
+            continue
+        if len({expand.threads, depthwise.threads, project.threads}) != 1:
+            continue
+        block = TTileInvertedResidual(expand, depthwise, project)
+        name = "ttile_block_" + first.target.removeprefix("ttile_")
+        while hasattr(gm, name):
+            name += "_"
+        gm.add_submodule(name, block)
+        modules[name] = block
+        with graph.inserting_after(node):
+            new = graph.call_module(name, (block_input,))
+        node.replace_all_uses_with(new)
+        for old in (node, mid, first):
+            graph.erase_node(old)
+        count += 1
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return count
+
+
 def _swap_modules(model: nn.Module, threads, not_fused: str, prefix: str = "") -> int:
     """The fallback for models that do not trace: each eligible nn.Conv2d alone
     (``not_fused`` says why nothing around it was fused)."""
@@ -480,6 +686,9 @@ def repack(model: nn.Module) -> None:
     of weights and biases are noticed by themselves.)"""
     for _, module in served_layers(model):
         module.repack()
+    for module in model.modules():
+        if isinstance(module, TTileInvertedResidual):
+            module.repack()
 
 
 def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
@@ -489,7 +698,7 @@ def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
 
 def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] = None,
             example_input: Optional[torch.Tensor] = None, trace: bool = True,
-            progress: bool = True) -> nn.Module:
+            fuse_blocks: bool = True, progress: bool = True) -> nn.Module:
     """The model with its eligible convolutions served by ttile (see the module's doc).
 
     Args:
@@ -503,6 +712,8 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             layer printed, so that later calls run no tuning.
         trace: try ``torch.fx`` (fusing batch norms, residual adds and activations); False
             swaps modules only.
+        fuse_blocks: serve inverted residual blocks (1x1 -> 3x3 depthwise -> 1x1) as one
+            :class:`TTileInvertedResidual` each (traced models only).
         progress: show the progress bar and the table (with ``example_input``).
     """
     if not isinstance(model, nn.Module):
@@ -530,6 +741,8 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
                           RuntimeWarning, stacklevel=2)
         if gm is not None:
             _rewrite_graph(gm, threads)
+            if fuse_blocks:
+                _fuse_inverted_residuals(gm)
             converted = gm.eval()
     if converted is None:
         _swap_modules(model, threads, not_fused)
@@ -544,6 +757,8 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
     shape on its first call, by the tuning policy of ``ttile.set_tuning``), then prints
     which kernel serves each layer; returns the rows of that table."""
     layers = served_layers(model)
+    blocks = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, TTileInvertedResidual)]
     seen: list = []
     bar = None
     if progress:
@@ -564,10 +779,23 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
         if bar is not None:
             bar.update(1)
 
+    def block_after(module, args, output):
+        x = args[0]
+        layout = ("NHWC" if x.is_contiguous(memory_format=torch.channels_last) else "NCHW")
+        threads = module.project.threads or torch.get_num_threads()
+        shape = tuple(x.shape)
+        plan = module.plans.get(((shape[0], shape[2], shape[3], shape[1]), threads))
+        if plan is not None and plan.verdict is BlockVerdict.FUSED:
+            seen.append((module, shape, layout, plan))
+            if bar is not None:
+                bar.update(3)
+
     handles = []
     for _, module in layers:
         handles.append(module.register_forward_pre_hook(before))
         handles.append(module.register_forward_hook(after))
+    for _, module in blocks:
+        handles.append(module.register_forward_hook(block_after))
     try:
         with torch.no_grad():
             model(example_input)
@@ -577,8 +805,12 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
         if bar is not None:
             bar.close()
     rows = []
-    names = {id(m): name for name, m in layers}
+    names = {id(m): name for name, m in layers + blocks}
     for module, shape, layout, residual in seen:
+        if isinstance(module, TTileInvertedResidual):
+            rows.append((names.get(id(module), "?"), module.source, shape, layout, residual,
+                         ""))
+            continue
         w_shape = tuple(module.weight.shape)
         n, c, h, w = shape
         x_shape = shape if layout == "NCHW" else (n, h, w, c)
@@ -606,6 +838,11 @@ def format_table(rows) -> str:
     lines = ["| layer | replaces | input | layout | kernel | threads | tuned for | epilogue "
              "| lost |", "|---|---|---|---|---|---|---|---|---|"]
     for name, source, shape, layout, kp, not_fused in rows:
+        if isinstance(kp, BlockPlan):
+            lines.append(f"| {name} | {source} | {'x'.join(map(str, shape))} | {layout} | "
+                         f"inverted residual, {kp.verdict.value} | {kp.threads} | "
+                         f"{kp.note} | {kp.epilogue} | |")
+            continue
         tuned = ("" if kp.tuned_cpu is None else
                  f"{kp.tuned_cpu} x{kp.tuned_threads}")
         lost = "; ".join(x for x in (f"not fused: {not_fused}" if not_fused else "",

@@ -78,3 +78,22 @@ def assert_conv_close(actual: np.ndarray, x: np.ndarray, w: np.ndarray, stride=(
     problem = conv_mismatch(actual, x, w, stride, pads, layout)
     if problem is not None:
         raise AssertionError(problem)
+
+
+def activate_f64(values: np.ndarray, activation, negative_slope: float = 0.01) -> np.ndarray:
+    """A fused activation (``ttile.core.kinds.Activation`` or its name; None for none)
+    applied in float64."""
+    from .kinds import Activation
+    name = Activation(activation or "none")
+    v = np.asarray(values, dtype=np.float64)
+    if name is Activation.NONE:
+        return v
+    if name is Activation.RELU:
+        return np.maximum(v, 0.0)
+    if name is Activation.RELU6:
+        return np.clip(v, 0.0, 6.0)
+    if name is Activation.LEAKY_RELU:
+        return np.where(v < 0, v * negative_slope, v)
+    if name is Activation.SILU:
+        return v / (1.0 + np.exp(-v))
+    return 1.0 / (1.0 + np.exp(-v))

@@ -1,0 +1,224 @@
+"""The inverted residual block (1x1 expand -> 3x3 depthwise -> 1x1 project, plus the
+block's input) in one kernel call, NHWC, AVX-512 (kernels/inverted_residual_avx512.c).
+
+Served as three layers, the block writes its expanded map (MobileNetV2: up to 4.8 MB) and
+its depthwise output to memory and reads both back, for layers that do a few dozen FMAs
+per value; the fused kernel keeps three expanded rows and one depthwise row per thread
+in L2. What it gives up is weight reuse: each output row streams the two 1x1 layers'
+weights from L2, so a block whose weights crowd L2 (MobileNetV2's 7x7 blocks, 1.2-1.8 MB)
+runs faster as layers. Which one serves a block at a thread count is a verdict: timed on
+the block's first call when run-time tuning is on, else :func:`modelled_verdict`.
+
+``ttile.torch.convert`` finds the pattern in a traced model and serves it through
+:class:`InvertedResidual`; this module knows nothing of torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+import numpy as np
+
+from .. import _kernels
+from ..core.kinds import Activation
+from . import scratch
+from .settings import has_avx512f
+
+
+class BlockVerdict(str, Enum):
+    """What serves an inverted residual block at one input shape and thread count."""
+
+    #: the fused kernel
+    FUSED = "fused"
+    #: the block's three layers, one call each
+    LAYERS = "layers"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One block's problem: input (n, h, w, c) NHWC, e expanded and k output channels."""
+
+    n: int
+    h: int
+    w: int
+    c: int
+    e: int
+    k: int
+    stride: int
+    residual: bool
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        return (self.h - 1) // self.stride + 1, (self.w - 1) // self.stride + 1
+
+    @property
+    def weight_bytes(self) -> int:
+        """The two 1x1 layers' packed weights, which each output row streams once."""
+        ep, kp = _round16(self.e), _round16(self.k)
+        return 4 * (self.c * ep + ep * kp)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Which way a block is served and why: ``fused_us`` / ``layers_us`` are the medians
+    timed on its first call (None when the verdict was modelled, not timed); ``epilogue``
+    what each stage fuses, e.g. "bias+relu6 | bias+relu6 | bias+residual"."""
+
+    verdict: BlockVerdict
+    threads: int
+    note: str
+    fused_us: Optional[float] = None
+    layers_us: Optional[float] = None
+    epilogue: str = ""
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def modelled_verdict(shape: BlockShape) -> BlockVerdict:
+    """The verdict without timing: fused unless the 1x1 weights take more than half of
+    this core's L2 (measured on a Xeon model 167, 2 MB L2: fused 1.07-1.67x faster on
+    MobileNetV2's blocks up to 590 KB of weights, 0.65-0.94x on its 1.2-1.8 MB ones)."""
+    l2 = _kernels.cpu_l2_bytes() or (1 << 20)
+    return BlockVerdict.FUSED if shape.weight_bytes <= l2 // 2 else BlockVerdict.LAYERS
+
+
+def _as_float32(a, shape: tuple, name: str) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float32)
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    return a
+
+
+class InvertedResidual:
+    """One block's weights, packed once for the fused kernel.
+
+    Weights are torch's KCRS: ``expand`` (E, C, 1, 1), ``depthwise`` (E, 1, 3, 3),
+    ``project`` (K, E, 1, 1); biases (E,), (E,), (K,) or None. ``activations`` are the
+    three stages' (MobileNetV2: relu6, relu6, none), ``slopes`` their leaky slopes.
+    The depthwise layer pads by 1 and has ``stride`` 1 or 2; ``residual`` adds the
+    block's input to its output (stride 1, K == C).
+    """
+
+    def __init__(self, expand, expand_bias, depthwise, depthwise_bias, project,
+                 project_bias, *, stride: int, activations: tuple, slopes: tuple = (
+                     0.01, 0.01, 0.01), residual: bool = False):
+        expand = np.asarray(expand)
+        if expand.ndim != 4 or expand.shape[2:] != (1, 1):
+            raise ValueError(f"expand weights must be (E, C, 1, 1), got {expand.shape}")
+        e, c = expand.shape[:2]
+        depthwise = _as_float32(depthwise, (e, 1, 3, 3), "depthwise weights")
+        project = np.asarray(project)
+        if project.ndim != 4 or project.shape[1:] != (e, 1, 1):
+            raise ValueError(f"project weights must be (K, {e}, 1, 1), got {project.shape}")
+        k = project.shape[0]
+        if stride not in (1, 2):
+            raise ValueError(f"the depthwise stride must be 1 or 2, got {stride}")
+        if residual and (stride != 1 or k != c):
+            raise ValueError(f"a residual needs stride 1 and K == C (stride {stride}, "
+                             f"{c} -> {k})")
+        if len(activations) != 3 or len(slopes) != 3:
+            raise ValueError("activations and slopes name the three stages")
+        self.c, self.e, self.k = int(c), int(e), int(k)
+        self.stride, self.residual = int(stride), bool(residual)
+        self.activations = tuple(Activation(a) for a in activations)
+        self.slopes = tuple(float(s) for s in slopes)
+        ep, kp = _round16(e), _round16(k)
+
+        def padded(shape):
+            out = _kernels.empty_aligned(shape)
+            out.fill(0.0)
+            return out
+        self._w1 = padded((c, ep))
+        _kernels.inverted_residual_pack(
+            np.ascontiguousarray(expand.astype(np.float32)[:, :, 0, 0].T), self._w1)
+        self._w2 = padded((9, ep))
+        self._w2[:, :e] = depthwise.reshape(e, 9).T
+        w3 = np.zeros((ep, k), dtype=np.float32)
+        w3[:e] = project.astype(np.float32)[:, :, 0, 0].T
+        self._w3 = padded((ep, kp))
+        _kernels.inverted_residual_pack(w3, self._w3)
+        self._b1, self._b2, self._b3 = padded((ep,)), padded((ep,)), padded((kp,))
+        for out, bias, n, name in ((self._b1, expand_bias, e, "expand bias"),
+                                   (self._b2, depthwise_bias, e, "depthwise bias"),
+                                   (self._b3, project_bias, k, "project bias")):
+            if bias is not None:
+                out[:n] = _as_float32(bias, (n,), name)
+        self._codes = tuple(a.code for a in self.activations)
+
+    def shape_of(self, x_shape: tuple) -> BlockShape:
+        n, h, w, c = x_shape
+        return BlockShape(n, h, w, c, self.e, self.k, self.stride, self.residual)
+
+    @staticmethod
+    def unsupported() -> Optional[str]:
+        """Why the fused kernel cannot run in this process, or None."""
+        return None if has_avx512f() else "the fused kernel needs AVX-512F"
+
+    def __call__(self, x: np.ndarray, threads: int, out: Optional[np.ndarray] = None
+                 ) -> np.ndarray:
+        """The block on ``x`` (N, H, W, C), float32, C-contiguous: a new (N, Ho, Wo, K)
+        array (or ``out``)."""
+        if x.ndim != 4 or x.shape[3] != self.c:
+            raise ValueError(f"x must be (N, H, W, {self.c}), got {x.shape}")
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        n, h, w, _ = x.shape
+        ho, wo = (h - 1) // self.stride + 1, (w - 1) // self.stride + 1
+        if out is None:
+            out = scratch.aligned_empty((n, ho, wo, self.k))
+        threads = max(1, min(int(threads), n * ho))
+        per_thread = _kernels.inverted_residual_scratch_floats(x.shape, self.e, self.k,
+                                                               self.stride)
+        buffer = scratch.scratch("inverted_residual", (threads * per_thread,))
+        if buffer is None:
+            buffer = _kernels.empty_aligned((threads * per_thread,))
+        _kernels.inverted_residual(x, self._w1, self._b1, self._w2, self._b2, self._w3,
+                                   self._b3, out, buffer, self.e, self.stride, self._codes,
+                                   self.slopes, self.residual, threads)
+        return out
+
+    def flops(self, x_shape: tuple) -> float:
+        shape = self.shape_of(x_shape)
+        ho, wo = shape.out_hw
+        return 2.0 * shape.n * (shape.h * shape.w * shape.c * shape.e
+                                + ho * wo * shape.e * (9 + shape.k))
+
+
+def reference(x, expand, expand_bias, depthwise, depthwise_bias, project, project_bias, *,
+              stride: int, activations: tuple, slopes: tuple = (0.01, 0.01, 0.01),
+              residual: bool = False) -> np.ndarray:
+    """The block in float64 numpy (NHWC), for tests: what the kernel must match."""
+    from ..core.reference import activate_f64 as activate
+    x = np.asarray(x, dtype=np.float64)
+    n, h, w, c = x.shape
+    e, k = expand.shape[0], project.shape[0]
+
+    def bias(b, size):
+        return np.zeros(size) if b is None else np.asarray(b, dtype=np.float64)
+    t = np.einsum("nhwc,ec->nhwe", x, np.asarray(expand, np.float64)[:, :, 0, 0])
+    t = activate(t + bias(expand_bias, e), activations[0], slopes[0])
+    padded = np.zeros((n, h + 2, w + 2, e))
+    padded[:, 1:-1, 1:-1] = t
+    ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
+    d = np.zeros((n, ho, wo, e))
+    taps = np.asarray(depthwise, np.float64)[:, 0]
+    for r in range(3):
+        for s in range(3):
+            d += padded[:, r:r + stride * (ho - 1) + 1:stride,
+                        s:s + stride * (wo - 1) + 1:stride] * taps[:, r, s]
+    d = activate(d + bias(depthwise_bias, e), activations[1], slopes[1])
+    y = np.einsum("nhwe,ke->nhwk", d, np.asarray(project, np.float64)[:, :, 0, 0])
+    y = y + bias(project_bias, k)
+    if residual:
+        y = y + x
+    return activate(y, activations[2], slopes[2])
+
+
+__all__ = ["BlockVerdict", "BlockShape", "BlockPlan", "InvertedResidual", "modelled_verdict",
+           "reference"]
