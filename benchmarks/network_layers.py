@@ -10,7 +10,8 @@ this table says on which layers. Each convolution is timed four ways:
   layer really runs in. Includes the module's call overhead;
 * **alone**: the same module called again and again on the input it saw in the network
   (warm caches, weights in L2 where they fit): the number a single-layer benchmark gives;
-* **kernel alone**: the module's packed ``ttile.Conv2d`` called the same way on that input
+* **kernel alone**: the module's packed ``ttile.Conv2d`` (a fused block's kernel) called
+  the same way on that input
   in NHWC, without the module's Python path (its call, checks and tensor wrapping, about
   10 µs a layer on a Xeon model 167): the profilers' numbers below count no such cost,
   so on small layers this is the column to set beside them;
@@ -19,7 +20,8 @@ this table says on which layers. Each convolution is timed four ways:
   reorders are separate nodes, summed under "other");
 * **OpenVINO**: the node's ``real_time`` from its performance counters (``PERF_COUNT``).
 
-Nodes are matched to ttile's layers, not taken in order (the engines run a block's
+A fused inverted residual block (``TTileInvertedResidual``) is one row, beside the sum of
+the engines' three nodes. Nodes are matched to ttile's layers, not taken in order (the engines run a block's
 branches in another order than torch does): onnxruntime's by their output and weight
 sizes from its profile (its fused nodes are named after their outputs), OpenVINO's by the
 module path in their names (``/4/downsample/downsample.0/Conv`` is ``4.downsample.0``,
@@ -60,12 +62,38 @@ class Breakdown:
     notes: tuple[str, ...]
 
 
+def _units(converted):
+    """What the breakdown times: each fused inverted residual block as one unit (its
+    three layers inside it are not timed apart), every other converted convolution."""
+    import ttile.torch as tt
+    blocks = [(name, m) for name, m in converted.named_modules()
+              if isinstance(m, tt.TTileInvertedResidual)]
+    inner = {id(layer) for _, b in blocks for layer in (b.expand, b.depthwise, b.project)}
+    units = blocks + [(name, m) for name, m in tt.served_layers(converted)
+                      if id(m) not in inner]
+    position = {name: i for i, (name, _) in enumerate(converted.named_modules())}
+    return sorted(units, key=lambda unit: position[unit[0]])
+
+
+def _block_layers(block, x_shape) -> list:
+    """(layer, input shape) of a block's three layers for an input of x_shape (NCHW)."""
+    n, c, h, w = x_shape
+    e = block.expand.weight.shape[0]
+    stride = block.depthwise.stride[0]
+    return [(block.expand, (n, c, h, w)), (block.depthwise, (n, e, h, w)),
+            (block.project, (n, e, (h - 1) // stride + 1, (w - 1) // stride + 1))]
+
+
+class _Shaped:
+    def __init__(self, shape):
+        self.shape = shape
+
+
 def _ttile_layer_times(converted, x, reps: int):
     """Per-module wall times (s) inside the network and each module's captured input."""
     import torch
 
-    import ttile.torch as tt
-    layers = tt.served_layers(converted)
+    layers = _units(converted)
     started: dict = {}
     times: dict = {name: [] for name, _ in layers}
     inputs: dict = {}
@@ -119,8 +147,25 @@ def _alone(module, args, reps: int) -> float:
 
 
 def _kernel_alone(module, args, threads: int, reps: int) -> float:
-    """``_alone`` for the module's packed Conv2d on the NHWC view of its input."""
+    """``_alone`` for the module's packed Conv2d on the NHWC view of its input (a block's
+    fused kernel, or its three Conv2d in turn when it runs as layers)."""
     import torch
+
+    import ttile.torch as tt
+    if isinstance(module, tt.TTileInvertedResidual):
+        x_nhwc = args[0].contiguous(memory_format=torch.channels_last)
+        plan = module.plans.get((tuple(x_nhwc.numpy().transpose(0, 2, 3, 1).shape),
+                                 threads))
+        if plan is not None and plan.verdict.value == "fused":
+            block, x_np = module._block(), x_nhwc.numpy().transpose(0, 2, 3, 1)
+            return _repeated(lambda: block(x_np, threads), reps)
+        with torch.no_grad():
+            total, y = 0.0, args[0]
+            for layer in (module.expand, module.depthwise, module.project):
+                layer_args = (y, args[0]) if layer.residual else (y,)
+                total += _kernel_alone(layer, layer_args, threads, reps)
+                y = layer(*layer_args)
+        return total
 
     def nhwc(tensor):
         return tensor.contiguous(memory_format=torch.channels_last).numpy() \
@@ -224,6 +269,12 @@ def _module_path(node_name: str) -> str:
 
 
 def _shape(module, args) -> str:
+    import ttile.torch as tt
+    if isinstance(module, tt.TTileInvertedResidual):
+        n, c, h, w = args[0].shape
+        e, k = module.expand.weight.shape[0], module.project.weight.shape[0]
+        return (f"block 1x1 {c}->{e}, dw 3x3/{module.depthwise.stride[0]}, 1x1 {e}->{k} "
+                f"{h}x{w}" + (f" N={n}" if n > 1 else ""))
     x = args[0]
     k, cg, r, s = module.weight.shape
     c = cg * module.groups
@@ -232,6 +283,15 @@ def _shape(module, args) -> str:
         f"g{module.groups} " if module.groups > 1 else "")
     return (f"{kind}{r}x{s}/{module.stride[0]} {c}->{k} {h}x{w}"
             + (f" N={n}" if n > 1 else ""))
+
+
+def _unit_keys(module, args) -> list:
+    """One key set per convolution of a unit (a block has three)."""
+    import ttile.torch as tt
+    if isinstance(module, tt.TTileInvertedResidual):
+        return [_layer_keys(layer, (_Shaped(shape),))
+                for layer, shape in _block_layers(module, tuple(args[0].shape))]
+    return [_layer_keys(module, args)]
 
 
 def _layer_keys(module, args) -> set:
@@ -267,14 +327,17 @@ def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[by
     rows = []
     matched: dict = {label: set() for label in engines}
     for i, (lname, module, samples, args) in enumerate(layers):
-        keys = _layer_keys(module, args)
         times = {}
         for label, convs in engines.items():
-            for j, (_, _, us, key) in enumerate(convs):
-                if j not in matched[label] and key in keys:
-                    matched[label].add(j)
-                    times[label] = us
-                    break
+            found = []
+            for keys in _unit_keys(module, args):
+                for j, (_, _, us, key) in enumerate(convs):
+                    if j not in matched[label] and key in keys:
+                        matched[label].add(j)
+                        found.append(us)
+                        break
+            if len(found) == len(_unit_keys(module, args)):
+                times[label] = sum(found)
         rows.append(LayerTime(
             index=i, name=lname, shape=_shape(module, args),
             in_network=statistics.median(samples) * 1e6,
