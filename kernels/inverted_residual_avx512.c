@@ -39,6 +39,11 @@
 #define IR_MAX_P 8
 #define IR_MAX_V 3
 #define IR_DW_B 8
+/* How many reduction steps ahead a GEMM block asks for its weight lines. The panel
+ * streams from L2 through an L1 that also holds the block's inputs; without the
+ * prefetch MobileNetV2's 7x7 blocks ran 1.2x slower (266 -> 223 us at 1 thread, Xeon
+ * model 167; 4, 8 and 16 steps measured alike). */
+#define IR_PREFETCH 8
 
 static inline __attribute__((always_inline)) __m512
 ir_activate(int act, float slope, __m512 v)
@@ -74,6 +79,9 @@ ir_block(const int P, const int V, const float *a, int64_t lda, int64_t kk,
     }
     for (int64_t q = 0; q < kk; q++) {
         __m512 wv[IR_MAX_V];
+#pragma GCC unroll 3
+        for (int v = 0; v < V; v++)
+            _mm_prefetch((const char *)(b + (q + IR_PREFETCH) * ldb + 16 * v), _MM_HINT_T0);
 #pragma GCC unroll 3
         for (int v = 0; v < V; v++)
             wv[v] = _mm512_loadu_ps(b + q * ldb + 16 * v);

@@ -266,6 +266,24 @@ cdef int _check_f32_contiguous(cnp.ndarray a, str name) except -1:
     return 0
 
 
+cdef int _check_dims(cnp.ndarray a, str name, int nd, int64_t d0, int64_t d1, int64_t d2,
+                     int64_t d3) except -1:
+    """float32, C-contiguous, aligned, with nd dimensions of the sizes given."""
+    _check_f32_contiguous(a, name)
+    cdef int64_t want[4]
+    want[0], want[1], want[2], want[3] = d0, d1, d2, d3
+    cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(a)
+    cdef int i
+    cdef bint ok = cnp.PyArray_NDIM(a) == nd
+    if ok:
+        for i in range(nd):
+            ok = ok and dims[i] == want[i]
+    if not ok:
+        raise ValueError(f"{name} must be {tuple(want[i] for i in range(nd))}, got "
+                         f"{(<object>a).shape}")
+    return 0
+
+
 cdef int _fill_shape(ttile_conv_shape *shape, cnp.ndarray x, cnp.ndarray y,
                      int64_t r, int64_t s, int64_t wc, int64_t k,
                      int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
@@ -447,13 +465,15 @@ def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray
     _ir_shape(&sh, x, e, 0 if cnp.PyArray_NDIM(y) != 4 else cnp.PyArray_DIMS(y)[3], stride,
               activations, slopes, residual)
     cdef int64_t ep = (e + 15) // 16 * 16, kp = (sh.k + 15) // 16 * 16
-    for name, a, shape in (("x", x, (sh.n, sh.h, sh.w, sh.c)),
-                           ("y", y, (sh.n, sh.ho, sh.wo, sh.k)),
-                           ("w1", w1, (sh.c, ep)), ("b1", b1, (ep,)), ("w2", w2, (9, ep)),
-                           ("b2", b2, (ep,)), ("w3", w3, (ep, kp)), ("b3", b3, (kp,))):
-        _check_f32_contiguous(a, name)
-        if (<object>a).shape != shape:
-            raise ValueError(f"{name} must be {shape}, got {(<object>a).shape}")
+    # C-level checks: this runs once per block call, and tuples of shapes cost microseconds
+    _check_dims(x, "x", 4, sh.n, sh.h, sh.w, sh.c)
+    _check_dims(y, "y", 4, sh.n, sh.ho, sh.wo, sh.k)
+    _check_dims(w1, "w1", 2, sh.c, ep, 0, 0)
+    _check_dims(b1, "b1", 1, ep, 0, 0, 0)
+    _check_dims(w2, "w2", 2, 9, ep, 0, 0)
+    _check_dims(b2, "b2", 1, ep, 0, 0, 0)
+    _check_dims(w3, "w3", 2, ep, kp, 0, 0)
+    _check_dims(b3, "b3", 1, kp, 0, 0, 0)
     _check_f32_contiguous(scratch, "scratch")
     if nthreads < 1:
         raise ValueError(f"nthreads must be >= 1, got {nthreads}")

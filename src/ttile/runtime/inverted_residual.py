@@ -150,6 +150,7 @@ class InvertedResidual:
             if bias is not None:
                 out[:n] = _as_float32(bias, (n,), name)
         self._codes = tuple(a.code for a in self.activations)
+        self._calls: dict[tuple, tuple] = {}   # (x shape, threads) -> _call_for's answer
 
     def shape_of(self, x_shape: tuple) -> BlockShape:
         n, h, w, c = x_shape
@@ -164,24 +165,33 @@ class InvertedResidual:
                  ) -> np.ndarray:
         """The block on ``x`` (N, H, W, C), float32, C-contiguous: a new (N, Ho, Wo, K)
         array (or ``out``)."""
-        if x.ndim != 4 or x.shape[3] != self.c:
-            raise ValueError(f"x must be (N, H, W, {self.c}), got {x.shape}")
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
-        n, h, w, _ = x.shape
-        ho, wo = (h - 1) // self.stride + 1, (w - 1) // self.stride + 1
+        key = (x.shape, threads)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = self._call_for(x.shape, threads)
+        out_shape, threads, scratch_floats = call
         if out is None:
-            out = scratch.aligned_empty((n, ho, wo, self.k))
-        threads = max(1, min(int(threads), n * ho))
-        per_thread = _kernels.inverted_residual_scratch_floats(x.shape, self.e, self.k,
-                                                               self.stride)
-        buffer = scratch.scratch("inverted_residual", (threads * per_thread,))
+            out = scratch.aligned_empty(out_shape)
+        buffer = scratch.scratch("inverted_residual", (scratch_floats,))
         if buffer is None:
-            buffer = _kernels.empty_aligned((threads * per_thread,))
+            buffer = _kernels.empty_aligned((scratch_floats,))
         _kernels.inverted_residual(x, self._w1, self._b1, self._w2, self._b2, self._w3,
                                    self._b3, out, buffer, self.e, self.stride, self._codes,
                                    self.slopes, self.residual, threads)
         return out
+
+    def _call_for(self, x_shape: tuple, threads: int) -> tuple:
+        """(output shape, threads used, scratch floats) of a call on x_shape."""
+        if len(x_shape) != 4 or x_shape[3] != self.c:
+            raise ValueError(f"x must be (N, H, W, {self.c}), got {x_shape}")
+        n, h, w, _ = x_shape
+        ho, wo = (h - 1) // self.stride + 1, (w - 1) // self.stride + 1
+        threads = max(1, min(int(threads), n * ho))
+        per_thread = _kernels.inverted_residual_scratch_floats(x_shape, self.e, self.k,
+                                                               self.stride)
+        return (n, ho, wo, self.k), threads, threads * per_thread
 
     def flops(self, x_shape: tuple) -> float:
         shape = self.shape_of(x_shape)
