@@ -114,9 +114,8 @@ def test_bad_blocks_are_refused_with_reasons():
 def test_the_modelled_verdict_keeps_blocks_with_heavy_weights_as_layers():
     l2 = _kernels.cpu_l2_bytes() or (1 << 20)
     light = BlockShape(1, 56, 56, 24, 144, 24, 1, True)
-    heavy_e = max(64, l2 // (4 * 2 * 160))   # 1x1 weights of about L2 in all
-    heavy = BlockShape(1, 7, 7, 160, heavy_e, 160, 1, True)
-    assert light.weight_bytes < l2 // 2 < heavy.weight_bytes
+    heavy = BlockShape(1, 7, 7, 160, l2 // 1280 + 64, 160, 1, True)   # 1280 B per e
+    assert light.weight_bytes < l2 < heavy.weight_bytes
     assert modelled_verdict(light) is BlockVerdict.FUSED
     assert modelled_verdict(heavy) is BlockVerdict.LAYERS
 

@@ -415,7 +415,7 @@ class TTileInvertedResidual(nn.Module):
         if _dispatch.tuning_policy().mode != "now":
             verdict = modelled_verdict(block.shape_of(x_np.shape))
             plan = BlockPlan(verdict, threads, "modelled: fused unless the 1x1 weights "
-                             "exceed half of L2 (run-time tuning is off)")
+                             "exceed L2 (run-time tuning is off)")
         else:
             import time
             for _ in range(3):   # the layers' own first-call tuning and warm-up, untimed

