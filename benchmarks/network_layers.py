@@ -5,7 +5,10 @@ Run through ``bench_network.py --breakdown``. A whole-network ratio says that tt
 this table says on which layers. Each convolution is timed four ways:
 
 * **in network**: the ``TTileConv2d`` module's wall time (forward pre/post hooks) while
-  the whole converted network runs, median over the rounds. Its input was just written by
+  the whole converted network runs, median over the rounds. The hooks make each
+  ``TTileSequence`` call its layers one by one as modules, so this column (and the
+  profiled run's total) carries the per-module torch calls the sequence's fast path
+  saves: the network row of ``bench_network.py`` is the time a user meets. Its input was just written by
   the layer before and its weights were last touched one inference ago: the context the
   layer really runs in. Includes the module's call overhead;
 * **alone**: the same module called again and again on the input it saw in the network

@@ -190,9 +190,10 @@ def _input_of(model, layer, x):
 def test_custom_op_has_a_fake_kernel_so_export_sees_through_it():
     converted = tt.convert(small_net())
     x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    first = tt.served_layers(converted)[0][1]
     torch.library.opcheck(torch.ops.ttile.conv2d.default,
-                          (x, converted.ttile_0.weight, converted.ttile_0.bias, None,
-                           converted.ttile_0.layer_id, [1, 1], [1, 1], [1, 1], 1, "relu",
+                          (x, first.weight, first.bias, None,
+                           first.layer_id, [1, 1], [1, 1], [1, 1], 1, "relu",
                            0.01, 1),
                           test_utils=("test_schema", "test_faketensor"))
     exported = torch.export.export(converted, (x,))
@@ -271,3 +272,67 @@ def test_example_input_tunes_every_layer_up_front_and_prints_what_serves_it(caps
 def test_import_ttile_does_not_import_torch():
     code = "import sys, ttile; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+class TwoInputs(nn.Module):
+    """A run of convolutions fed from two places, with an intermediate read outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 1)
+        self.c3 = nn.Conv2d(8, 16, 3, padding=1)
+        self.c4 = nn.Conv2d(16, 8, 1)
+        self.c5 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        a = self.c1(x)
+        b = torch.sigmoid(x)                 # not a ttile layer: the run stops here
+        c = torch.relu(self.c2(b) + a)       # a unit with two inputs from outside
+        d = self.c3(c)
+        e = self.c4(d)                       # read again below: its run ends with it
+        return self.c5(e) * e.mean()
+
+
+@pytest.mark.parametrize("model", ["small_net", "two_inputs"])
+def test_consecutive_layers_run_as_one_sequence_and_match_torch(model):
+    net = small_net() if model == "small_net" else TwoInputs().eval()
+    channels = 3 if model == "small_net" else 8
+    converted = tt.convert(net)
+    sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+    assert sequences and all(len(s.steps) >= 2 for s in sequences)
+    if model == "two_inputs":
+        # c2, then c1 with c2's output as its residual (the add fuses into the first
+        # conv the graph meets), c3, c4: fed by sigmoid(x) and x; c5 runs alone
+        assert [(len(s.steps), s.inputs) for s in sequences] == [(4, 2)]
+    x = torch.randn(2, channels, 11, 10, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = net(x)
+        for memory_format in (torch.channels_last, torch.contiguous_format):
+            got = converted(x.contiguous(memory_format=memory_format))
+            assert rel_error(got, expected) < 1e-5, memory_format
+
+
+def test_a_sequence_with_hooked_layers_calls_them_one_by_one():
+    """Hooks on a layer inside a sequence see its calls (the fast path steps aside), and
+    the result is the same either way."""
+    net = small_net()
+    converted = tt.convert(net)
+    x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    layers = tt.served_layers(converted)
+    seen = []
+    with torch.no_grad():
+        fast = converted(x)
+        handle = layers[2][1].register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        try:
+            hooked = converted(x)
+        finally:
+            handle.remove()
+        assert len(seen) == 1
+        assert torch.equal(fast, hooked)
+        assert rel_error(fast, net(x)) < 1e-5
+
+
+def test_sequences_can_be_turned_off():
+    converted = tt.convert(small_net(), sequences=False)
+    assert not any(isinstance(m, tt.TTileSequence) for m in converted.modules())

@@ -15,7 +15,8 @@ torch modules did:
 all applied in the kernel's output store; and an inverted residual block (1x1 expand,
 3x3 depthwise, 1x1 project, + the block's input: MobileNetV2's) becomes one
 :class:`TTileInvertedResidual`, served by one fused kernel where that is faster than its
-three layers. A model that does not trace gets a plain module
+three layers. Consecutive ttile layers and blocks then run as one :class:`TTileSequence`,
+NHWC arrays passed from kernel to kernel. A model that does not trace gets a plain module
 swap (each convolution served alone). Layers ttile cannot serve stay torch's: other
 dtypes or devices, ``padding_mode`` other than "zeros", a string padding that is not
 symmetric.
@@ -60,7 +61,8 @@ from .runtime import dispatch as _dispatch
 from .runtime.inverted_residual import (BlockPlan, BlockVerdict, InvertedResidual,
                                         modelled_verdict)
 
-__all__ = ["convert", "TTileConv2d", "TTileInvertedResidual", "served_layers", "repack"]
+__all__ = ["convert", "TTileConv2d", "TTileInvertedResidual", "TTileSequence", "served_layers",
+           "repack"]
 
 # layer id -> the packed state of one live TTileConv2d. The custom operator takes tensors
 # and plain values only, so it reaches the packed weights through this id; the module
@@ -310,6 +312,12 @@ class TTileConv2d(nn.Module):
                          self.groups, self.activation or "", self.negative_slope,
                          self.threads or 0)
 
+    def run_nhwc(self, x: np.ndarray, residual: Optional[np.ndarray], threads: int
+                 ) -> np.ndarray:
+        """The layer on an NHWC float32 array, for :class:`TTileSequence` (which has made
+        the checks ``forward`` makes on tensors)."""
+        return self._packed.layer("NHWC")(x, self.threads or threads, residual=residual)
+
     def extra_repr(self) -> str:
         k, cg, r, s = self.weight.shape
         return (f"{cg * self.groups}, {k}, kernel_size=({r}, {s}), stride={self.stride}, "
@@ -446,6 +454,18 @@ class TTileInvertedResidual(nn.Module):
             self.plans[key] = plan
         return plan
 
+    def run_nhwc(self, x: np.ndarray, threads: int) -> Optional[np.ndarray]:
+        """The block on an NHWC float32 array, for :class:`TTileSequence`; None while
+        its verdict at this shape is not known (the tensor path makes it)."""
+        threads = self.project.threads or threads
+        plan = self.plans.get((x.shape, threads))
+        if plan is None:
+            return None
+        if plan.verdict is BlockVerdict.FUSED:
+            return self._block()(x, threads)
+        y = self.depthwise.run_nhwc(self.expand.run_nhwc(x, None, threads), None, threads)
+        return self.project.run_nhwc(y, x if self.project.residual else None, threads)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (type(x) is torch.Tensor and not self.training and x.dtype is torch.float32
                 and x.is_cpu and x.ndim == 4
@@ -463,6 +483,101 @@ class TTileInvertedResidual(nn.Module):
                 y = self._block()(x_np, threads)
                 return torch.from_numpy(y.transpose(0, 3, 1, 2))
         return self._layers(x)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+class TTileSequence(nn.Module):
+    """Consecutive ttile layers and blocks of a traced model in one call: between them the
+    activations stay NHWC numpy arrays, and no torch operation runs.
+
+    Why: a torch operation right after a kernel meets caches the kernel has filled with
+    its own data, and costs 15-20 us where it costs 1-2 warm (a Xeon model 167: the
+    first ``torch.empty`` after a MobileNetV2 block's kernel); each layer called as a
+    module runs two (the input's numpy view, the output's tensor). Run as one sequence,
+    MobileNetV2's 20 layers and blocks took 2.9 ms at 2 threads against 3.3 called one by
+    one.
+
+    ``steps`` are (unit name, value indices): value i < ``inputs`` is the i-th input, and
+    each step's output is the next value; the last step's output is the sequence's. The
+    sequence runs its units as modules, one by one, whenever the fast path does not
+    apply: inputs that are not channels_last float32 CPU tensors, tracing and
+    ``torch.compile``, training mode or inputs that need gradients (the units raise
+    their errors), hooks on any unit (``ttile.torch.tune`` and the benchmarks' per-layer
+    timing see every call), and a block's first call at a shape (its verdict is timed
+    on tensors)."""
+
+    def __init__(self, units: dict, steps: list, inputs: int):
+        super().__init__()
+        for name, unit in units.items():
+            self.add_module(name, unit)
+        self.steps = [(name, tuple(args)) for name, args in steps]
+        self.inputs = int(inputs)
+        self._refresh()
+        self.eval()
+
+    def _refresh(self) -> None:
+        """The steps with their modules and the values each step is the last to read."""
+        last_read: dict = {}
+        for i, (_, args) in enumerate(self.steps):
+            for a in args:
+                last_read[a] = i
+        self._plan = [(getattr(self, name), args,
+                       tuple(a for a in set(args) if last_read[a] == i))
+                      for i, (name, args) in enumerate(self.steps)]
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._refresh()
+
+    def _fast(self, xs) -> bool:
+        if self.training or torch.compiler.is_compiling():
+            return False
+        grad = torch.is_grad_enabled()
+        for x in xs:
+            if (type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu
+                    or x.ndim != 4 or (grad and x.requires_grad)
+                    or not x.is_contiguous(memory_format=torch.channels_last)):
+                return False
+        from torch.nn.modules import module as _module
+        if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+            return False
+        for unit, _, _ in self._plan:
+            if _hooked(unit) or (isinstance(unit, TTileInvertedResidual) and (
+                    _hooked(unit.expand) or _hooked(unit.depthwise)
+                    or _hooked(unit.project))):
+                return False
+        return True
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        if self._fast(xs):
+            threads = torch.get_num_threads()
+            values: list = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
+            for unit, args, done in self._plan:
+                if type(unit) is TTileConv2d:
+                    y = unit.run_nhwc(values[args[0]],
+                                      values[args[1]] if len(args) > 1 else None, threads)
+                else:
+                    y = unit.run_nhwc(values[args[0]], threads)
+                    if y is None:   # a verdict to make on tensors: this call goes slow
+                        return self._one_by_one(xs)
+                for a in done:
+                    if a >= self.inputs:
+                        values[a] = None   # the memory goes back as soon as it can
+                values.append(y)
+            return torch.from_numpy(values[-1].transpose(0, 3, 1, 2))
+        return self._one_by_one(xs)
+
+    def _one_by_one(self, xs) -> torch.Tensor:
+        values = list(xs)
+        for unit, args, _ in self._plan:
+            values.append(unit(*(values[a] for a in args)))
+        return values[-1]
+
+    def extra_repr(self) -> str:
+        return f"{len(self.steps)} steps, {self.inputs} input{'s' if self.inputs > 1 else ''}"
 
 
 # --- what follows a convolution in the graph -------------------------------------------
@@ -677,6 +792,76 @@ def _fuse_inverted_residuals(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+def _is_unit(node, modules) -> bool:
+    return (node.op == "call_module" and not node.kwargs
+            and isinstance(modules.get(node.target), (TTileConv2d, TTileInvertedResidual))
+            and all(isinstance(a, torch.fx.Node) for a in node.args))
+
+
+def _sequence_segments(run: list) -> list:
+    """Cuts a run of consecutive units where a unit's output is read outside its
+    segment (a segment hands out its last output only)."""
+    segments, current = [], []
+    members = set(run)
+    for node in run:
+        current.append(node)
+        if any(user not in members for user in node.users) and node is not run[-1]:
+            segments.append(current)
+            members -= set(current)
+            current = []
+    if current:
+        segments.append(current)
+    return segments
+
+
+def _group_sequences(gm: torch.fx.GraphModule) -> int:
+    """Replaces each run of two or more consecutive ttile units (layers and blocks) by
+    one :class:`TTileSequence`; returns how many."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    runs, current = [], []
+    for node in graph.nodes:
+        if _is_unit(node, modules):
+            current.append(node)
+        else:
+            if current:
+                runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    count = 0
+    for run in runs:
+        for segment in _sequence_segments(run):
+            if len(segment) < 2:
+                continue
+            index = {node: i for i, node in enumerate(segment)}
+            inputs: list = []
+            for node in segment:
+                for a in node.args:
+                    if a not in index and a not in inputs:
+                        inputs.append(a)
+            steps = [(node.target, [index[a] + len(inputs) if a in index
+                                    else inputs.index(a) for a in node.args])
+                     for node in segment]
+            name = f"ttile_run_{count}"
+            while hasattr(gm, name):
+                name += "_"
+            sequence = TTileSequence({node.target: modules[node.target] for node in segment},
+                                     steps, len(inputs))
+            gm.add_submodule(name, sequence)
+            last = segment[-1]
+            with graph.inserting_after(last):
+                new = graph.call_module(name, tuple(inputs))
+            last.replace_all_uses_with(new)
+            for node in reversed(segment):
+                graph.erase_node(node)
+            count += 1
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return count
+
+
 def _swap_modules(model: nn.Module, threads, not_fused: str, prefix: str = "") -> int:
     """The fallback for models that do not trace: each eligible nn.Conv2d alone
     (``not_fused`` says why nothing around it was fused)."""
@@ -710,7 +895,8 @@ def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
 
 def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] = None,
             example_input: Optional[torch.Tensor] = None, trace: bool = True,
-            fuse_blocks: bool = True, progress: bool = True) -> nn.Module:
+            fuse_blocks: bool = True, sequences: bool = True,
+            progress: bool = True) -> nn.Module:
     """The model with its eligible convolutions served by ttile (see the module's doc).
 
     Args:
@@ -726,6 +912,8 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             swaps modules only.
         fuse_blocks: serve inverted residual blocks (1x1 -> 3x3 depthwise -> 1x1) as one
             :class:`TTileInvertedResidual` each (traced models only).
+        sequences: run each run of consecutive ttile layers and blocks as one
+            :class:`TTileSequence` (traced models only), NHWC arrays between them.
         progress: show the progress bar and the table (with ``example_input``).
     """
     if not isinstance(model, nn.Module):
@@ -755,6 +943,8 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             _rewrite_graph(gm, threads)
             if fuse_blocks:
                 _fuse_inverted_residuals(gm)
+            if sequences:
+                _group_sequences(gm)
             converted = gm.eval()
     if converted is None:
         _swap_modules(model, threads, not_fused)
