@@ -72,7 +72,7 @@ ir_block(const int P, const int V, const float *a, int64_t lda, int64_t kk,
     __m512 acc[IR_MAX_P][IR_MAX_V];
 #pragma GCC unroll 3
     for (int v = 0; v < V; v++) {
-        const __m512 bv = _mm512_loadu_ps(bias + 16 * v);
+        const __m512 bv = bias != NULL ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++)
             acc[p][v] = bv;
@@ -152,29 +152,36 @@ void ttile_inverted_residual_pack(const float *w, int64_t kk, int64_t n, int64_t
     }
 }
 
-/* One row of a 1x1 stage: m pixels, kk input channels, n output channels (stored n
- * wide: the last vector masked when n is not a multiple of 16), weights packed by
- * ttile_inverted_residual_pack. Channel groups outer: a group's panel is read from L2
- * once per pixel block while the row's inputs stay in L1. */
-static void ir_gemm_row(const float *a, int64_t lda, int64_t m, int64_t kk,
-                        const float *b, const float *bias, float *out,
-                        int64_t ldo, int64_t n, const float *res, int64_t ldr, int act,
-                        float slope)
+/* One row of a 1x1 stage: m pixels, the reduction's rows k0 .. k0 + kk of panels that
+ * hold ldk rows, and the output channel groups g0 .. g1 of n channels (stored n wide:
+ * the last vector masked when n is not a multiple of 16), weights packed by
+ * ttile_inverted_residual_pack; bias may be NULL (a partial sum). Channel groups outer:
+ * a group's panel is read from L2 once per pixel block while the row's inputs stay in
+ * L1. */
+static void ir_gemm_row(const float *a, int64_t lda, int64_t m, int64_t k0, int64_t kk,
+                        int64_t ldk, const float *b, int64_t g0, int64_t g1, int64_t n,
+                        const float *bias, float *out, int64_t ldo, const float *res,
+                        int64_t ldr, int act, float slope)
 {
     const int64_t vectors = (n + 15) / 16;
     const int64_t pixel_blocks = (m + IR_MAX_P - 1) / IR_MAX_P;
     const int64_t groups = (vectors + IR_MAX_V - 1) / IR_MAX_V;
     int64_t v0 = 0;
-    for (int64_t j = 0; j < groups; j++) {
+    for (int64_t j = 0; j < g1; j++) {
         const int64_t V = ir_part(vectors, groups, j);
+        if (j < g0) {
+            v0 += V;
+            continue;
+        }
         const int64_t end = 16 * (v0 + V);
         const __mmask16 last = end <= n ? (__mmask16)0xFFFF
                                         : (__mmask16)((1u << (16 - (end - n))) - 1u);
-        const float *panel = b + kk * 16 * v0;
+        const float *panel = b + ldk * 16 * v0 + k0 * 16 * V;
         int64_t p0 = 0;
         for (int64_t i = 0; i < pixel_blocks; i++) {
             const int64_t P = ir_part(m, pixel_blocks, i);
-            ir_blocks[P - 1][V - 1](a + p0 * lda, lda, kk, panel, 16 * V, bias + 16 * v0,
+            ir_blocks[P - 1][V - 1](a + p0 * lda + k0, lda, kk, panel, 16 * V,
+                                    bias == NULL ? NULL : bias + 16 * v0,
                                     out + p0 * ldo + 16 * v0, ldo,
                                     res == NULL ? NULL : res + p0 * ldr + 16 * v0, ldr,
                                     last, act, slope);
@@ -182,6 +189,18 @@ static void ir_gemm_row(const float *a, int64_t lda, int64_t m, int64_t kk,
         }
         v0 += V;
     }
+}
+
+/* The first vector of channel group j when n channels are cut as ir_gemm_row cuts
+ * them. */
+static int64_t ir_group_start(int64_t n, int64_t j)
+{
+    const int64_t vectors = (n + 15) / 16;
+    const int64_t groups = (vectors + IR_MAX_V - 1) / IR_MAX_V;
+    int64_t v0 = 0;
+    for (int64_t i = 0; i < j && i < groups; i++)
+        v0 += ir_part(vectors, groups, i);
+    return v0;
 }
 
 /* B outputs (B <= 8) of one channel vector of the depthwise row, stride ST: each input
@@ -232,14 +251,15 @@ static const ir_dw_fn ir_dws[2][IR_DW_B] = {
     {ir_dw_1_1, ir_dw_2_1, ir_dw_3_1, ir_dw_4_1, ir_dw_5_1, ir_dw_6_1, ir_dw_7_1, ir_dw_8_1},
     {ir_dw_1_2, ir_dw_2_2, ir_dw_3_2, ir_dw_4_2, ir_dw_5_2, ir_dw_6_2, ir_dw_7_2, ir_dw_8_2}};
 
-/* The depthwise row: rows[r] are the expanded rows oh*stride - 1 + r (NULL above or
- * below the map), each w + 2 pixels of ep floats; d gets wo pixels of ep floats. */
+/* The depthwise row, channels c0 .. c1: rows[r] are the expanded rows oh*stride - 1 + r
+ * (NULL above or below the map), each w + 2 pixels of ep floats; d gets wo pixels of ep
+ * floats. */
 static void ir_dw_row(const ttile_ir_shape *sh, int64_t ep, const float *const rows[3],
-                      const float *w2, const float *b2, float *d)
+                      const float *w2, const float *b2, float *d, int64_t c0, int64_t c1)
 {
     const int64_t blocks = (sh->wo + IR_DW_B - 1) / IR_DW_B;
     const ir_dw_fn *fns = ir_dws[sh->stride == 2];
-    for (int64_t cv = 0; cv < ep; cv += 16) {
+    for (int64_t cv = c0; cv < c1; cv += 16) {
         __m512 taps[9];
         for (int t = 0; t < 9; t++)
             taps[t] = _mm512_loadu_ps(w2 + t * ep + cv);
@@ -257,11 +277,42 @@ static void ir_dw_row(const ttile_ir_shape *sh, int64_t ep, const float *const r
     }
 }
 
-int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *sh)
+/* How the threads share a block: bands of output rows times slices of the expanded
+ * channels. Bands alone recompute each band's halo rows and leave threads idle when
+ * there are fewer rows than threads (a 7x7 block at 16 threads runs on 7); slices of
+ * the expanded channels need no halo, and each reads only its part of both 1x1 layers'
+ * weights, but their project outputs are partial sums, added after a barrier. Bands of
+ * at least IR_MIN_BAND rows first, then slices (at most one per channel group), and
+ * none when the project stage has an activation, which partial sums cannot take. */
+#define IR_MIN_BAND 4
+
+typedef struct {
+    int64_t bands, slices;
+} ir_split;
+
+static ir_split ir_split_for(const ttile_ir_shape *sh, int nthreads)
+{
+    const int64_t total = sh->n * sh->ho;
+    const int64_t groups = ((sh->e + 15) / 16 + IR_MAX_V - 1) / IR_MAX_V;
+    ir_split sp = {nthreads < total ? nthreads : total, 1};
+    if (nthreads <= 1 || sh->act3 != TTILE_ACT_NONE || total >= IR_MIN_BAND * nthreads)
+        return sp;
+    sp.bands = total / IR_MIN_BAND > 1 ? total / IR_MIN_BAND : 1;
+    sp.slices = nthreads / sp.bands;
+    if (sp.slices > groups)
+        sp.slices = groups;
+    if (sp.slices < 1)
+        sp.slices = 1;
+    return sp;
+}
+
+int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *sh, int nthreads)
 {
     const int64_t ep = (sh->e + 15) / 16 * 16;
-    const int64_t floats = 3 * (sh->w + 2) * ep + sh->wo * ep;
-    return (floats + 15) / 16 * 16;
+    const int64_t floats = (3 * (sh->w + 2) * ep + sh->wo * ep + 15) / 16 * 16;
+    const ir_split sp = ir_split_for(sh, nthreads < 1 ? 1 : nthreads);
+    const int64_t outputs = (sh->n * sh->ho * sh->wo * sh->k + 15) / 16 * 16;
+    return sp.bands * sp.slices * floats + (sp.slices - 1) * outputs;
 }
 
 int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
@@ -273,22 +324,34 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
         return -1;
     if (sh->residual && (sh->stride != 1 || sh->c != sh->k))
         return -1;
-    const int64_t ep = (sh->e + 15) / 16 * 16;
-    const int64_t row_floats = (sh->w + 2) * ep;
-    const int64_t per_thread = ttile_inverted_residual_scratch_floats(sh);
-    const int64_t total = sh->n * sh->ho;
     if (nthreads < 1)
         nthreads = 1;
-    if (nthreads > total)
-        nthreads = (int)total;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    const int64_t ep = (sh->e + 15) / 16 * 16;
+    const int64_t row_floats = (sh->w + 2) * ep;
+    const int64_t per_thread = (3 * row_floats + sh->wo * ep + 15) / 16 * 16;
+    const int64_t total = sh->n * sh->ho;
+    const ir_split sp = ir_split_for(sh, nthreads);
+    const int team = (int)(sp.bands * sp.slices);
+    const int64_t e_groups = ((sh->e + 15) / 16 + IR_MAX_V - 1) / IR_MAX_V;
+    const int64_t k_groups = ((sh->k + 15) / 16 + IR_MAX_V - 1) / IR_MAX_V;
+    const int64_t outputs = (sh->n * sh->ho * sh->wo * sh->k + 15) / 16 * 16;
+    float *partials = scratch + team * per_thread;
+#pragma omp parallel num_threads(team) if (team > 1)
     {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
+        const int t = omp_get_thread_num();
+        const int64_t band = t / sp.slices, slice = t % sp.slices;
+        const int64_t lo = total * band / sp.bands, hi = total * (band + 1) / sp.bands;
+        /* this slice's expanded channel groups, and their first and last channel */
+        const int64_t g0 = e_groups * slice / sp.slices;
+        const int64_t g1 = e_groups * (slice + 1) / sp.slices;
+        const int64_t c0 = 16 * ir_group_start(sh->e, g0);
+        const int64_t c1 = 16 * ir_group_start(sh->e, g1);
+        const int64_t e1 = c1 < sh->e ? c1 : sh->e;
+        float *out = slice == 0 ? y : partials + (slice - 1) * outputs;
         float *ring = scratch + t * per_thread;
         float *d = ring + 3 * row_floats;
         int64_t held[3] = {-1, -1, -1};   /* image * h + row in each ring slot */
-        for (int64_t g = lo; g < hi; g++) {
+        for (int64_t g = lo; g < hi && g0 < g1; g++) {
             const int64_t img = g / sh->ho, oh = g % sh->ho;
             const float *rows[3];
             for (int r = 0; r < 3; r++) {
@@ -302,16 +365,35 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
                 if (held[slot] != img * sh->h + ih) {
                     memset(e, 0, ep * sizeof(float));
                     memset(e + (sh->w + 1) * ep, 0, ep * sizeof(float));
-                    ir_gemm_row(x + (img * sh->h + ih) * sh->w * sh->c, sh->c, sh->w, sh->c,
-                                w1, b1, e + ep, ep, ep, NULL, 0, sh->act1, sh->slope1);
+                    ir_gemm_row(x + (img * sh->h + ih) * sh->w * sh->c, sh->c, sh->w, 0,
+                                sh->c, sh->c, w1, g0, g1, ep, b1, e + ep, ep, NULL, 0,
+                                sh->act1, sh->slope1);
                     held[slot] = img * sh->h + ih;
                 }
                 rows[r] = e;
             }
-            ir_dw_row(sh, ep, rows, w2, b2, d);
-            ir_gemm_row(d, ep, sh->wo, sh->e, w3, b3, y + g * sh->wo * sh->k, sh->k,
-                        sh->k, sh->residual ? x + (img * sh->h + oh) * sh->w * sh->c : NULL,
+            ir_dw_row(sh, ep, rows, w2, b2, d, c0, c1);
+            ir_gemm_row(d, ep, sh->wo, c0, e1 - c0, ep, w3, 0, k_groups, sh->k,
+                        slice == 0 ? b3 : NULL, out + g * sh->wo * sh->k, sh->k,
+                        slice == 0 && sh->residual
+                            ? x + (img * sh->h + oh) * sh->w * sh->c : NULL,
                         sh->c, sh->act3, sh->slope3);
+        }
+        if (sp.slices > 1) {
+            /* the partial sums of slices 1.. added into y, each thread a share of it
+             * (a slice without channel groups wrote nothing: its share stays zero) */
+#pragma omp barrier
+            const int64_t size = sh->n * sh->ho * sh->wo * sh->k;
+            const int64_t v_lo = (size / 16) * t / team * 16;
+            const int64_t v_hi = t == team - 1 ? size : (size / 16) * (t + 1) / team * 16;
+            for (int64_t i = v_lo; i < v_hi; i += 16) {
+                const __mmask16 m = i + 16 <= v_hi ? (__mmask16)0xFFFF
+                                                   : (__mmask16)((1u << (v_hi - i)) - 1u);
+                __m512 acc = _mm512_maskz_loadu_ps(m, y + i);
+                for (int64_t s = 1; s < sp.slices; s++)
+                    acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, partials + (s - 1) * outputs + i));
+                _mm512_mask_storeu_ps(y + i, m, acc);
+            }
         }
     }
     return 0;

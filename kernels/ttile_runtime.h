@@ -118,10 +118,11 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                  const float *w, float *y, int nthreads,
                                  const ttile_epilogue *ep);
 /* An inverted residual block in one call (inverted_residual_avx512.c): x (n, h, w, c),
- * the packed weights its file describes, y (n, ho, wo, k); scratch holds nthreads times
- * ttile_inverted_residual_scratch_floats floats on a 64-byte line. -1 (nothing written)
- * for a stride other than 1 or 2, or a residual the shapes do not allow. */
-int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape);
+ * the packed weights its file describes, y (n, ho, wo, k); scratch holds
+ * ttile_inverted_residual_scratch_floats(shape, nthreads) floats on a 64-byte line. -1
+ * (nothing written) for a stride other than 1 or 2, or a residual the shapes do not
+ * allow. */
+int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape, int nthreads);
 /* Packs a 1x1 stage's kk x n weights (row q at w + q * ldw) into out (kk x n rounded up
  * to 16 floats) as the fused kernel reads them. */
 void ttile_inverted_residual_pack(const float *w, int64_t kk, int64_t n, int64_t ldw,

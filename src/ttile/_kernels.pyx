@@ -62,7 +62,7 @@ cdef extern from "ttile_runtime.h" nogil:
         int act1, act2, act3
         float slope1, slope2, slope3
         int residual
-    int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape)
+    int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape, int nthreads)
     void ttile_inverted_residual_pack(const float *w, int64_t kk, int64_t n, int64_t ldw,
                                       float *out)
     int ttile_inverted_residual_avx512(const ttile_ir_shape *shape, const float *x,
@@ -427,13 +427,16 @@ cdef int _ir_shape(ttile_ir_shape *sh, cnp.ndarray x, int64_t e, int64_t k, int6
     return 0
 
 
-def inverted_residual_scratch_floats(tuple x_shape, int64_t e, int64_t k, int64_t stride):
-    """Floats of scratch one thread of :func:`inverted_residual` needs."""
+def inverted_residual_scratch_floats(tuple x_shape, int64_t e, int64_t k, int64_t stride,
+                                     int nthreads, int act3=0):
+    """Floats of scratch :func:`inverted_residual` needs at ``nthreads`` (``act3``: the
+    project stage's activation code, which decides whether threads may split channels)."""
     cdef ttile_ir_shape sh
     sh.n, sh.h, sh.w, sh.c = x_shape
     sh.e, sh.k, sh.stride = e, k, stride
     sh.ho, sh.wo = (sh.h - 1) // stride + 1, (sh.w - 1) // stride + 1
-    return ttile_inverted_residual_scratch_floats(&sh)
+    sh.act3 = act3
+    return ttile_inverted_residual_scratch_floats(&sh, nthreads)
 
 
 def inverted_residual_pack(cnp.ndarray w, cnp.ndarray out):
@@ -458,7 +461,7 @@ def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray
     """The AVX-512 inverted residual block (kernels/inverted_residual_avx512.c): x
     (N, H, W, C); w1 (C, EP), b1 (EP,), w2 (9, EP), b2 (EP,), w3 (EP, KP), b3 (KP,) packed
     as that file says (EP, KP: e and k rounded up to 16, zero padded); y (N, Ho, Wo, K);
-    scratch of nthreads * inverted_residual_scratch_floats floats; ``activations`` and
+    scratch of inverted_residual_scratch_floats floats; ``activations`` and
     ``slopes`` the three stages' TTILE_ACT_* codes and leaky slopes."""
     _require_isa(_ISA_AVX512F)
     cdef ttile_ir_shape sh
@@ -477,7 +480,7 @@ def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray
     _check_f32_contiguous(scratch, "scratch")
     if nthreads < 1:
         raise ValueError(f"nthreads must be >= 1, got {nthreads}")
-    if scratch.size < nthreads * ttile_inverted_residual_scratch_floats(&sh):
+    if scratch.size < ttile_inverted_residual_scratch_floats(&sh, nthreads):
         raise ValueError("scratch too small for the block at this thread count")
     if (<size_t>cnp.PyArray_DATA(scratch)) % 64:
         raise ValueError("scratch must start on a 64-byte line")

@@ -187,10 +187,11 @@ class InvertedResidual:
             raise ValueError(f"x must be (N, H, W, {self.c}), got {x_shape}")
         n, h, w, _ = x_shape
         ho, wo = (h - 1) // self.stride + 1, (w - 1) // self.stride + 1
-        threads = max(1, min(int(threads), n * ho))
-        per_thread = _kernels.inverted_residual_scratch_floats(x_shape, self.e, self.k,
-                                                               self.stride)
-        return (n, ho, wo, self.k), threads, threads * per_thread
+        threads = max(1, int(threads))
+        floats = _kernels.inverted_residual_scratch_floats(x_shape, self.e, self.k,
+                                                           self.stride, threads,
+                                                           self._codes[2])
+        return (n, ho, wo, self.k), threads, floats
 
     def flops(self, x_shape: tuple) -> float:
         shape = self.shape_of(x_shape)
