@@ -274,3 +274,18 @@ def test_the_fused_block_stays_in_bounds(case, side):
         block(gx.array, threads, out=gy.array)
         assert gx.canary_intact() and gy.canary_intact()
         np.testing.assert_allclose(gy.array, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_export_and_compile_of_a_model_with_fused_blocks_go_through_the_layers():
+    """Tracing meets the blocks' layers (the custom op), never the fused kernel."""
+    torch = _torch()
+    import ttile.torch as tt
+    model = inverted_residual_net()
+    converted = tt.convert(model)
+    x = torch.randn(1, 3, 32, 30).contiguous(memory_format=torch.channels_last)
+    exported = torch.export.export(converted, (x,))
+    convs = [n for n in exported.graph.nodes if "ttile.conv2d" in str(n.target)]
+    assert len(convs) == len(tt.served_layers(converted))
+    with torch.no_grad():
+        got = exported.module()(x)
+        assert ((got - model(x)).abs().max() / model(x).abs().max()).item() < 1e-5
