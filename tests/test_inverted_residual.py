@@ -289,3 +289,23 @@ def test_export_and_compile_of_a_model_with_fused_blocks_go_through_the_layers()
     with torch.no_grad():
         got = exported.module()(x)
         assert ((got - model(x)).abs().max() / model(x).abs().max()).item() < 1e-5
+
+
+@pytest.mark.skipif(not ttile.has_avx2(), reason="needs the AVX2 family")
+def test_calls_held_to_avx2_serve_blocks_by_their_layers():
+    torch = _torch()
+    import ttile.torch as tt
+    model = inverted_residual_net()
+    x = torch.randn(1, 3, 32, 30).contiguous(memory_format=torch.channels_last)
+    previous = ttile.set_isa("avx2")
+    try:
+        converted = tt.convert(model)
+        with torch.no_grad():
+            for _ in range(2):    # the first call and the sequence's fast path
+                got = converted(x)
+                assert ((got - model(x)).abs().max() / model(x).abs().max()).item() < 1e-5
+        assert "avx2" in InvertedResidual.unsupported()
+    finally:
+        ttile.set_isa(previous)
+    blocks = [m for m in converted.modules() if isinstance(m, tt.TTileInvertedResidual)]
+    assert blocks and all(not b.plans for b in blocks)

@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import itertools
 import operator
+import statistics
 import sys
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -58,6 +60,7 @@ from .core.kinds import Activation
 from .runtime.conv_layer import Conv2d
 from .runtime.api import plan as _ttile_plan
 from .runtime import dispatch as _dispatch
+from .runtime.epilogue import describe as _describe_epilogue
 from .runtime.inverted_residual import (BlockPlan, BlockVerdict, InvertedResidual,
                                         modelled_verdict)
 
@@ -425,7 +428,6 @@ class TTileInvertedResidual(nn.Module):
             plan = BlockPlan(verdict, threads, "modelled: fused unless the 1x1 weights "
                              "exceed L2 (run-time tuning is off)")
         else:
-            import time
             for _ in range(3):   # the layers' own first-call tuning and warm-up, untimed
                 self._layers_unhooked(x)
                 block(x_np, threads)
@@ -438,16 +440,14 @@ class TTileInvertedResidual(nn.Module):
                 t2 = time.perf_counter()
                 layers.append(t1 - t0)
                 fused.append(t2 - t1)
-            import statistics
             layers_us = statistics.median(layers) * 1e6
             fused_us = statistics.median(fused) * 1e6
             verdict = BlockVerdict.FUSED if fused_us <= layers_us else BlockVerdict.LAYERS
             plan = BlockPlan(verdict, threads, f"timed on the first call: fused "
                              f"{fused_us:.0f} us, layers {layers_us:.0f} us",
                              fused_us, layers_us)
-        from .runtime.epilogue import describe
-        stages = [describe(m.bias is not None, m is self.project and m.residual,
-                           Activation(m.activation or "none"))
+        stages = [_describe_epilogue(m.bias is not None, m is self.project and m.residual,
+                                     Activation(m.activation or "none"))
                   for m in (self.expand, self.depthwise, self.project)]
         plan = replace(plan, epilogue=" | ".join(stages))
         with self._lock:
@@ -456,13 +456,15 @@ class TTileInvertedResidual(nn.Module):
 
     def run_nhwc(self, x: np.ndarray, threads: int) -> Optional[np.ndarray]:
         """The block on an NHWC float32 array, for :class:`TTileSequence`; None while
-        its verdict at this shape is not known (the tensor path makes it)."""
+        its verdict at this shape is not known (the tensor path makes it). Without
+        AVX-512 its layers serve it."""
         threads = self.project.threads or threads
-        plan = self.plans.get((x.shape, threads))
-        if plan is None:
-            return None
-        if plan.verdict is BlockVerdict.FUSED:
-            return self._block()(x, threads)
+        if InvertedResidual.unsupported() is None:
+            plan = self.plans.get((x.shape, threads))
+            if plan is None:
+                return None
+            if plan.verdict is BlockVerdict.FUSED:
+                return self._block()(x, threads)
         y = self.depthwise.run_nhwc(self.expand.run_nhwc(x, None, threads), None, threads)
         return self.project.run_nhwc(y, x if self.project.residual else None, threads)
 

@@ -20,9 +20,9 @@ from typing import Optional
 import numpy as np
 
 from .. import _kernels
-from ..core.kinds import Activation
+from ..core.kinds import Activation, Isa
 from . import scratch
-from .settings import has_avx512f
+from .settings import get_isa
 
 
 class BlockVerdict(str, Enum):
@@ -157,8 +157,11 @@ class InvertedResidual:
 
     @staticmethod
     def unsupported() -> Optional[str]:
-        """Why the fused kernel cannot run in this process, or None."""
-        return None if has_avx512f() else "the fused kernel needs AVX-512F"
+        """Why the fused kernel cannot serve calls now, or None: it is AVX-512F code, and
+        calls held to another family (``ttile.set_isa``) run none."""
+        isa = get_isa()
+        return None if isa is Isa.AVX512F else (
+            f"the fused kernel is AVX-512F code and calls run the {isa.value} family")
 
     def __call__(self, x: np.ndarray, threads: int, out: Optional[np.ndarray] = None
                  ) -> np.ndarray:
