@@ -13,7 +13,8 @@
  * the next output row reads in a ring of its own, each computed once per band (a band
  * recomputes one or two halo rows at its top), and the depthwise row in a buffer of its
  * own: the intermediates never leave L2, and the block costs one parallel region and
- * one call instead of three.
+ * one call instead of three. Maps with too few rows for a band per thread split the
+ * expanded channels between threads as well (ir_split_for).
  *
  * Buffers and weights (packed by the caller, ttile/runtime/inverted_residual.py):
  *   w1: c x ep, b1[ep]     ep = e rounded up to 16; the padded columns are zero
