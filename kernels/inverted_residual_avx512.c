@@ -46,6 +46,13 @@
  * model 167; 4, 8 and 16 steps measured alike). */
 #define IR_PREFETCH 8
 
+/* SiLU and sigmoid, out of line: inlined into each of the 40 block functions they only
+ * bloat them. */
+static __attribute__((noinline)) __m512 ir_activate_exp(int act, __m512 v)
+{
+    return ttile_activate512(act, 0.0f, v);
+}
+
 static inline __attribute__((always_inline)) __m512
 ir_activate(int act, float slope, __m512 v)
 {
@@ -57,8 +64,10 @@ ir_activate(int act, float slope, __m512 v)
         return _mm512_max_ps(v, zero);
     case TTILE_ACT_RELU6:
         return _mm512_min_ps(_mm512_max_ps(v, zero), _mm512_set1_ps(6.0f));
-    default:
+    case TTILE_ACT_LEAKY_RELU:
         return ttile_activate512(act, slope, v);
+    default:
+        return ir_activate_exp(act, v);
     }
 }
 
@@ -94,6 +103,11 @@ ir_block(const int P, const int V, const float *a, int64_t lda, int64_t kk,
                 acc[p][v] = _mm512_fmadd_ps(s, wv[v], acc[p][v]);
         }
     }
+    /* The exp-based activations (SiLU, sigmoid) need a dozen constants and temporaries:
+     * applied in registers on top of 24 accumulators they spilled, so those blocks store
+     * first and apply them from L1 (a compiler barrier keeps the two loops apart). */
+    const int in_registers = act == TTILE_ACT_NONE || act == TTILE_ACT_RELU
+                             || act == TTILE_ACT_RELU6 || act == TTILE_ACT_LEAKY_RELU;
 #pragma GCC unroll 8
     for (int p = 0; p < P; p++) {
 #pragma GCC unroll 3
@@ -102,9 +116,20 @@ ir_block(const int P, const int V, const float *a, int64_t lda, int64_t kk,
             __m512 r = acc[p][v];
             if (res != NULL)
                 r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, res + p * ldr + 16 * v));
-            _mm512_mask_storeu_ps(out + p * ldo + 16 * v, m, ir_activate(act, slope, r));
+            if (in_registers)
+                r = ir_activate(act, slope, r);
+            _mm512_mask_storeu_ps(out + p * ldo + 16 * v, m, r);
         }
     }
+    if (in_registers)
+        return;
+    __asm__ volatile("" ::: "memory");
+    for (int p = 0; p < P; p++)
+        for (int v = 0; v < V; v++) {
+            const __mmask16 m = v == V - 1 ? last : (__mmask16)0xFFFF;
+            float *o = out + p * ldo + 16 * v;
+            _mm512_mask_storeu_ps(o, m, ir_activate_exp(act, _mm512_maskz_loadu_ps(m, o)));
+        }
 }
 
 typedef void (*ir_block_fn)(const float *, int64_t, int64_t, const float *, int64_t,
