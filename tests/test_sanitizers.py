@@ -70,9 +70,29 @@ def _asan_runtime(compiler: str) -> str:
     return out if os.path.isabs(out) and os.path.exists(out) else ""
 
 
+_CI_TEST = "test_subset_runs_clean_under_asan_and_ubsan"
+_builds: dict = {}   # test name -> Future of _sanitized_build's answer, started early
+
+
+def start_in_background(test_name: str) -> None:
+    """conftest.py's hook: build the sanitized environment of the CI test (minutes of GCC
+    on two cores) while the tests before it run."""
+    if test_name != _CI_TEST or test_name in _builds:
+        return
+    import atexit
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    workdir = Path(tempfile.mkdtemp(prefix="ttile-sanitized-"))
+    atexit.register(shutil.rmtree, workdir, True)
+    pool = ThreadPoolExecutor(max_workers=1)
+    _builds[test_name] = pool.submit(_sanitized_build, workdir)
+    pool.shutdown(wait=False)
+
+
 @pytest.mark.sanitize
 def test_subset_runs_clean_under_asan_and_ubsan(tmp_path):
-    _run_sanitized(tmp_path, CI_SUBSET)
+    _run_sanitized(tmp_path, CI_SUBSET, _builds.pop(_CI_TEST, None))
 
 
 @pytest.mark.slow
@@ -81,14 +101,16 @@ def test_whole_subset_runs_clean_under_asan_and_ubsan(tmp_path):
     _run_sanitized(tmp_path, SUBSET)
 
 
-def _run_sanitized(tmp_path, subset: list[str]) -> None:
+def _sanitized_build(workdir: Path):
+    """(python of a new environment with ttile built sanitized, its directory, the ASan
+    runtime), or (None, why not, None) for a skip; failures raise AssertionError."""
     compiler = find_compiler()
     if compiler is None or not (ROOT / "CMakeLists.txt").exists():
-        pytest.skip("needs a compiler and a source checkout")
+        return None, "needs a compiler and a source checkout", None
     libasan = _asan_runtime(compiler)
     if not libasan:
-        pytest.skip(f"{compiler} has no AddressSanitizer runtime")
-    env_dir = tmp_path / "venv"
+        return None, f"{compiler} has no AddressSanitizer runtime", None
+    env_dir = workdir / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = str(env_dir / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
@@ -103,6 +125,16 @@ def _run_sanitized(tmp_path, subset: list[str]) -> None:
                             "-C", "cmake.define.TTILE_SHIPPED_KERNELS=OFF", str(ROOT)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    return python, str(env_dir), libasan
+
+
+def _run_sanitized(tmp_path, subset: list[str], build=None) -> None:
+    """Runs ``subset`` in the sanitized environment: the one ``build`` (a Future started
+    at collection) makes, else one built now in tmp_path."""
+    python, env_dir, libasan = (build.result() if build is not None
+                                else _sanitized_build(tmp_path))
+    if python is None:
+        pytest.skip(env_dir)
     env = {**os.environ,
            "LD_PRELOAD": libasan,
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
@@ -113,7 +145,7 @@ def _run_sanitized(tmp_path, subset: list[str]) -> None:
     env.pop("PYTHONPATH", None)
     where = subprocess.run([python, "-c", "import ttile._kernels as k; print(k.__file__)"],
                            env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert str(env_dir) in where.stdout, where.stdout + where.stderr[-2000:]
+    assert env_dir in where.stdout, where.stdout + where.stderr[-2000:]
     run = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           "-m", "not slow and not wheel and not sanitize", "-k", DESELECT,
                           *[str(ROOT) + "/" + t for t in subset]],
