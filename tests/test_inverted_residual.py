@@ -309,3 +309,26 @@ def test_calls_held_to_avx2_serve_blocks_by_their_layers():
         ttile.set_isa(previous)
     blocks = [m for m in converted.modules() if isinstance(m, tt.TTileInvertedResidual)]
     assert blocks and all(not b.plans for b in blocks)
+
+
+def test_copies_of_a_converted_model_with_blocks_pack_their_own_weights():
+    """deepcopy and pickle carry the blocks' weights, never their packed state or
+    verdicts; a copy's block follows its own weights, not the original's."""
+    torch = _torch()
+    import copy
+    import pickle
+    import ttile.torch as tt
+    model = inverted_residual_net()
+    converted = tt.convert(model)
+    x = torch.randn(1, 3, 32, 30).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected = converted(x)
+        for clone in (copy.deepcopy(converted), pickle.loads(pickle.dumps(converted))):
+            blocks = [m for m in clone.modules() if isinstance(m, tt.TTileInvertedResidual)]
+            assert blocks and all(not b.plans and b._fused is None for b in blocks)
+            assert torch.allclose(clone(x), expected, rtol=1e-5, atol=1e-6)
+            # the second call takes the sequence's fast path
+            assert torch.allclose(clone(x), expected, rtol=1e-5, atol=1e-6)
+            blocks[0].project.weight.mul_(3.0)
+            assert not torch.allclose(clone(x), expected, rtol=1e-3, atol=1e-3)
+            assert torch.allclose(converted(x), expected, rtol=1e-5, atol=1e-6)
