@@ -336,3 +336,17 @@ def test_a_sequence_with_hooked_layers_calls_them_one_by_one():
 def test_sequences_can_be_turned_off():
     converted = tt.convert(small_net(), sequences=False)
     assert not any(isinstance(m, tt.TTileSequence) for m in converted.modules())
+
+
+def test_a_global_module_hook_sees_the_layers_of_a_sequence():
+    converted = tt.convert(small_net())
+    x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: seen.append(type(m).__name__))
+    try:
+        with torch.no_grad():
+            converted(x)
+    finally:
+        handle.remove()
+    assert seen.count("TTileConv2d") == len(tt.served_layers(converted))

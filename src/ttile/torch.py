@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module   # torch's global module hooks
 
 from .core.kinds import Activation
 from .runtime.conv_layer import Conv2d
@@ -543,8 +544,7 @@ class TTileSequence(nn.Module):
                     or x.ndim != 4 or (grad and x.requires_grad)
                     or not x.is_contiguous(memory_format=torch.channels_last)):
                 return False
-        from torch.nn.modules import module as _module
-        if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
         for unit, _, _ in self._plan:
             if _hooked(unit) or (isinstance(unit, TTileInvertedResidual) and (
