@@ -672,6 +672,31 @@ def _module_for(conv: nn.Conv2d, weight, bias, activation: Optional[_Activation]
                        residual, threads, source, not_fused)
 
 
+def _replace_chain(gm: torch.fx.GraphModule, chain: list, module: nn.Module, name: str,
+                   args: tuple) -> str:
+    """One call of ``module`` in place of the graph nodes ``chain`` (in graph order, the
+    last one giving the value the rest of the graph reads), fed ``args``; the module is
+    registered under ``name`` (made unique). Returns the name."""
+    while hasattr(gm, name):
+        name += "_"
+    gm.add_submodule(name, module)
+    tail = chain[-1]
+    with gm.graph.inserting_after(tail):
+        new = gm.graph.call_module(name, tuple(args))
+    tail.replace_all_uses_with(new)
+    for old in reversed(chain):
+        gm.graph.erase_node(old)
+    return name
+
+
+def _tidy(gm: torch.fx.GraphModule) -> None:
+    """After a rewrite: check the graph, drop the modules it no longer calls, regenerate
+    the code."""
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
 def _rewrite_graph(gm: torch.fx.GraphModule, threads) -> int:
     """Replaces each eligible conv (+ bn, + add, + activation) chain by one TTileConv2d;
     returns how many."""
@@ -710,23 +735,14 @@ def _rewrite_graph(gm: torch.fx.GraphModule, threads) -> int:
                 chain.append(user)
                 source.append(activation.name)
                 tail = user
-        name = "ttile_" + node.target.replace(".", "_")
-        while hasattr(gm, name):
-            name += "_"
         module = _module_for(conv, weight, bias, activation, residual is not None, threads,
                              "+".join(source))
-        gm.add_submodule(name, module)
+        args = (node.args[0],) if residual is None else (node.args[0], residual)
+        name = _replace_chain(gm, chain, module, "ttile_" + node.target.replace(".", "_"),
+                              args)
         modules[name] = module
-        with graph.inserting_after(tail):
-            args = (node.args[0],) if residual is None else (node.args[0], residual)
-            new = graph.call_module(name, args)
-        tail.replace_all_uses_with(new)
-        for old in reversed(chain):
-            graph.erase_node(old)
         count += 1
-    graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+    _tidy(gm)
     return count
 
 
@@ -777,20 +793,12 @@ def _fuse_inverted_residuals(gm: torch.fx.GraphModule) -> int:
         if len({expand.threads, depthwise.threads, project.threads}) != 1:
             continue
         block = TTileInvertedResidual(expand, depthwise, project)
-        name = "ttile_block_" + first.target.removeprefix("ttile_")
-        while hasattr(gm, name):
-            name += "_"
-        gm.add_submodule(name, block)
+        name = _replace_chain(gm, [first, mid, node], block,
+                              "ttile_block_" + first.target.removeprefix("ttile_"),
+                              (block_input,))
         modules[name] = block
-        with graph.inserting_after(node):
-            new = graph.call_module(name, (block_input,))
-        node.replace_all_uses_with(new)
-        for old in (node, mid, first):
-            graph.erase_node(old)
         count += 1
-    graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+    _tidy(gm)
     return count
 
 
@@ -845,22 +853,11 @@ def _group_sequences(gm: torch.fx.GraphModule) -> int:
             steps = [(node.target, [index[a] + len(inputs) if a in index
                                     else inputs.index(a) for a in node.args])
                      for node in segment]
-            name = f"ttile_run_{count}"
-            while hasattr(gm, name):
-                name += "_"
             sequence = TTileSequence({node.target: modules[node.target] for node in segment},
                                      steps, len(inputs))
-            gm.add_submodule(name, sequence)
-            last = segment[-1]
-            with graph.inserting_after(last):
-                new = graph.call_module(name, tuple(inputs))
-            last.replace_all_uses_with(new)
-            for node in reversed(segment):
-                graph.erase_node(node)
+            _replace_chain(gm, segment, sequence, f"ttile_run_{count}", tuple(inputs))
             count += 1
-    graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+    _tidy(gm)
     return count
 
 

@@ -51,10 +51,6 @@ class BlockShape:
     residual: bool
 
     @property
-    def out_hw(self) -> tuple[int, int]:
-        return (self.h - 1) // self.stride + 1, (self.w - 1) // self.stride + 1
-
-    @property
     def weight_bytes(self) -> int:
         """The two 1x1 layers' packed weights, which each output row streams once."""
         ep, kp = _round16(self.e), _round16(self.k)
@@ -195,12 +191,6 @@ class InvertedResidual:
                                                            self.stride, threads,
                                                            self._codes[2])
         return (n, ho, wo, self.k), threads, floats
-
-    def flops(self, x_shape: tuple) -> float:
-        shape = self.shape_of(x_shape)
-        ho, wo = shape.out_hw
-        return 2.0 * shape.n * (shape.h * shape.w * shape.c * shape.e
-                                + ho * wo * shape.e * (9 + shape.k))
 
 
 def reference(x, expand, expand_bias, depthwise, depthwise_bias, project, project_bias, *,
