@@ -66,3 +66,27 @@ def test_calls_on_recycled_outputs_are_right():
     second = ttile.conv2d(x * 2, w, padding=1)
     assert_conv_close(kept, x, w, (1, 1), (1, 1, 1, 1), layout="NCHW")
     np.testing.assert_allclose(second, 2 * kept, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_keeps_its_weights_on_a_cache_line():
+    """A Conv2d's own copy of its weights, and every format made from it, starts on a
+    64-byte line: numpy's copy of a large array starts 16 or 48 bytes in, and a kernel
+    reading it as its panel (a 64-channel layer's RSCK is its only panel) splits every
+    vector load over two lines."""
+    rng = np.random.default_rng(3)
+    cases = [("NHWC", (1, 1, 1024, 64), (1, 7, 7, 1024), 1),     # RSCK is the panel
+             ("NHWC", (3, 3, 96, 80), (1, 9, 9, 96), 1),
+             ("NCHW", (64, 1024, 1, 1), (1, 1024, 7, 7), 1),     # NCHW pointwise
+             ("NCHW", (512, 1, 3, 3), (1, 512, 7, 7), 512),      # depthwise
+             ("NHWC", (3, 3, 1, 512), (1, 7, 7, 512), 512)]
+    for layout, w_shape, x_shape, groups in cases:
+        w = rng.standard_normal(w_shape).astype(np.float32)
+        x = rng.standard_normal(x_shape).astype(np.float32)
+        layer = ttile.Conv2d(w, padding="same", groups=groups, layout=layout, threads=1)
+        got = layer(x)
+        assert layer._rsck.ctypes.data % 64 == 0, (layout, w_shape)
+        assert layer._packed, "the call made its kernel's weights"
+        for packed in layer._packed.values():
+            assert packed.ctypes.data % 64 == 0, (layout, w_shape)
+        expected = ttile.conv2d(x, w, padding="same", groups=groups, layout=layout)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

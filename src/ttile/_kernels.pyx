@@ -543,7 +543,8 @@ def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None,
     """3x3 weights, RSCK (3, 3, C, K) or (``kcrs``) torch's (K, C, 3, 3), transformed for
     the Winograd F(4x4, 3x3) kernel of ``isa``: U = G g G^T per (c, k), in the 1-D layout
     ``conv2d_winograd`` of the same ``isa`` reads (into ``out`` when given, of
-    ``winograd_weight_floats`` floats)."""
+    ``winograd_weight_floats`` floats; else into a new array on a 64-byte line, so that
+    no vector load of the products spans two lines)."""
     _require_isa(isa)
     _check_f32_c4(w, "w")
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
@@ -560,7 +561,7 @@ def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None,
         raise ValueError("nthreads must be >= 1")
     cdef int64_t floats = _winograd_weight_floats(c, k, isa)
     if out is None:
-        out = np.empty(floats, dtype=np.float32)
+        out = empty_aligned((floats,))
     cdef cnp.ndarray u = out
     if cnp.PyArray_TYPE(u) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(u) \
             or cnp.PyArray_SIZE(u) != floats or not cnp.PyArray_ISWRITEABLE(u):

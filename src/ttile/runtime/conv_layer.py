@@ -24,6 +24,7 @@ from .epilogue import Fused
 from .execute import RUNNERS, execute, nhwc_kernel_call
 from .packing import family_weights
 from .routes import Route, remembered, select
+from .scratch import aligned_copy
 
 
 #: The most input signatures a Conv2d remembers a bound call for.
@@ -127,9 +128,9 @@ class Conv2d:
             self._fused.bias.flags.writeable = False
         if probe_plan.family is Family.DENSE:
             rsck = (_kernels.pack_weights_kcrs(weights, 0, thread_count(None))
-                    if layout == "NCHW" else weights.copy())
+                    if layout == "NCHW" else aligned_copy(weights))
         else:
-            rsck = weights.copy()   # the family's format is made on first use
+            rsck = aligned_copy(weights)   # the family's format is made on first use
         rsck.flags.writeable = False
         self._rsck = rsck
         self._w_shape = tuple(weights.shape)

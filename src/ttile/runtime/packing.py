@@ -18,7 +18,7 @@ from ..core.kinds import KernelKind
 from . import dispatch, weight_cache, winograd
 from .call_plan import CallPlan, Family
 from .routes import Selection, select
-from .scratch import scratch
+from .scratch import aligned_copy, scratch
 from .settings import layout_isa
 
 _SEARCHED = (KernelKind.TUNED, KernelKind.JIT)
@@ -37,16 +37,16 @@ def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
         # layers (Yolo9000-23: 2.8x slower than from KCRS on a Zen 4)
         spec = plan.spec
         return w if w.shape == (spec.k, spec.c, 1, 1) \
-            else np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+            else aligned_copy(w.transpose(3, 2, 0, 1))
     if plan.family is Family.DENSE:
         return None
     if choice.kind is KernelKind.DEPTHWISE:
         if choice.nchw or layout == "NHWC":
             return w   # (C, 1, R, S) for the NCHW kernel, (R, S, 1, C) for the NHWC one
-        return np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+        return aligned_copy(w.transpose(2, 3, 1, 0))
     if choice.panel:  # KCRS (K, C/groups, R, S)
-        return w if layout == "NCHW" else np.ascontiguousarray(w.transpose(3, 2, 0, 1))
-    return np.ascontiguousarray(w.transpose(2, 3, 1, 0)) if layout == "NCHW" else w
+        return w if layout == "NCHW" else aligned_copy(w.transpose(3, 2, 0, 1))
+    return aligned_copy(w.transpose(2, 3, 1, 0)) if layout == "NCHW" else w
 
 
 def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
