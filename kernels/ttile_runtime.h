@@ -93,23 +93,25 @@ int ttile_conv_generic_packed_avx2(const ttile_conv_shape *shape, const float *x
                                    const float *packed, float *y, int nthreads,
                                    int flags, const ttile_epilogue *ep);
 
-/* The Winograd F(4x4, 3x3) kernels (winograd_conv.inc), one per ISA: 3x3, stride 1, no
- * dilation, one group, NHWC. _panel: output channels per panel of the transformed weights;
- * _weight_floats: their size; _weights: RSCK (or, kcrs, torch's KCRS) weights transformed
- * into it; ttile_conv_winograd_*: the convolution on them (-1 on another shape or when
- * its scratch allocation fails). The two ISAs' transformed weights differ. */
+/* The Winograd F(4x4, 3x3) and F(2x2, 3x3) kernels (winograd_conv.inc), one per ISA:
+ * 3x3, stride 1, no dilation, one group, NHWC; `tile` (4 or 2) is the output tile m.
+ * _panel: output channels per panel of the transformed weights; _weight_floats: their
+ * size; _weights: RSCK (or, kcrs, torch's KCRS) weights transformed into it;
+ * ttile_conv_winograd_*: the convolution on them (-1 on another shape or tile, or when its
+ * scratch allocation fails). The two ISAs' and the two tiles' transformed weights
+ * differ. */
 int64_t ttile_winograd_panel_avx512(int64_t k);
 int64_t ttile_winograd_panel_avx2(int64_t k);
-int64_t ttile_winograd_weight_floats_avx512(int64_t c, int64_t k);
-int64_t ttile_winograd_weight_floats_avx2(int64_t c, int64_t k);
+int64_t ttile_winograd_weight_floats_avx512(int64_t c, int64_t k, int tile);
+int64_t ttile_winograd_weight_floats_avx2(int64_t c, int64_t k, int tile);
 void ttile_winograd_weights_avx512(const float *w, int64_t c, int64_t k, int kcrs, float *u,
-                                   int nthreads);
+                                   int nthreads, int tile);
 void ttile_winograd_weights_avx2(const float *w, int64_t c, int64_t k, int kcrs, float *u,
-                                 int nthreads);
+                                 int nthreads, int tile);
 int ttile_conv_winograd_avx512(const ttile_conv_shape *shape, const float *x, const float *u,
-                               float *y, int nthreads, const ttile_epilogue *ep);
+                               float *y, int nthreads, const ttile_epilogue *ep, int tile);
 int ttile_conv_winograd_avx2(const ttile_conv_shape *shape, const float *x, const float *u,
-                             float *y, int nthreads, const ttile_epilogue *ep);
+                             float *y, int nthreads, const ttile_epilogue *ep, int tile);
 
 /* Depthwise convolution (groups == input channels, k = 1 output channel per group),
  * NHWC, weights (R, S, groups): channels in the vector lanes, outputs blocked along w

@@ -1,6 +1,6 @@
-"""The Winograd F(4x4, 3x3) kernel: its results against the float64 reference (edges,
-channel tails, batches, super-blocks, every epilogue, threads), which calls it serves,
-and how a per-call call gets its transformed weights."""
+"""The Winograd F(4x4, 3x3) and F(2x2, 3x3) kernels: their results against the float64
+reference (edges, channel tails, batches, super-blocks, every epilogue, threads), which
+calls they serve, and how a per-call call gets its transformed weights."""
 import numpy as np
 import pytest
 
@@ -19,17 +19,21 @@ KERNEL_ISAS = [pytest.param(_kernels.ISA_AVX2, id="avx2")] + (
     [pytest.param(_kernels.ISA_AVX512F, id="avx512f")] if ttile.has_avx512f() else [])
 
 
-def _run(rng, n, c, k, h, w, pad, threads, code, **fused):
-    """The kernel of ISA ``code`` on random data: (x, weights, y, pads) for the
-    reference."""
+#: The output tiles: F(4x4, 3x3) and F(2x2, 3x3).
+TILES = [pytest.param(4, id="F4"), pytest.param(2, id="F2")]
+
+
+def _run(rng, n, c, k, h, w, pad, threads, code, tile=4, **fused):
+    """The kernel of ISA ``code`` and output ``tile`` on random data: (x, weights, y,
+    pads) for the reference."""
     pt, pb, pl, pr = pad
     ho, wo = h + pt + pb - 2, w + pl + pr - 2
     x = aligned_empty((n, h, w, c))
     x[...] = rng.uniform(-1, 1, x.shape)
     wt = rng.uniform(-1, 1, (3, 3, c, k)).astype(np.float32)
     y = aligned_empty((n, ho, wo, k))
-    u = _kernels.winograd_weights(wt, False, threads, isa=code)
-    _kernels.conv2d_winograd(x, u, y, pt, pl, threads, **fused, isa=code)
+    u = _kernels.winograd_weights(wt, False, threads, isa=code, tile=tile)
+    _kernels.conv2d_winograd(x, u, y, pt, pl, threads, **fused, isa=code, tile=tile)
     return x, wt, y, pad
 
 
@@ -46,13 +50,23 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("code", KERNEL_ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
-def test_matches_the_float64_reference(shape, threads, code):
+def test_matches_the_float64_reference(shape, threads, code, tile):
     rng = np.random.default_rng(sum(shape[:5]) + threads)
-    x, wt, y, pads = _run(rng, *shape, threads, code)
+    x, wt, y, pads = _run(rng, *shape, threads, code, tile)
     assert conv_mismatch(y, x, wt, (1, 1), pads) is None
+
+
+@pytest.mark.parametrize("code", KERNEL_ISAS)
+def test_a_changed_weight_changes_the_f2_output(code):
+    """The F(2x2) comparison can fail: one weight changed moves the outputs it reaches."""
+    rng = np.random.default_rng(5)
+    x, wt, y, pads = _run(rng, 1, 16, 16, 6, 6, (1, 1, 1, 1), 1, code, 2)
+    wt[1, 2, 3, 4] += 0.5
+    assert conv_mismatch(y, x, wt, (1, 1), pads) is not None
 
 
 def test_two_super_blocks_are_needed_by_the_largest_shape():
@@ -63,9 +77,10 @@ def test_two_super_blocks_are_needed_by_the_largest_shape():
     assert 36 * tiles * (c + k) * 4 > 6 << 20
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("code", KERNEL_ISAS)
 @pytest.mark.parametrize("activation", [0, 1, 2, 3, 4, 5])
-def test_the_epilogue_is_fused(activation, code):
+def test_the_epilogue_is_fused(activation, code, tile):
     """bias, residual and each activation in the store: the plain kernel's result with
     them applied after (in float32: the same sums), to within rounding."""
     rng = np.random.default_rng(activation)
@@ -73,9 +88,9 @@ def test_the_epilogue_is_fused(activation, code):
     bias = rng.uniform(-1, 1, k).astype(np.float32)
     residual = rng.uniform(-1, 1, (n, h, w, k)).astype(np.float32)
     x, wt, plain, pads = _run(np.random.default_rng(0), n, c, k, h, w, (1, 1, 1, 1), 2,
-                              code)
+                              code, tile)
     _, _, y, _ = _run(np.random.default_rng(0), n, c, k, h, w, (1, 1, 1, 1), 2, code,
-                      bias=bias, residual=residual, activation=activation, slope=0.1)
+                      tile, bias=bias, residual=residual, activation=activation, slope=0.1)
     assert conv_mismatch(plain, x, wt, (1, 1), pads) is None
     z = plain.astype(np.float64) + bias + residual
     expected = {0: z, 1: np.maximum(z, 0), 2: np.clip(z, 0, 6),
@@ -84,14 +99,16 @@ def test_the_epilogue_is_fused(activation, code):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("code", KERNEL_ISAS)
-def test_rsck_and_kcrs_weights_transform_alike(code):
+def test_rsck_and_kcrs_weights_transform_alike(code, tile):
     rng = np.random.default_rng(3)
     w = rng.uniform(-1, 1, (3, 3, 20, 37)).astype(np.float32)
     kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
-    a = _kernels.winograd_weights(w, False, 2, isa=code)
-    b = _kernels.winograd_weights(kcrs, True, 1, isa=code)
-    assert a.size == _kernels.winograd_weight_floats(20, 37, code)
+    a = _kernels.winograd_weights(w, False, 2, isa=code, tile=tile)
+    b = _kernels.winograd_weights(kcrs, True, 1, isa=code, tile=tile)
+    assert a.size == _kernels.winograd_weight_floats(20, 37, code, tile)
+    assert a.ctypes.data % 64 == 0   # on a line: no product's weight load spans two
     np.testing.assert_array_equal(a, b)
 
 
@@ -103,6 +120,7 @@ def test_the_families_panels_differ():
     assert _kernels.winograd_panel(37, _kernels.ISA_AVX512F) % 16 == 0
     assert _kernels.winograd_weight_floats(20, 37, _kernels.ISA_AVX2) == 36 * 20 * 40
     assert _kernels.winograd_weight_floats(20, 37, _kernels.ISA_AVX512F) == 36 * 20 * 48
+    assert _kernels.winograd_weight_floats(20, 37, _kernels.ISA_AVX512F, 2) == 16 * 20 * 48
 
 
 @pytest.mark.parametrize("code", KERNEL_ISAS)
@@ -120,6 +138,14 @@ def test_bad_arguments_raise(code):
     with pytest.raises(ValueError, match="unknown vector isa"):
         _kernels.winograd_weights(np.zeros((3, 3, 16, 16), np.float32), False, 1,
                                   isa=_kernels.ISA_PORTABLE)
+    u = _kernels.winograd_weights(np.zeros((3, 3, 16, 16), np.float32), False, 1, isa=code)
+    with pytest.raises(ValueError, match="tile is 2 or 4"):
+        _kernels.conv2d_winograd(x, u, y, 1, 1, 1, isa=code, tile=3)
+    with pytest.raises(ValueError, match="tile is 2 or 4"):
+        _kernels.winograd_weights(np.zeros((3, 3, 16, 16), np.float32), False, 1, isa=code,
+                                  tile=6)
+    with pytest.raises(ValueError, match="transformed weights"):   # F(4x4)'s, not F(2x2)'s
+        _kernels.conv2d_winograd(x, u, y, 1, 1, 1, isa=code, tile=2)
 
 
 @pytest.mark.skipif(ttile.has_avx512f(), reason="this CPU runs AVX-512F")
@@ -131,22 +157,43 @@ def test_the_avx512_kernel_is_refused_without_avx512():
 
 
 # -- which calls it serves -----------------------------------------------------------------
-@pytest.mark.parametrize("x_shape, w_shape, kwargs, served", [
-    ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 1}, True),
-    ((2, 16, 11, 9), (16, 16, 3, 3), {}, True),                  # 2 x 3 x 2 tiles
-    ((1, 64, 7, 7), (64, 64, 3, 3), {"padding": 1}, False),     # 4 tiles: too few
-    ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 1, "stride": 2}, False),
-    ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 2, "dilation": 2}, False),
-    ((1, 32, 14, 14), (32, 16, 3, 3), {"padding": 1, "groups": 2}, False),
-    ((1, 3, 64, 64), (32, 3, 3, 3), {"padding": 1}, False),      # too few input channels
-    ((1, 32, 14, 14), (8, 32, 3, 3), {"padding": 1}, False),     # too few outputs
-    ((1, 32, 5, 5), (32, 32, 3, 3), {}, False),                  # output under one tile
-    ((1, 32, 14, 14), (32, 32, 5, 5), {"padding": 2}, False),
+# served: the output tile of the Winograd kernel that serves the call (0: none), per call
+# and pre-packed alike unless ``packed_only``
+@pytest.mark.parametrize("x_shape, w_shape, kwargs, served, packed_only", [
+    ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 1}, 4, False),
+    ((2, 16, 11, 9), (16, 16, 3, 3), {}, 4, False),               # 2 x 3 x 2 tiles
+    ((1, 64, 7, 7), (64, 64, 3, 3), {"padding": 1}, 2, True),     # 4 tiles of 4x4, 16 of 2x2
+    ((1, 64, 5, 5), (64, 64, 3, 3), {"padding": 1}, 0, False),    # 9 tiles of 2x2: too few
+    ((1, 512, 7, 7), (512, 512, 3, 3), {"padding": 1}, 0, False),  # F(2x2) weights too large
+    ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 1, "stride": 2}, 0, False),
+    ((1, 32, 14, 14), (32, 32, 3, 3), {"padding": 2, "dilation": 2}, 0, False),
+    ((1, 32, 14, 14), (32, 16, 3, 3), {"padding": 1, "groups": 2}, 0, False),
+    ((1, 3, 64, 64), (32, 3, 3, 3), {"padding": 1}, 0, False),     # too few input channels
+    ((1, 32, 14, 14), (8, 32, 3, 3), {"padding": 1}, 0, False),    # too few outputs
+    ((1, 32, 5, 5), (32, 32, 3, 3), {}, 0, False),                 # output under one tile
+    ((1, 32, 14, 14), (32, 32, 5, 5), {"padding": 2}, 0, False),
 ])
-def test_which_calls_it_serves(x_shape, w_shape, kwargs, served):
+def test_which_calls_it_serves(x_shape, w_shape, kwargs, served, packed_only):
     for prepacked in (False, True):
-        kind = ttile.plan(x_shape, w_shape, prepacked=prepacked, **kwargs).kind
-        assert (kind is KernelKind.WINOGRAD) == served, (kind, prepacked)
+        plan = ttile.plan(x_shape, w_shape, prepacked=prepacked, **kwargs)
+        tile = served if prepacked or not packed_only else 0
+        assert (plan.kind is KernelKind.WINOGRAD) == bool(tile), (plan.kind, prepacked)
+        if tile:
+            assert f"F({tile}x{tile}, 3x3)" in plan.note, plan.note
+
+
+def test_a_layer_runs_f2_on_a_small_map_and_f4_on_a_larger_one():
+    """One Conv2d called at two input sizes keeps one set of transformed weights per
+    tile, and each call matches the float64 reference."""
+    rng = np.random.default_rng(8)
+    w = rng.uniform(-1, 1, (3, 3, 32, 48)).astype(np.float32)
+    layer = ttile.Conv2d(w, padding=1, layout="NHWC", threads=2)
+    for hw, tile in ((7, 2), (14, 4), (7, 2)):
+        x = rng.uniform(-1, 1, (1, hw, hw, 32)).astype(np.float32)
+        assert f"F({tile}x{tile}" in ttile.plan(x.shape, w.shape, padding=1, layout="NHWC",
+                                                prepacked=True).note
+        assert conv_mismatch(layer(x), x, w, (1, 1), (1, 1, 1, 1)) is None
+    assert sorted(key[2] for key in layer._packed) == [2, 4]
 
 
 def test_it_can_be_switched_off_and_serves_each_vector_family():

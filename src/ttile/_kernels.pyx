@@ -78,19 +78,19 @@ cdef extern from "ttile_runtime.h" nogil:
                                          const float *w, float *y, int nthreads,
                                          const ttile_epilogue *ep)
     int64_t ttile_winograd_panel_avx512(int64_t k)
-    int64_t ttile_winograd_weight_floats_avx512(int64_t c, int64_t k)
+    int64_t ttile_winograd_weight_floats_avx512(int64_t c, int64_t k, int tile)
     void ttile_winograd_weights_avx512(const float *w, int64_t c, int64_t k, int kcrs,
-                                       float *u, int nthreads)
+                                       float *u, int nthreads, int tile)
     int ttile_conv_winograd_avx512(const ttile_conv_shape *shape, const float *x,
                                    const float *u, float *y, int nthreads,
-                                   const ttile_epilogue *ep)
+                                   const ttile_epilogue *ep, int tile)
     int64_t ttile_winograd_panel_avx2(int64_t k)
-    int64_t ttile_winograd_weight_floats_avx2(int64_t c, int64_t k)
+    int64_t ttile_winograd_weight_floats_avx2(int64_t c, int64_t k, int tile)
     void ttile_winograd_weights_avx2(const float *w, int64_t c, int64_t k, int kcrs,
-                                     float *u, int nthreads)
+                                     float *u, int nthreads, int tile)
     int ttile_conv_winograd_avx2(const ttile_conv_shape *shape, const float *x,
                                  const float *u, float *y, int nthreads,
-                                 const ttile_epilogue *ep)
+                                 const ttile_epilogue *ep, int tile)
     double ttile_fma_peak_avx512(int64_t iterations)
     double ttile_read_seconds_avx512(const float *buffer, int64_t floats, int64_t reps)
     double ttile_fma_peak_avx2(int64_t iterations)
@@ -511,20 +511,27 @@ cdef int _check_avx512_arrays(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y) excep
     return 0
 
 
-cdef int64_t _winograd_weight_floats(int64_t c, int64_t k, int isa) nogil:
-    return ttile_winograd_weight_floats_avx2(c, k) if isa == _ISA_AVX2 \
-        else ttile_winograd_weight_floats_avx512(c, k)
+cdef int64_t _winograd_weight_floats(int64_t c, int64_t k, int isa, int tile) nogil:
+    return ttile_winograd_weight_floats_avx2(c, k, tile) if isa == _ISA_AVX2 \
+        else ttile_winograd_weight_floats_avx512(c, k, tile)
 
 
-def winograd_weight_floats(int64_t c, int64_t k, int isa=_ISA_AVX512F):
-    """Floats of the Winograd F(4x4, 3x3) kernel's transformed weights for c input and
-    k output channels (36 panels of c x P per ``winograd_panel(k, isa)`` outputs), for
-    the kernel of ``isa`` (ISA_AVX512F or ISA_AVX2: their panels differ)."""
+cdef _check_winograd_tile(int tile):
+    if tile != 2 and tile != 4:
+        raise ValueError(f"the Winograd output tile is 2 or 4, got {tile}")
+
+
+def winograd_weight_floats(int64_t c, int64_t k, int isa=_ISA_AVX512F, int tile=4):
+    """Floats of the Winograd F(tile x tile, 3x3) kernel's transformed weights for c input
+    and k output channels ((tile + 2)^2 panels of c x P per ``winograd_panel(k, isa)``
+    outputs: 36 for F(4x4), 16 for F(2x2)), for the kernel of ``isa`` (ISA_AVX512F or
+    ISA_AVX2: their panels differ)."""
     if c < 1 or k < 1:
         raise ValueError("channel counts must be >= 1")
     if isa != ISA_AVX512F and isa != ISA_AVX2:
         raise ValueError(f"no Winograd kernel for isa {isa}")
-    return _winograd_weight_floats(c, k, isa)
+    _check_winograd_tile(tile)
+    return _winograd_weight_floats(c, k, isa, tile)
 
 
 def winograd_panel(int64_t k, int isa=_ISA_AVX512F):
@@ -539,10 +546,10 @@ def winograd_panel(int64_t k, int isa=_ISA_AVX512F):
 
 
 def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None,
-                     int isa=_ISA_AVX512F):
+                     int isa=_ISA_AVX512F, int tile=4):
     """3x3 weights, RSCK (3, 3, C, K) or (``kcrs``) torch's (K, C, 3, 3), transformed for
-    the Winograd F(4x4, 3x3) kernel of ``isa``: U = G g G^T per (c, k), in the 1-D layout
-    ``conv2d_winograd`` of the same ``isa`` reads (into ``out`` when given, of
+    the Winograd F(tile x tile, 3x3) kernel of ``isa``: U = G g G^T per (c, k), in the 1-D
+    layout ``conv2d_winograd`` of the same ``isa`` and ``tile`` reads (into ``out`` when given, of
     ``winograd_weight_floats`` floats; else into a new array on a 64-byte line, so that
     no vector load of the products spans two lines)."""
     _require_isa(isa)
@@ -559,7 +566,8 @@ def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None,
             raise ValueError(f"RSCK weights must be (3, 3, C, K), got {(<object>w).shape}")
     if nthreads < 1:
         raise ValueError("nthreads must be >= 1")
-    cdef int64_t floats = _winograd_weight_floats(c, k, isa)
+    _check_winograd_tile(tile)
+    cdef int64_t floats = _winograd_weight_floats(c, k, isa, tile)
     if out is None:
         out = empty_aligned((floats,))
     cdef cnp.ndarray u = out
@@ -570,19 +578,20 @@ def winograd_weights(cnp.ndarray w, bint kcrs, int nthreads, out=None,
     cdef float *up = <float *>cnp.PyArray_DATA(u)
     with nogil:
         if isa == _ISA_AVX2:
-            ttile_winograd_weights_avx2(wp, c, k, kcrs, up, nthreads)
+            ttile_winograd_weights_avx2(wp, c, k, kcrs, up, nthreads, tile)
         else:
-            ttile_winograd_weights_avx512(wp, c, k, kcrs, up, nthreads)
+            ttile_winograd_weights_avx512(wp, c, k, kcrs, up, nthreads, tile)
     return out
 
 
 def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top,
                     int64_t pad_left, int nthreads, *, bias=None, residual=None,
-                    int activation=0, float slope=0.01, int isa=_ISA_AVX512F):
-    """The Winograd F(4x4, 3x3) kernel of ``isa`` (ISA_AVX512F or ISA_AVX2): x (N,H,W,C),
-    weights transformed by ``winograd_weights`` for the same ``isa``, y (N,Ho,Wo,K); 3x3,
-    stride 1, no dilation, one group."""
+                    int activation=0, float slope=0.01, int isa=_ISA_AVX512F, int tile=4):
+    """The Winograd F(tile x tile, 3x3) kernel of ``isa`` (ISA_AVX512F or ISA_AVX2):
+    x (N,H,W,C), weights transformed by ``winograd_weights`` for the same ``isa`` and
+    ``tile`` (4 or 2), y (N,Ho,Wo,K); 3x3, stride 1, no dilation, one group."""
     _require_isa(isa)
+    _check_winograd_tile(tile)
     _check_f32_c4(x, "x")
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
@@ -590,7 +599,7 @@ def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top
             or cnp.PyArray_NDIM(u) != 1:
         raise ValueError("u must be a contiguous 1-D float32 array")
     cdef int64_t k = ys[3]
-    if k < 1 or cnp.PyArray_SIZE(u) != _winograd_weight_floats(xs[3], k, isa):
+    if k < 1 or cnp.PyArray_SIZE(u) != _winograd_weight_floats(xs[3], k, isa, tile):
         raise ValueError(f"u does not hold the transformed weights of {xs[3]} -> {k} "
                          f"channels")
     cdef ttile_conv_shape shape
@@ -604,9 +613,9 @@ def conv2d_winograd(cnp.ndarray x, cnp.ndarray u, cnp.ndarray y, int64_t pad_top
     cdef int status
     with nogil:
         if isa == _ISA_AVX2:
-            status = ttile_conv_winograd_avx2(&shape, xp, up, yp, nthreads, ep)
+            status = ttile_conv_winograd_avx2(&shape, xp, up, yp, nthreads, ep, tile)
         else:
-            status = ttile_conv_winograd_avx512(&shape, xp, up, yp, nthreads, ep)
+            status = ttile_conv_winograd_avx512(&shape, xp, up, yp, nthreads, ep, tile)
     if status != 0:
         raise MemoryError("the Winograd kernel could not allocate its scratch buffers")
 

@@ -152,7 +152,7 @@ class Conv2d:
         return self._w_shape
 
     def _weights_for(self, plan, choice) -> np.ndarray:
-        key = (choice.kind, choice.panel)
+        key = (choice.kind, choice.panel, choice.tile)
         packed = self._packed.get(key)
         if packed is not None:
             return packed
@@ -160,7 +160,7 @@ class Conv2d:
             packed = self._packed.get(key)
             if packed is None:
                 packed = (winograd.transformed(self._rsck, "NHWC", thread_count(None),
-                                               choice.isa)
+                                               choice.isa, tile=choice.tile)
                           if choice.kind is KernelKind.WINOGRAD
                           else family_weights(self._rsck, self.layout, plan, choice))
                 if packed is None:  # dense: RSCK, or panels of the kernel's width

@@ -57,6 +57,7 @@ class KernelChoice:
     address_nchw: int = 0               # a JIT kernel's NCHW-output entry point (0: none)
     nchw: bool = False                  # the kernel can store an NCHW output itself
     degraded: str = ""                  # what was lost on the way here ("" : nothing)
+    tile: int = 0                       # the Winograd kernel's output tile, 4 or 2 (0: other kinds)
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.
     if kind is KernelKind.WINOGRAD:
         return lambda x, y, residual: _kernels.conv2d_winograd(
             x, weights, y, pad_top, pad_left, nthreads, bias=bias, residual=residual,
-            activation=activation, slope=slope, isa=isa)
+            activation=activation, slope=slope, isa=isa, tile=choice.tile)
     if kind is KernelKind.DEPTHWISE:
         return lambda x, y, residual: _kernels.conv2d_depthwise(
             x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads, dil_h=dil_h,

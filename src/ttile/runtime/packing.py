@@ -65,7 +65,7 @@ def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
     spec, panel = plan.spec, choice.panel
     if choice.kind is KernelKind.WINOGRAD:
         return winograd.transformed(w, plan.layout, nthreads, choice.isa,
-                                    reuse_buffer=True)
+                                    reuse_buffer=True, tile=choice.tile)
     if choice.kind is KernelKind.GENERIC and panel:
         return w  # RSCK or KCRS: the kernel's threads pack what they use
     if plan.layout == "NCHW":
@@ -109,7 +109,8 @@ def call_weights(w: np.ndarray, callers: bool, plan: CallPlan,
                 # panels are RSCK's rows cut up, compared with w as they are; the
                 # transformed and the KCRS-packed weights keep a copy to compare with
                 packed = weight_cache.CACHE.packed(
-                    w, (plan.layout, packed_kind, packed_selection.choice.panel), pack,
+                    w, (plan.layout, packed_kind, packed_selection.choice.panel,
+                        packed_selection.choice.tile), pack,
                     nthreads, rsck=plan.layout == "NHWC"
                     and packed_kind is not KernelKind.WINOGRAD, isa=layout_isa())
                 if packed is not None:
@@ -129,7 +130,8 @@ def panel_packer(plan: CallPlan, choice: dispatch.KernelChoice,
     weights as they are)."""
     panel = choice.panel
     if choice.kind is KernelKind.WINOGRAD:
-        return lambda w: winograd.transformed(w, plan.layout, nthreads, choice.isa)
+        return lambda w: winograd.transformed(w, plan.layout, nthreads, choice.isa,
+                                              tile=choice.tile)
     if panel == 0 or choice.kind is KernelKind.POINTWISE or not choice.isa.vector:
         return None
     if plan.layout == "NHWC":

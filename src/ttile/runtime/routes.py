@@ -161,8 +161,13 @@ def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
     serves, or of an NCHW 1x1 call (None for any other dense call: dispatch decides)."""
     if plan.family is Family.DENSE:
         spec = plan.spec
-        if with_winograd and winograd.serves(spec, isa):
-            # 4x fewer multiplications than any direct kernel (see runtime/winograd.py)
+        if with_winograd and winograd.serves(spec, isa) and not (
+                per_call and winograd.tile_for(spec) == 2):
+            # 4x (F(4x4)) or 2.25x (F(2x2)) fewer multiplications than any direct kernel
+            # (see runtime/winograd.py). F(2x2) serves the small maps with many
+            # channels, whose weights a per-call call would check against its copy
+            # (9.4 MB for 7x7 512->512) and read transformed (16.8 MB) where the direct
+            # kernel reads them once: it serves layers that keep their weights packed
             return winograd.choice(spec, isa)
         if plan.layout == "NCHW" and isa is Isa.AVX512F and spec.r == spec.s == 1 \
                 and spec.pad_top == spec.pad_bottom == spec.pad_left == spec.pad_right == 0 \

@@ -45,6 +45,7 @@ from typing import Callable, Hashable, Optional
 import numpy as np
 
 from .. import _kernels
+from .scratch import aligned_copy
 
 #: Weights smaller than this are packed per call: it takes microseconds.
 MIN_BYTES = 128 << 10
@@ -123,7 +124,7 @@ class WeightCache:
         self.misses += 1
         # packed from the copy, the two agree whatever w does meanwhile; without one,
         # the next call compares w with what the panels hold, whatever that is
-        source = None if rsck else w.copy()
+        source = None if rsck else aligned_copy(w)
         packed = pack(w if source is None else source)
         packed.flags.writeable = False
         if source is not None:
