@@ -23,8 +23,9 @@ class KernelKind(str, Enum):
     #: the NCHW 1x1 kernel (stride 1, no padding, one group: a matrix product per image
     #: in torch's layout)
     POINTWISE = "pointwise"
-    #: the Winograd F(4x4, 3x3) kernel (3x3, stride 1, one group: 4x fewer
-    #: multiplications than the direct kernels, on weights transformed once)
+    #: the Winograd F(4x4, 3x3) kernel, or F(2x2, 3x3) on small maps (3x3, stride 1, one
+    #: group: 4x or 2.25x fewer multiplications than the direct kernels, on weights
+    #: transformed once)
     WINOGRAD = "winograd"
 
     def __str__(self) -> str:

@@ -48,9 +48,10 @@ def use_tuned_kernels(enabled: bool) -> bool:
 
 
 def use_winograd(enabled: bool) -> bool:
-    """Let the Winograd F(4x4, 3x3) kernel serve the 3x3 stride-1 layers it wins on
-    (default; $TTILE_WINOGRAD=0 turns it off at import), or serve them with the direct
-    kernels only, whose rounding is the plain sum's; returns the previous setting."""
+    """Let the Winograd kernels (F(4x4, 3x3), F(2x2, 3x3) on small maps) serve the 3x3
+    stride-1 layers they win on (default; $TTILE_WINOGRAD=0 turns them off at import), or
+    serve those with the direct kernels only, whose rounding is the plain sum's; returns
+    the previous setting."""
     global _use_winograd
     previous, _use_winograd = _use_winograd, bool(enabled)
     invalidate_choices()
