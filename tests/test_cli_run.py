@@ -55,14 +55,23 @@ def test_run_times_the_installed_peers_beside_ttile(capsys):
 
 
 def test_a_new_cpus_search_is_quick_unless_asked_for_the_full_one():
-    """--search auto is the quick search on a CPU whose microkernel table is step 1's quick
-    one (a new CPU), the full search otherwise; quick measures fewer of each layer's
-    candidates on fewer classes, and an explicit --search wins."""
+    """--search auto is the quick search on a new CPU (its microkernel table step 1's quick
+    one, or borrowed from another VM of the same microarchitecture), the full search
+    otherwise; quick measures fewer of each layer's candidates on fewer classes, and an
+    explicit --search wins."""
     import argparse
     from types import SimpleNamespace
     from ttile.cli import EFFORTS, SearchDepth, _search_depth
-    quick_table, full_table = SimpleNamespace(quick=True), SimpleNamespace(quick=False)
+    here = SimpleNamespace(id="genuineintel-6-167-65bde4ef")
+    quick_table = SimpleNamespace(quick=True, cpu=here)
+    full_table = SimpleNamespace(quick=False, cpu=here)
+    borrowed = SimpleNamespace(quick=False, cpu=SimpleNamespace(id="genuineintel-6-167-513608a3"))
     auto = argparse.Namespace(search="auto")
+    assert _search_depth(auto, quick_table, here.id) is SearchDepth.QUICK
+    assert _search_depth(auto, full_table, here.id) is SearchDepth.FULL
+    assert _search_depth(auto, borrowed, here.id) is SearchDepth.QUICK
+    assert _search_depth(argparse.Namespace(search="full"), borrowed, here.id) \
+        is SearchDepth.FULL
     assert _search_depth(auto, quick_table) is SearchDepth.QUICK
     assert _search_depth(auto, full_table) is SearchDepth.FULL
     assert _search_depth(auto, None) is SearchDepth.FULL     # from records: nothing measured
