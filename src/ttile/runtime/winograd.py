@@ -50,11 +50,13 @@ MIN_OUTPUTS = 16
 #: where the generic kernel reads 9.4 MB once; with 16 tiles (ResNet18-9) it won 1.4-1.8x.
 MIN_TILES = 9
 #: Fewest 2x2 output tiles for F(2x2, 3x3), which serves the maps of fewer than
-#: MIN_TILES 4x4 tiles: its weights are 16/9 of the layer's, not 4x. Xeon model 167, µs
-#: at 1 thread (2), warm / after a cache flush, against the generic kernel: 7x7 256->256
-#: 326 / 372 against 369 / 457 (173 / 387 against 240 / 493); 10x10 128->128 99 / 199
-#: against 163 / 261; 7x7 128->128 69 / 161 against 85 / 251. Where F(4x4) serves it
-#: stays: on 14x14 256->256 (16 4x4 tiles) F(2x2) took 800-820 against 737-756.
+#: MIN_TILES 4x4 tiles (one 7x7 or 8x8 image: 4 tiles of 4x4, 16 of 2x2): its weights
+#: are 16/9 of the layer's, not 4x. Xeon model 167, µs at 1 thread (2), warm / after a
+#: cache flush, against the generic kernel: 7x7 256->256 326 / 372 against 369 / 457
+#: (173 / 387 against 240 / 493); 7x7 128->128 69 / 161 against 85 / 251. Where F(4x4)
+#: serves it stays: on 14x14 256->256 (16 4x4 tiles) F(2x2) took 800-820 against
+#: 737-756; on 10x10 128->128 (9) 99 / 199 against 129 / 204, one layer, not enough to
+#: move the line.
 F2_MIN_TILES = 16
 #: The largest transformed weights F(2x2, 3x3) serves with. ResNet-50's 7x7 512->512
 #: (16.8 MB transformed, 9.4 MB as they are) ran 1.2-1.3x faster than the generic kernel
