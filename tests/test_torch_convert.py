@@ -313,6 +313,42 @@ def test_consecutive_layers_run_as_one_sequence_and_match_torch(model):
             assert rel_error(got, expected) < 1e-5, memory_format
 
 
+def test_a_sequence_runs_every_layer_on_its_whole_team():
+    """A layer too small for the threads asked runs on fewer when called by itself, but
+    in a sequence on all of them: one OpenMP team from layer to layer, not one that
+    shrinks and grows again (and the sums are the same either way)."""
+    if len(ttile.runtime.arguments.process_cpus()) < 2:
+        pytest.skip("needs two CPUs")
+    net = small_net()
+    converted = tt.convert(net)
+    x = torch.randn(1, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            got = converted(x)
+            got_again = converted(x)
+            expected = net(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, got_again) and rel_error(got, expected) < 1e-5
+    in_sequence = [module for name, module in tt.served_layers(converted)
+                   if any(isinstance(m, tt.TTileSequence) and module in m.modules()
+                          for m in converted.modules())]
+    assert in_sequence
+    for module in in_sequence:
+        layer = module._packed.layer("NHWC")
+        teams = {key: bound.nthreads for key, bound in layer._bound.items() if key[3]}
+        assert teams and set(teams.values()) == {2}, teams
+        # called by itself, the same layer fits its threads to its work: one here
+        shape = next(iter(teams))[0]
+        alone = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        layer(alone, 2)
+        fitted = {key: bound.nthreads for key, bound in layer._bound.items()
+                  if key[0] == shape and not key[3]}
+        assert fitted == {(shape, 2, True, False): 1}
+
+
 def test_a_sequence_with_hooked_layers_calls_them_one_by_one():
     """Hooks on a layer inside a sequence see its calls (the fast path steps aside), and
     the result is the same either way."""

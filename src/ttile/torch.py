@@ -319,8 +319,10 @@ class TTileConv2d(nn.Module):
     def run_nhwc(self, x: np.ndarray, residual: Optional[np.ndarray], threads: int
                  ) -> np.ndarray:
         """The layer on an NHWC float32 array, for :class:`TTileSequence` (which has made
-        the checks ``forward`` makes on tensors)."""
-        return self._packed.layer("NHWC")(x, self.threads or threads, residual=residual)
+        the checks ``forward`` makes on tensors): on all ``threads``, the sequence's one
+        team (``Conv2d``'s ``whole_team``)."""
+        return self._packed.layer("NHWC")(x, self.threads or threads, residual=residual,
+                                          whole_team=True)
 
     def extra_repr(self) -> str:
         k, cg, r, s = self.weight.shape
