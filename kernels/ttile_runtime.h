@@ -170,6 +170,14 @@ void ttile_pack_panel_rows(const float *w, int64_t k, int64_t panel, int64_t p, 
 
 /* 1 when the nbytes at a and b are equal, else 0 (parallel memcmp; pack_weights.c). */
 int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads);
+/* Max pooling (kh x kw window, stride, top/left padding <= half the window; the output
+ * ho x wo given) and global average pooling (over hw pixels) of NHWC arrays
+ * (pool_nhwc.c). */
+void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
+                        int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                        int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads);
+void ttile_global_avgpool_nhwc(const float *x, float *y, int64_t n, int64_t hw,
+                               int64_t c, int nthreads);
 /* 1 when RSCK weights hold bit for bit what their panels packed by ttile_pack_weights
  * hold, else 0 (parallel, reading only; isa as for the layout conversions below;
  * pack_weights.c). */

@@ -349,6 +349,52 @@ def test_a_sequence_runs_every_layer_on_its_whole_team():
         assert fitted == {(shape, 2, True, False): 1}
 
 
+class Pooled(nn.Module):
+    """Convolutions around a max pooling and a global average pooling, as in a ResNet,
+    and two poolings ttile leaves to torch (ceil mode, dilation)."""
+
+    def __init__(self, served: bool = True):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 2, 1)
+        self.pool = (nn.MaxPool2d(3, 2, 1) if served
+                     else nn.MaxPool2d(3, 2, 1, ceil_mode=True))
+        self.c1 = nn.Conv2d(16, 24, 3, padding=1)
+        self.c2 = nn.Conv2d(24, 32, 1)
+        self.other = nn.MaxPool2d(2, dilation=2 if not served else 1)
+        self.c3 = nn.Conv2d(32, 32, 1)
+        self.gap = nn.AdaptiveAvgPool2d(1 if served else 2)
+        self.fc = nn.Linear(32 if served else 128, 10)
+
+    def forward(self, x):
+        x = self.c2(torch.relu(self.c1(self.pool(torch.relu(self.stem(x))))))
+        return self.fc(torch.flatten(self.gap(self.c3(self.other(x))), 1))
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_a_sequence_runs_through_the_poolings_it_serves(served):
+    net = Pooled(served).eval()
+    converted = tt.convert(net)
+    pools = [m for m in converted.modules() if isinstance(m, tt.TTilePool2d)]
+    sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+    if served:   # stem, max pooling, c1, c2, max pooling, c3, average: one sequence
+        assert sorted(p.kind.value for p in pools) == ["global average", "max", "max"]
+        assert [len(s.steps) for s in sequences] == [7]
+    else:        # ceil mode, dilation and a 2x2 output stay torch's and cut the run
+        assert pools == [] and [len(s.steps) for s in sequences] == [2]
+    x = torch.randn(2, 3, 29, 27, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.no_grad():
+                expected = net(x)
+                for memory_format in (torch.channels_last, torch.contiguous_format):
+                    got = converted(x.contiguous(memory_format=memory_format))
+                    assert rel_error(got, expected) < 1e-5, (count, memory_format)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_sequence_with_hooked_layers_calls_them_one_by_one():
     """Hooks on a layer inside a sequence see its calls (the fast path steps aside), and
     the result is the same either way."""

@@ -98,6 +98,11 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_pack_weights(const float *w, int64_t rsc, int64_t k, int64_t panel, float *out,
                             int nthreads)
     int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
+    void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
+                            int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                            int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads)
+    void ttile_global_avgpool_nhwc(const float *x, float *y, int64_t n, int64_t hw,
+                                   int64_t c, int nthreads)
     int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
                              const void *packed, int nthreads, int isa)
     void ttile_nchw_to_nhwc(const float *src, float *dst, int64_t n, int64_t c, int64_t hw,
@@ -1016,6 +1021,50 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1, out=None):
     with nogil:
         ttile_pack_weights(src, rsc, k, panel, dst, nthreads)
     return result
+
+
+def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                 int64_t ph, int64_t pw, int nthreads=1):
+    """``torch.nn.functional.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw))`` of an NHWC
+    float32 array (no dilation, floor rounding), into a new NHWC array on a cache line;
+    a NaN in a window is its maximum, as in torch."""
+    _check_f32_c4(x, "x")
+    if kh < 1 or kw < 1 or sh < 1 or sw < 1 or nthreads < 1:
+        raise ValueError("kernel, stride and nthreads must be >= 1")
+    if ph < 0 or pw < 0 or 2 * ph > kh or 2 * pw > kw:
+        raise ValueError(f"padding ({ph}, {pw}) must be >= 0 and at most half the kernel "
+                         f"({kh}, {kw})")
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef int64_t ho = (xs[1] + 2 * ph - kh) // sh + 1
+    cdef int64_t wo = (xs[2] + 2 * pw - kw) // sw + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"a {kh}x{kw} window does not fit a {xs[1]}x{xs[2]} input "
+                         f"padded by ({ph}, {pw})")
+    cdef cnp.ndarray y = empty_aligned((xs[0], ho, wo, xs[3]))
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    cdef int64_t n = xs[0], h = xs[1], w = xs[2], c = xs[3]
+    with nogil:
+        ttile_maxpool_nhwc(xp, yp, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo, nthreads)
+    return y
+
+
+def global_avgpool_nhwc(cnp.ndarray x, int nthreads=1):
+    """The mean of each image's pixels, channel by channel, of an NHWC float32 array:
+    a new (N, 1, 1, C) array on a cache line (``adaptive_avg_pool2d(x, 1)``)."""
+    _check_f32_c4(x, "x")
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    cdef int64_t n = xs[0], hw = xs[1] * xs[2], c = xs[3]
+    if hw == 0:
+        raise ValueError(f"no pixels to average in an input of shape {(<object>x).shape}")
+    cdef cnp.ndarray y = empty_aligned((n, 1, 1, c))
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    with nogil:
+        ttile_global_avgpool_nhwc(xp, yp, n, hw, c, nthreads)
+    return y
 
 
 def same_bytes(cnp.ndarray a, cnp.ndarray b, int nthreads=1) -> bool:

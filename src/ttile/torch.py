@@ -49,6 +49,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Optional
 
 import numpy as np
@@ -57,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module   # torch's global module hooks
 
+from . import _kernels
 from .core.kinds import Activation
 from .runtime.conv_layer import Conv2d
 from .runtime.api import plan as _ttile_plan
@@ -65,8 +67,8 @@ from .runtime.epilogue import describe as _describe_epilogue
 from .runtime.inverted_residual import (BlockPlan, BlockVerdict, InvertedResidual,
                                         modelled_verdict)
 
-__all__ = ["convert", "TTileConv2d", "TTileInvertedResidual", "TTileSequence", "served_layers",
-           "repack"]
+__all__ = ["convert", "TTileConv2d", "TTileInvertedResidual", "TTilePool2d", "TTileSequence",
+           "PoolKind", "served_layers", "repack"]
 
 # layer id -> the packed state of one live TTileConv2d. The custom operator takes tensors
 # and plain values only, so it reaches the packed weights through this id; the module
@@ -490,13 +492,78 @@ class TTileInvertedResidual(nn.Module):
         return self._layers(x)
 
 
+class PoolKind(str, Enum):
+    """The poolings :class:`TTilePool2d` serves."""
+
+    MAX = "max"
+    GLOBAL_AVERAGE = "global average"
+
+
+class TTilePool2d(nn.Module):
+    """A max pooling (``nn.MaxPool2d`` without dilation, ceil mode or indices) or global
+    average pooling (``nn.AdaptiveAvgPool2d(1)``) that a :class:`TTileSequence` runs on
+    its NHWC arrays with ttile's own kernel (``kernels/pool_nhwc.c``), so that a network's
+    sequence of layers goes on through its pooling instead of stopping for a torch call:
+    ResNet-50's MaxPool2d took 0.74 ms in torch inside the network at 1 thread, its input
+    fresh from the stem convolution (a Xeon model 167), and split the network in two.
+    Called as a module (outside a sequence, on tensors), it is the torch operation."""
+
+    def __init__(self, source: nn.Module):
+        super().__init__()
+        if isinstance(source, nn.MaxPool2d):
+            self.kind = PoolKind.MAX
+            self.kernel_size = _pair(source.kernel_size)
+            self.stride = _pair(source.stride if source.stride is not None
+                                else source.kernel_size)
+            self.padding = _pair(source.padding)
+        else:
+            self.kind = PoolKind.GLOBAL_AVERAGE
+            self.kernel_size = self.stride = self.padding = (1, 1)
+        self.eval()
+
+    @staticmethod
+    def serves(module: nn.Module) -> bool:
+        """Whether ``module`` is a pooling this class serves."""
+        if type(module) is nn.MaxPool2d:
+            kernel, padding = _pair(module.kernel_size), _pair(module.padding)
+            return (_pair(module.dilation) == (1, 1) and not module.ceil_mode
+                    and not module.return_indices
+                    and all(2 * p <= k for p, k in zip(padding, kernel)))
+        if type(module) is nn.AdaptiveAvgPool2d:
+            return module.output_size in (1, (1, 1))
+        return False
+
+    def run_nhwc(self, x: np.ndarray, threads: int) -> np.ndarray:
+        """The pooling of an NHWC float32 array, for :class:`TTileSequence`."""
+        if self.kind is PoolKind.MAX:
+            (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+            return _kernels.maxpool_nhwc(x, kh, kw, sh, sw, ph, pw, threads)
+        return _kernels.global_avgpool_nhwc(x, threads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is PoolKind.MAX:
+            return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+        return F.adaptive_avg_pool2d(x, 1)
+
+    def extra_repr(self) -> str:
+        if self.kind is PoolKind.MAX:
+            return (f"max, kernel_size={self.kernel_size}, stride={self.stride}, "
+                    f"padding={self.padding}")
+        return "global average"
+
+
+def _pair(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 class TTileSequence(nn.Module):
-    """Consecutive ttile layers and blocks of a traced model in one call: between them the
-    activations stay NHWC numpy arrays, and no torch operation runs.
+    """Consecutive ttile layers, blocks and poolings (:class:`TTilePool2d`) of a traced
+    model in one call: between them the activations stay NHWC numpy arrays, and no torch
+    operation runs.
 
     Why: a torch operation right after a kernel meets caches the kernel has filled with
     its own data, and costs 15-20 us where it costs 1-2 warm (a Xeon model 167: the
@@ -806,8 +873,24 @@ def _fuse_inverted_residuals(gm: torch.fx.GraphModule) -> int:
 
 def _is_unit(node, modules) -> bool:
     return (node.op == "call_module" and not node.kwargs
-            and isinstance(modules.get(node.target), (TTileConv2d, TTileInvertedResidual))
+            and isinstance(modules.get(node.target),
+                           (TTileConv2d, TTileInvertedResidual, TTilePool2d))
             and all(isinstance(a, torch.fx.Node) for a in node.args))
+
+
+def _serve_pooling(gm: torch.fx.GraphModule) -> int:
+    """Replaces each pooling module ttile serves (:meth:`TTilePool2d.serves`) by a
+    :class:`TTilePool2d`, so that a sequence can run through it; returns how many."""
+    modules = dict(gm.named_modules())
+    count = 0
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_module" and not node.kwargs and len(node.args) == 1
+                and TTilePool2d.serves(modules.get(node.target))):
+            _replace_chain(gm, [node], TTilePool2d(modules[node.target]),
+                           "ttile_pool_" + node.target.replace(".", "_"), node.args)
+            count += 1
+    _tidy(gm)
+    return count
 
 
 def _sequence_segments(run: list) -> list:
@@ -827,8 +910,8 @@ def _sequence_segments(run: list) -> list:
 
 
 def _group_sequences(gm: torch.fx.GraphModule) -> int:
-    """Replaces each run of two or more consecutive ttile units (layers and blocks) by
-    one :class:`TTileSequence`; returns how many."""
+    """Replaces each run of two or more consecutive ttile units (layers, blocks and
+    poolings) by one :class:`TTileSequence`; returns how many."""
     modules = dict(gm.named_modules())
     graph = gm.graph
     runs, current = [], []
@@ -913,8 +996,9 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             swaps modules only.
         fuse_blocks: serve inverted residual blocks (1x1 -> 3x3 depthwise -> 1x1) as one
             :class:`TTileInvertedResidual` each (traced models only).
-        sequences: run each run of consecutive ttile layers and blocks as one
-            :class:`TTileSequence` (traced models only), NHWC arrays between them.
+        sequences: run each run of consecutive ttile layers, blocks and poolings as
+            one :class:`TTileSequence` (traced models only), NHWC arrays between them
+            (max and global average poolings become :class:`TTilePool2d` for that).
         progress: show the progress bar and the table (with ``example_input``).
     """
     if not isinstance(model, nn.Module):
@@ -945,6 +1029,7 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             if fuse_blocks:
                 _fuse_inverted_residuals(gm)
             if sequences:
+                _serve_pooling(gm)
                 _group_sequences(gm)
             converted = gm.eval()
     if converted is None:

@@ -1,0 +1,60 @@
+"""The NHWC pooling kernels a converted network's sequence runs (kernels/pool_nhwc.c)
+against torch's max_pool2d and adaptive_avg_pool2d, and their refusals."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from ttile import _kernels  # noqa: E402
+
+MAX_CASES = [  # (n, h, w, c), kernel, stride, padding
+    ((1, 112, 112, 64), (3, 3), (2, 2), (1, 1)),    # ResNet's stem pooling
+    ((2, 9, 7, 5), (3, 3), (2, 2), (1, 1)),         # odd sizes, a channel tail, a batch
+    ((1, 8, 8, 16), (2, 2), (2, 2), (0, 0)),
+    ((1, 5, 6, 3), (3, 2), (1, 2), (1, 1)),         # unequal kernel and stride
+    ((3, 4, 4, 33), (4, 4), (1, 1), (2, 2)),        # padding of half the window
+]
+
+
+def nhwc(tensor):
+    return tensor.permute(0, 2, 3, 1).numpy()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, kernel, stride, padding", MAX_CASES)
+def test_max_pooling_is_torchs(shape, kernel, stride, padding, threads):
+    x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+    x[0, 0, 0, 0] = np.nan   # a NaN in a window is that window's maximum, as in torch
+    x[-1, -1, -1, -1] = -np.inf
+    got = _kernels.maxpool_nhwc(x, *kernel, *stride, *padding, threads)
+    expected = nhwc(F.max_pool2d(torch.from_numpy(x).permute(0, 3, 1, 2), kernel, stride,
+                                 padding))
+    assert got.shape == expected.shape
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert got.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 7, 7, 2048), (3, 5, 4, 300), (2, 1, 1, 7),
+                                   (1, 13, 11, 257)])
+def test_global_average_pooling_is_torchs(shape, threads):
+    x = np.random.default_rng(2).standard_normal(shape, dtype=np.float32)
+    got = _kernels.global_avgpool_nhwc(x, threads)
+    expected = nhwc(F.adaptive_avg_pool2d(torch.from_numpy(x).permute(0, 3, 1, 2), 1))
+    assert got.shape == expected.shape == (shape[0], 1, 1, shape[3])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_poolings_refuse_what_they_cannot_compute():
+    x = np.zeros((1, 4, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="at most half"):
+        _kernels.maxpool_nhwc(x, 3, 3, 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        _kernels.maxpool_nhwc(x, 5, 5, 1, 1, 0, 0)
+    with pytest.raises(ValueError, match=">= 1"):
+        _kernels.maxpool_nhwc(x, 3, 3, 0, 1, 1, 1)
+    with pytest.raises(TypeError, match="float32"):
+        _kernels.global_avgpool_nhwc(x.astype(np.float64))
+    with pytest.raises(ValueError, match="no pixels"):
+        _kernels.global_avgpool_nhwc(np.zeros((1, 0, 3, 4), np.float32))
