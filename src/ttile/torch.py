@@ -60,6 +60,7 @@ from torch.nn.modules import module as _torch_module   # torch's global module h
 
 from . import _kernels
 from .core.kinds import Activation
+from .runtime.arguments import as_pair
 from .runtime.conv_layer import Conv2d
 from .runtime.api import plan as _ttile_plan
 from .runtime import dispatch as _dispatch
@@ -512,10 +513,10 @@ class TTilePool2d(nn.Module):
         super().__init__()
         if isinstance(source, nn.MaxPool2d):
             self.kind = PoolKind.MAX
-            self.kernel_size = _pair(source.kernel_size)
-            self.stride = _pair(source.stride if source.stride is not None
-                                else source.kernel_size)
-            self.padding = _pair(source.padding)
+            self.kernel_size = as_pair(source.kernel_size, "kernel_size", 1)
+            self.stride = as_pair(source.stride if source.stride is not None
+                                  else source.kernel_size, "stride", 1)
+            self.padding = as_pair(source.padding, "padding", 0)
         else:
             self.kind = PoolKind.GLOBAL_AVERAGE
             self.kernel_size = self.stride = self.padding = (1, 1)
@@ -525,8 +526,9 @@ class TTilePool2d(nn.Module):
     def serves(module: nn.Module) -> bool:
         """Whether ``module`` is a pooling this class serves."""
         if type(module) is nn.MaxPool2d:
-            kernel, padding = _pair(module.kernel_size), _pair(module.padding)
-            return (_pair(module.dilation) == (1, 1) and not module.ceil_mode
+            kernel = as_pair(module.kernel_size, "kernel_size", 1)
+            padding = as_pair(module.padding, "padding", 0)
+            return (as_pair(module.dilation, "dilation", 1) == (1, 1) and not module.ceil_mode
                     and not module.return_indices
                     and all(2 * p <= k for p, k in zip(padding, kernel)))
         if type(module) is nn.AdaptiveAvgPool2d:
@@ -550,10 +552,6 @@ class TTilePool2d(nn.Module):
             return (f"max, kernel_size={self.kernel_size}, stride={self.stride}, "
                     f"padding={self.padding}")
         return "global average"
-
-
-def _pair(value) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def _hooked(module: nn.Module) -> bool:
