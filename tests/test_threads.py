@@ -120,3 +120,43 @@ def test_the_default_thread_count_follows_an_affinity_narrowed_before_start(bind
     assert _default_threads_in_child(cpus[-1:], **binding)[0] == 1
     if len(cpus) >= 2:
         assert _default_threads_in_child(cpus[:2], **binding)[0] == 2
+
+
+@pytest.mark.skipif(not ttile.has_avx512f(), reason="AVX-512F generic kernel")
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("shape", [(1, 14, 14, 40, 200, 1), (2, 9, 11, 24, 70, 3)],
+                         ids=["pointwise", "3x3"])
+def test_the_generic_kernel_splits_rows_when_all_its_panels_fit_in_l2(shape, threads):
+    """Small weights cut into several panel groups (a 8 KB cache blocking): the threads
+    take whole rows, each row's groups together, instead of whole groups. Each block sums
+    in the same order either way, so every thread count matches one thread exactly, and
+    one thread matches the float64 reference."""
+    from ttile import _kernels
+    if _kernels.cpu_l2_bytes() < (256 << 10):   # the row split needs the panels in 5/8 of it
+        pytest.skip("the L2 size is unknown or too small for the row split")
+    n, h, w_, c, k, r = shape
+    rng = np.random.default_rng(threads * 10 + r)
+    x = rng.uniform(-1, 1, (n, h, w_, c)).astype(np.float32)
+    w = rng.uniform(-1, 1, (r, r, c, k)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    residual = rng.uniform(-1, 1, (n, h, w_, k)).astype(np.float32)
+    packed = _kernels.pack_weights(w, _kernels.generic_panel(k, w_))
+    pad = r // 2
+    previous = _kernels.set_generic_cache_bytes(8192)
+    try:
+        plain = {}
+        for t in (1, threads):
+            plain[t] = np.full((n, h, w_, k), np.nan, np.float32)
+            _kernels.conv2d_generic_packed(x, packed, plain[t], 1, 1, pad, pad, t)
+            fused = np.full((n, h, w_, k), np.nan, np.float32)
+            _kernels.conv2d_generic_packed(x, packed, fused, 1, 1, pad, pad, t, bias=bias,
+                                           residual=residual, activation=1)
+            np.testing.assert_allclose(fused, np.maximum(plain[t] + bias + residual, 0),
+                                       rtol=1e-5, atol=1e-5)
+            nchw = np.full((n, k, h, w_), np.nan, np.float32)
+            _kernels.conv2d_generic_packed(x, packed, nchw, 1, 1, pad, pad, t, True)
+            np.testing.assert_array_equal(nchw, plain[t].transpose(0, 3, 1, 2))
+    finally:
+        _kernels.set_generic_cache_bytes(previous)
+    assert_conv_close(plain[1], x, w, (1, 1), (pad,) * 4)
+    np.testing.assert_array_equal(plain[threads], plain[1])
