@@ -115,7 +115,8 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
     # the percentages are of the table's peak (100 GFLOP/s, made up) where the table is
     # this CPU's own
     rows = re.findall(r"^\| \S+ \| `\[.*\]` \| .* \| ([\d.]+) \| (\d+) \|", out, re.M)
-    assert rows and all(int(pct) == round(float(g)) for g, pct in rows), rows
+    # (both columns are rounded from one value: 45.46 prints as 45.5 and 45 %)
+    assert rows and all(abs(int(pct) - float(g)) <= 0.55 for g, pct in rows), rows
 
     # Regenerating from the records measures nothing and writes the same files.
     before = {p.name: p.read_bytes() for p in kernels.iterdir()}
