@@ -558,6 +558,32 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _kernel_name(choice) -> str:
+    """A kernel choice in a few words, for the context verdict's table."""
+    if choice.tile:
+        return f"{choice.kind.value} F({choice.tile}x{choice.tile})"
+    return choice.kind.value
+
+
+@dataclass(frozen=True)
+class ContextVerdict:
+    """One layer's context verdict (:meth:`TTileSequence.settle`): the kernels that could
+    serve it, the median time of each in place in the network, and which serves
+    (``chosen``, an index; 0 is the default choice)."""
+
+    layer: str
+    input_shape: tuple
+    threads: int
+    alternatives: tuple
+    medians_us: tuple
+    chosen: int
+
+    def describe(self) -> str:
+        times = ", ".join(f"{name} {us:.0f} us" for name, us in
+                          zip(self.alternatives, self.medians_us))
+        return f"{self.layer}: {self.alternatives[self.chosen]} ({times})"
+
+
 class TTileSequence(nn.Module):
     """Consecutive ttile layers, blocks and poolings (:class:`TTilePool2d`) of a traced
     model in one call: between them the activations stay NHWC numpy arrays, and no torch
@@ -585,6 +611,7 @@ class TTileSequence(nn.Module):
             self.add_module(name, unit)
         self.steps = [(name, tuple(args)) for name, args in steps]
         self.inputs = int(inputs)
+        self.verdicts: list = []   # the last context verdict (settle)
         self._refresh()
         self.eval()
 
@@ -600,6 +627,7 @@ class TTileSequence(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("verdicts", [])
         self._refresh()
 
     def _fast(self, xs) -> bool:
@@ -638,6 +666,85 @@ class TTileSequence(nn.Module):
                 values.append(y)
             return torch.from_numpy(values[-1].transpose(0, 3, 1, 2))
         return self._one_by_one(xs)
+
+    def settle(self, *xs: torch.Tensor, rounds: int = 8, margin: float = 0.03,
+               seed: int = 0) -> list["ContextVerdict"]:
+        """The network's context verdict: each layer's alternatives (``Conv2d.
+        alternatives``: a Winograd layer's other tile and direct kernel, a searched
+        kernel's generic one) timed in place, in this sequence's fast path on ``xs``,
+        and the fastest kept (``Conv2d.pin``) where it beats the default by more than
+        ``margin`` in median; returns the verdicts, one per layer with alternatives.
+
+        Why in place: a layer alone runs with its weights and input warm; in a network
+        its weights come from memory and its input from the previous layer, and the
+        order of the kernels can change (``routes.alternatives``). Each round runs the
+        whole sequence, every layer on one of its alternatives (layer i on alternative
+        (round + offset_i) mod n_i, the offsets seeded), so each alternative is timed
+        between the same neighbours as the others; the first rounds, one per
+        alternative, pack the weights and are not counted. ``rounds`` timed calls per
+        alternative. Nothing is settled (an empty list) where the fast path does not
+        apply."""
+        if not self._fast(xs):
+            return []
+        threads = torch.get_num_threads()
+        values: list = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
+        units = []   # (step, layer, input shape, threads, alternatives)
+        for i, (unit, args, _) in enumerate(self._plan):
+            if type(unit) is TTileConv2d:
+                x = values[args[0]]
+                t = unit.threads or threads
+                layer = unit._packed.layer("NHWC")
+                layer.pin(x.shape, t, None)
+                alternatives = layer.alternatives(x.shape, t)
+                if len(alternatives) > 1:
+                    units.append((i, layer, x.shape, t, alternatives))
+                y = unit.run_nhwc(x, values[args[1]] if len(args) > 1 else None, threads)
+            else:
+                y = unit.run_nhwc(values[args[0]], threads)
+                if y is None:
+                    return []
+            values.append(y)
+        if not units:
+            return []
+        rng = np.random.default_rng(seed)
+        offsets = {i: int(rng.integers(len(alts))) for i, _, _, _, alts in units}
+        widest = max(len(alts) for *_, alts in units)
+        times: dict = {(i, a): [] for i, *_, alts in units for a in range(len(alts))}
+        by_step = {i: (layer, shape, t, alts) for i, layer, shape, t, alts in units}
+        for round_ in range(widest * (rounds + 1)):
+            picks = {}
+            for i, (layer, shape, t, alts) in by_step.items():
+                picks[i] = (round_ + offsets[i]) % len(alts)
+                layer.pin(shape, t, alts[picks[i]] if picks[i] else None)
+            values = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
+            for i, (unit, args, done) in enumerate(self._plan):
+                t0 = time.perf_counter()
+                if type(unit) is TTileConv2d:
+                    y = unit.run_nhwc(values[args[0]],
+                                      values[args[1]] if len(args) > 1 else None, threads)
+                else:
+                    y = unit.run_nhwc(values[args[0]], threads)
+                elapsed = time.perf_counter() - t0
+                if i in picks and round_ >= widest:
+                    times[(i, picks[i])].append(elapsed)
+                for a in done:
+                    if a >= self.inputs:
+                        values[a] = None
+                values.append(y)
+        verdicts = []
+        names = [name for name, _ in self.steps]
+        for i, (layer, shape, t, alts) in by_step.items():
+            medians = tuple(statistics.median(times[(i, a)]) for a in range(len(alts)))
+            best = min(range(len(alts)), key=medians.__getitem__)
+            if medians[best] >= (1.0 - margin) * medians[0]:
+                best = 0
+            layer.pin(shape, t, alts[best] if best else None)
+            layer.forget_packed(keep=alts[best].choice)
+            verdicts.append(ContextVerdict(
+                layer=names[i], input_shape=tuple(shape), threads=t,
+                alternatives=tuple(_kernel_name(a.choice) for a in alts),
+                medians_us=tuple(round(m * 1e6, 1) for m in medians), chosen=best))
+        return verdicts
 
     def _one_by_one(self, xs) -> torch.Tensor:
         values = list(xs)
@@ -978,7 +1085,7 @@ def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
 def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] = None,
             example_input: Optional[torch.Tensor] = None, trace: bool = True,
             fuse_blocks: bool = True, sequences: bool = True,
-            progress: bool = True) -> nn.Module:
+            progress: bool = True, settle: bool = True) -> nn.Module:
     """The model with its eligible convolutions served by ttile (see the module's doc).
 
     Args:
@@ -998,6 +1105,9 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             one :class:`TTileSequence` (traced models only), NHWC arrays between them
             (max and global average poolings become :class:`TTilePool2d` for that).
         progress: show the progress bar and the table (with ``example_input``).
+        settle: with ``example_input``, make each sequence's context verdict
+            (:meth:`TTileSequence.settle`): the layers' alternative kernels timed in
+            place in the network, the fastest kept.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert takes an nn.Module, got {type(model).__name__}")
@@ -1034,14 +1144,17 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
         _swap_modules(model, threads, not_fused)
         converted = model
     if example_input is not None:
-        tune(converted, example_input, progress=progress)
+        tune(converted, example_input, progress=progress, settle=settle)
     return converted
 
 
-def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True):
+def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True,
+         settle: bool = True):
     """Runs the converted model once on ``example_input`` (tuning every ttile layer's
-    shape on its first call, by the tuning policy of ``ttile.set_tuning``), then prints
-    which kernel serves each layer; returns the rows of that table."""
+    shape on its first call, by the tuning policy of ``ttile.set_tuning``), then with
+    ``settle`` makes each :class:`TTileSequence`'s context verdict on the inputs it met
+    (kept in its ``verdicts``), and prints which kernel serves each layer; returns the
+    rows of that table."""
     layers = served_layers(model)
     blocks = [(name, m) for name, m in model.named_modules()
               if isinstance(m, TTileInvertedResidual)]
@@ -1082,6 +1195,11 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
         handles.append(module.register_forward_hook(after))
     for _, module in blocks:
         handles.append(module.register_forward_hook(block_after))
+    sequence_inputs: list = []
+    for module in model.modules():
+        if isinstance(module, TTileSequence):
+            handles.append(module.register_forward_pre_hook(
+                lambda module, args: sequence_inputs.append((module, args))))
     try:
         with torch.no_grad():
             model(example_input)
@@ -1090,6 +1208,11 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
             handle.remove()
         if bar is not None:
             bar.close()
+    verdicts = []
+    if settle:
+        for sequence, args in sequence_inputs:
+            sequence.verdicts = sequence.settle(*args)
+            verdicts += sequence.verdicts
     rows = []
     names = {id(m): name for name, m in layers + blocks}
     for module, shape, layout, residual in seen:
@@ -1115,6 +1238,13 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
                      module.not_fused))
     if progress:
         print(format_table(rows), file=sys.stderr)
+        changed = [v for v in verdicts if v.chosen]
+        if verdicts:
+            print(f"In place in the network, {len(changed)} of {len(verdicts)} layers with "
+                  f"alternatives run faster on another kernel" + (":" if changed else "."),
+                  file=sys.stderr)
+        for verdict in changed:
+            print(f"  {verdict.describe()}", file=sys.stderr)
     return rows
 
 

@@ -19,11 +19,11 @@ from ..core.kinds import KernelKind
 from . import epilogue, winograd
 from .arguments import (FLOAT32, IntPair, as_float32, as_pair, default_threads,
                         thread_count)
-from .call_plan import Family, call_plan
+from .call_plan import CallPlan, Family, call_plan
 from .epilogue import Fused
 from .execute import RUNNERS, execute, nhwc_kernel_call
 from .packing import family_weights
-from .routes import Route, remembered, select
+from .routes import Route, alternatives, remembered, select
 from .scratch import aligned_copy
 
 
@@ -44,28 +44,32 @@ class _Bound:
     aligned); otherwise it answers None and the call takes the full path.
     """
 
-    __slots__ = ("plan", "selection", "weights", "nthreads", "fused", "bound_kernel")
+    __slots__ = ("plan", "selection", "guard", "weights", "nthreads", "fused",
+                 "bound_kernel")
 
-    def __init__(self, plan, selection, weights, nthreads, fused):
+    def __init__(self, plan, selection, weights, nthreads, fused, guard):
         self.plan, self.selection, self.weights = plan, selection, weights
         self.nthreads, self.fused = nthreads, fused
+        self.guard = guard   # select's selection: the binding holds while it does
         # an NHWC call's kernel itself, bound (the NHWC runner's last argument)
         self.bound_kernel = (
             (nhwc_kernel_call(selection.choice, plan, weights, nthreads, fused.kwargs()),)
             if selection.route is Route.NHWC else ())
 
     @classmethod
-    def of(cls, plan, selection, weights, nthreads, fused) -> Optional["_Bound"]:
-        """The bound call of a selection that is final (remembered in its plan)."""
-        if remembered(plan, nthreads, per_call=False) is not selection:
+    def of(cls, plan, selection, weights, nthreads, fused, guard=None) -> Optional["_Bound"]:
+        """The bound call of a selection that is final (remembered in its plan), or of
+        the one pinned in place of ``guard`` (:meth:`Conv2d.pin`)."""
+        guard = selection if guard is None else guard
+        if remembered(plan, nthreads, per_call=False) is not guard:
             return None
-        return cls(plan, selection, weights, nthreads, fused)
+        return cls(plan, selection, weights, nthreads, fused, guard)
 
     def __call__(self, x: np.ndarray, residual) -> Optional[np.ndarray]:
         if x.dtype != FLOAT32 or not _plain(x):
             return None
         plan, selection = self.plan, self.selection
-        if remembered(plan, self.nthreads, per_call=False) is not selection:
+        if remembered(plan, self.nthreads, per_call=False) is not self.guard:
             return None
         fused = self.fused
         if residual is not None:
@@ -149,6 +153,8 @@ class Conv2d:
         self._lock = threading.Lock()
         # (input shape, threads asked, no residual?, whole team?): _Bound
         self._bound: dict = {}
+        # (input shape, threads): (select's selection, the one serving in its place)
+        self._pinned: dict = {}
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -204,7 +210,10 @@ class Conv2d:
                  ("bias", fused.bias), ("residual", fused.residual))
         asked = thread_count(threads)
         nthreads = asked if whole_team else plan.fit(asked)
-        selection = select(plan, nthreads, per_call=False)
+        guard = selection = select(plan, nthreads, per_call=False)
+        pinned = self._pinned.get((x_arr.shape, nthreads)) if self._pinned else None
+        if pinned is not None and pinned[0] is guard:
+            selection = pinned[1]
         weights = self._weights_for(plan, selection.choice)
         result = execute(plan, selection, x_arr, weights, nthreads, fused, y)
         if out is None and x_arr is x:   # bound once per selection, not on every call
@@ -212,10 +221,57 @@ class Conv2d:
             known = self._bound.get(key)
             if (known.selection is not selection if known is not None
                     else len(self._bound) < _MAX_BOUND):
-                bound = _Bound.of(plan, selection, weights, nthreads, self._fused)
+                bound = _Bound.of(plan, selection, weights, nthreads, self._fused, guard)
                 if bound is not None:
                     self._bound[key] = bound
         return result
+
+    def _plan_of(self, x_shape) -> CallPlan:
+        return call_plan(tuple(x_shape), self._w_shape, self.stride, self.padding,
+                         self.layout, self.dilation, self.groups)
+
+    def alternatives(self, x_shape, threads: int) -> tuple:
+        """The selections that could serve a call on an input of ``x_shape`` on
+        ``threads`` threads (``whole_team``): the one chosen by default first, then the
+        others a context verdict weighs against it (``routes.alternatives``)."""
+        return alternatives(self._plan_of(x_shape), thread_count(threads))
+
+    def pin(self, x_shape, threads: int, selection=None) -> None:
+        """Serve calls on an input of ``x_shape`` on ``threads`` threads by
+        ``selection`` (one of :meth:`alternatives`) instead of the default; None serves
+        the default again. A pin holds while the default stays what it was (the same
+        settings: ``ttile.use_tuned_kernels`` and the like undo it) - a verdict made in
+        one context, a network's, for this layer only."""
+        plan, nthreads = self._plan_of(x_shape), thread_count(threads)
+        key = (tuple(x_shape), nthreads)
+        if selection is None:
+            self._pinned.pop(key, None)
+        else:
+            if selection not in alternatives(plan, nthreads):
+                raise ValueError("pin takes one of the layer's alternatives() at that "
+                                 "input shape and thread count")
+            self._pinned[key] = (select(plan, nthreads, per_call=False), selection)
+        for bound_key in [k for k in self._bound if k[0] == key[0]]:
+            del self._bound[bound_key]
+
+    def forget_packed(self, keep) -> None:
+        """Drop the packed weights of every kernel but ``keep`` (a kernel choice): after
+        a context verdict, the losers' copies (a Winograd layer's other tile: megabytes)
+        are not kept; a later call that needs one packs it again."""
+        key = (keep.kind, keep.panel, keep.tile)
+        with self._lock:
+            for other in [k for k in self._packed if k != key]:
+                del self._packed[other]
+            self._bound.clear()
+
+    def pinned(self, x_shape, threads: int):
+        """The selection pinned for calls on an input of ``x_shape`` on ``threads``
+        threads while it still holds (see :meth:`pin`), or None."""
+        plan, nthreads = self._plan_of(x_shape), thread_count(threads)
+        pinned = self._pinned.get((tuple(x_shape), nthreads))
+        if pinned is None or pinned[0] is not select(plan, nthreads, per_call=False):
+            return None
+        return pinned[1]
 
     def __repr__(self) -> str:
         extras = "".join(f", {name}={getattr(self, name)!r}"

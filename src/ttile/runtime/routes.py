@@ -86,6 +86,44 @@ def select(plan: CallPlan, nthreads: int, per_call: bool = True,
     return selection
 
 
+def alternatives(plan: CallPlan, nthreads: int) -> tuple[Selection, ...]:
+    """What else could serve a ``Conv2d`` call of ``plan`` (weights packed) on
+    ``nthreads`` threads: :func:`select`'s selection first, then the kernels a network's
+    context verdict weighs against it (``ttile.torch``'s ``TTileSequence.settle``).
+
+    Each verdict here was measured on one layer alone, warm; in a network a layer's
+    weights come from memory and its input from the previous layer, and the order can
+    change: ResNet-50's 14x14 256->256 3x3 took 690 us alone and 1160 in the network
+    through Winograd F(4x4) (9.4 MB of transformed weights), 800 and 900 through F(2x2)
+    (4.2 MB); a run-time tuned scheme on a 56x56 layer lost 15-30 % to the generic kernel
+    there (Xeon model 167, 1 thread). So: a Winograd layer's other tile where it serves
+    and its direct kernel, and a searched kernel's generic one. Only final selections
+    take part (a background tuning may still replace the rest)."""
+    default = select(plan, nthreads, per_call=False)
+    found = [default]
+    if not default.choice.final or plan.family is not Family.DENSE:
+        return tuple(found)
+    spec, isa = plan.spec, default.choice.isa
+
+    def add(choice: dispatch.KernelChoice) -> None:
+        if all((s.choice.kind, s.choice.panel, s.choice.tile, s.choice.index,
+                s.choice.address) != (choice.kind, choice.panel, choice.tile, choice.index,
+                                      choice.address) for s in found):
+            found.append(Selection(choice, route(plan, choice, nthreads)))
+
+    direct = default
+    if default.choice.kind is KernelKind.WINOGRAD:
+        if default.choice.tile == 4 and winograd.f2_serves(spec):
+            add(winograd.choice(spec, isa, tile=2))
+        direct = select(plan, nthreads, per_call=False, with_winograd=False)
+        if direct.choice.final:
+            add(direct.choice)
+    if direct.choice.kind in (KernelKind.TUNED, KernelKind.JIT) and isa.vector:
+        add(dispatch.generic_choice(isa, spec, "the generic kernel (faster in the network's "
+                                               "context than the searched one)"))
+    return tuple(found)
+
+
 def _choice_key(nthreads: int, per_call: bool, with_winograd: bool) -> tuple:
     return (nthreads, per_call, with_winograd, settings.generation())
 

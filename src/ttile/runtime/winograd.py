@@ -99,9 +99,7 @@ def serves(spec: ConvSpec, isa: Isa, groups: int = 1) -> bool:
             and spec.dilation_h == 1 and spec.dilation_w == 1
             and spec.c >= MIN_CHANNELS and spec.k >= MIN_OUTPUTS
             and spec.ho >= 4 and spec.wo >= 4
-            and (tiles(spec, 4) >= MIN_TILES or (
-                tiles(spec, 2) >= F2_MIN_TILES
-                and 4 * 16 * spec.c * spec.k <= F2_MAX_WEIGHT_BYTES)))
+            and (tiles(spec, 4) >= MIN_TILES or f2_serves(spec)))
 
 
 def transform_per_call(weight_bytes: int) -> bool:
@@ -110,10 +108,19 @@ def transform_per_call(weight_bytes: int) -> bool:
     return weight_bytes <= PER_CALL_MAX_BYTES
 
 
-def choice(spec: ConvSpec, isa: Isa) -> KernelChoice:
+def f2_serves(spec: ConvSpec) -> bool:
+    """Whether F(2x2, 3x3) may serve ``spec`` (one that :func:`serves`): enough 2x2 tiles
+    and at most F2_MAX_WEIGHT_BYTES of transformed weights. On maps with enough 4x4 tiles
+    it is the alternative a network's context verdict weighs against F(4x4)
+    (``routes.alternatives``): 16/9 of the layer's weights to read instead of 4x."""
+    return (tiles(spec, 2) >= F2_MIN_TILES
+            and 4 * 16 * spec.c * spec.k <= F2_MAX_WEIGHT_BYTES)
+
+
+def choice(spec: ConvSpec, isa: Isa, tile: int = 0) -> KernelChoice:
     """The Winograd kernel of family ``isa`` for ``spec`` (already found to be served by
-    it)."""
-    tile = tile_for(spec)
+    it), with output ``tile`` (0: :func:`tile_for`'s)."""
+    tile = tile or tile_for(spec)
     note = ("the Winograd F(4x4, 3x3) kernel (36 products per 4x4 tile instead of 144; "
             "weights transformed once)" if tile == 4 else
             "the Winograd F(2x2, 3x3) kernel (16 products per 2x2 tile instead of 36; "
