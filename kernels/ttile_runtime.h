@@ -81,11 +81,19 @@ int64_t ttile_generic_panel_avx2(int64_t k, int64_t wo);
  * TTILE_RSCK_WEIGHTS: `packed` is the RSCK weights themselves; each thread packs the
  * panels it needs into a buffer of its own, group by group; TTILE_KCRS_WEIGHTS: the
  * same from KCRS weights (torch's layout, groups stacked along K). RSCK weights need
- * groups == 1 (-1 otherwise). TTILE_NCHW_IN: x is x[N][C][H][W], read as it is. */
+ * groups == 1 (-1 otherwise). TTILE_NCHW_IN: x is x[N][C][H][W], read as it is.
+ * Two flags set the blocking where the default one was chosen for weights in the
+ * caches, and a network's context verdict may find otherwise with its weights coming
+ * from memory: TTILE_GROUPS_FIRST, each thread takes whole panel groups (a share of the
+ * weights) even where all the panels fit in its L2 and it would take whole rows;
+ * TTILE_SMALL_GROUPS, panel groups of half the cache blocking (the first group, read
+ * before anything streams it in, is half as large). */
 #define TTILE_NCHW_OUT 1
 #define TTILE_RSCK_WEIGHTS 2
 #define TTILE_KCRS_WEIGHTS 4
 #define TTILE_NCHW_IN 8
+#define TTILE_GROUPS_FIRST 16
+#define TTILE_SMALL_GROUPS 32
 int ttile_conv_generic_packed_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
                                      int flags, const ttile_epilogue *ep);

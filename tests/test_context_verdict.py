@@ -16,11 +16,11 @@ from ttile.runtime import execute
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The (kind, Winograd tile) of the kernel each call ran, in order."""
+    """The kernel choice each call ran, in order."""
     ran = []
     for route, runner in list(execute.RUNNERS.items()):
         def recorder(plan, choice, *args, _runner=runner):
-            ran.append((choice.kind, choice.tile))
+            ran.append(choice)
             return _runner(plan, choice, *args)
         monkeypatch.setitem(execute.RUNNERS, route, recorder)
     forget_choices()
@@ -53,12 +53,13 @@ def test_each_alternative_of_a_winograd_layer_computes_the_convolution(kernel_ca
         for _ in range(2):   # the full path, then the bound one
             kernel_calls.clear()
             y = layer(x, threads, whole_team=True)
-            assert kernel_calls == [(alternative.choice.kind, alternative.choice.tile)]
+            assert kernel_calls == [alternative.choice]
             assert conv_mismatch(y, x, w, (1, 1), (1, 1, 1, 1)) is None
     layer.pin(x.shape, threads, None)
     kernel_calls.clear()
     layer(x, threads, whole_team=True)
-    assert kernel_calls == [described[0]] and layer.pinned(x.shape, threads) is None
+    assert kernel_calls == [alternatives[0].choice]
+    assert layer.pinned(x.shape, threads) is None
 
 
 def test_a_pin_takes_only_an_alternative_and_lapses_with_the_settings_it_was_made_under(
@@ -77,10 +78,56 @@ def test_a_pin_takes_only_an_alternative_and_lapses_with_the_settings_it_was_mad
         assert layer.pinned(x.shape, 1) is None
         kernel_calls.clear()
         y = layer(x, 1, whole_team=True)
-        assert kernel_calls and kernel_calls[0][0] is not KernelKind.WINOGRAD
+        assert kernel_calls and kernel_calls[0].kind is not KernelKind.WINOGRAD
         assert conv_mismatch(y, x, w, (1, 1), (1, 1, 1, 1)) is None
     finally:
         ttile.use_winograd(True)
+
+
+def test_the_generic_blockings_are_the_kernels_flags():
+    from ttile import _kernels
+    from ttile.core.kinds import GenericBlocking
+    assert GenericBlocking.GROUPS_FIRST == _kernels.GENERIC_GROUPS_FIRST
+    assert GenericBlocking.SMALL_GROUPS == _kernels.GENERIC_SMALL_GROUPS
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_generic_layer_offers_the_blockings_that_change_its_split(kernel_calls, threads):
+    """Eight panels in groups of four (a 32 KB cache blocking): half groups are another
+    split at any thread count, whole groups per thread one at two threads (where the
+    panels fit in the L2 and threads would take whole rows); each computes the same."""
+    from ttile import _kernels
+    from ttile.core.kinds import GenericBlocking
+    if ttile.get_isa() is not ttile.Isa.AVX512F or _kernels.cpu_l2_bytes() < (256 << 10):
+        pytest.skip("the AVX-512F generic kernel's 64-wide panels, a known L2")
+    rng = np.random.default_rng(5)
+    w = rng.uniform(-1, 1, (1, 1, 32, 512)).astype(np.float32)
+    x = rng.uniform(-1, 1, (1, 12, 12, 32)).astype(np.float32)
+    previous = _kernels.set_generic_cache_bytes(32 << 10)
+    tuned, policy = ttile.use_tuned_kernels(False), ttile.set_tuning("never")
+    try:
+        layer = ttile.Conv2d(w, layout="NHWC")
+        alternatives = layer.alternatives(x.shape, threads)
+        assert alternatives[0].choice.kind is KernelKind.GENERIC
+        assert alternatives[0].choice.panel == 64   # 8 panels of 8 KB
+        blockings = [a.choice.blocking for a in alternatives]
+        expected = [GenericBlocking.DEFAULT] + ([GenericBlocking.GROUPS_FIRST]
+                                                if threads > 1 else []) + [
+            GenericBlocking.SMALL_GROUPS]
+        assert blockings == expected
+        outputs = []
+        for alternative in alternatives:
+            layer.pin(x.shape, threads, alternative if alternative.choice.blocking else None)
+            kernel_calls.clear()
+            outputs.append(layer(x, threads, whole_team=True))
+            assert kernel_calls == [alternative.choice]
+            assert conv_mismatch(outputs[-1], x, w) is None
+        for y in outputs[1:]:   # every block sums its channels in one order
+            np.testing.assert_array_equal(y, outputs[0])
+    finally:
+        _kernels.set_generic_cache_bytes(previous)
+        ttile.use_tuned_kernels(tuned)
+        ttile.restore_tuning(policy)
 
 
 torch = pytest.importorskip("torch")

@@ -156,7 +156,21 @@ def test_the_generic_kernel_splits_rows_when_all_its_panels_fit_in_l2(shape, thr
             nchw = np.full((n, k, h, w_), np.nan, np.float32)
             _kernels.conv2d_generic_packed(x, packed, nchw, 1, 1, pad, pad, t, True)
             np.testing.assert_array_equal(nchw, plain[t].transpose(0, 3, 1, 2))
+        # the other blockings a context verdict weighs: whole groups per thread (the
+        # same sums), and groups of half the cache blocking
+        groups_first = np.full((n, h, w_, k), np.nan, np.float32)
+        _kernels.conv2d_generic_packed(x, packed, groups_first, 1, 1, pad, pad, threads,
+                                       blocking=_kernels.GENERIC_GROUPS_FIRST)
+        small = np.full((n, h, w_, k), np.nan, np.float32)
+        _kernels.conv2d_generic_packed(x, packed, small, 1, 1, pad, pad, threads,
+                                       blocking=_kernels.GENERIC_SMALL_GROUPS
+                                       | _kernels.GENERIC_GROUPS_FIRST)
+        with pytest.raises(ValueError, match="blocking"):
+            _kernels.conv2d_generic_packed(x, packed, small, 1, 1, pad, pad, threads,
+                                           blocking=8)
     finally:
         _kernels.set_generic_cache_bytes(previous)
     assert_conv_close(plain[1], x, w, (1, 1), (pad,) * 4)
     np.testing.assert_array_equal(plain[threads], plain[1])
+    np.testing.assert_array_equal(groups_first, plain[1])
+    assert_conv_close(small, x, w, (1, 1), (pad,) * 4)

@@ -738,13 +738,20 @@ def generic_panel(int64_t k, int64_t wo, int isa=ISA_AVX512F):
     return _generic_panel(k, wo, isa)
 
 
+#: The generic kernel's blocking flags (``conv2d_generic_packed``'s ``blocking``): each
+#: thread takes whole panel groups even where it would take whole rows; panel groups of
+#: half the cache blocking.
+GENERIC_GROUPS_FIRST = 16
+GENERIC_SMALL_GROUPS = 32
+
+
 def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
                           int64_t stride_h, int64_t stride_w,
                           int64_t pad_top, int64_t pad_left, int nthreads,
                           bint nchw_out=False, bint kcrs=False, *,
                           int64_t dil_h=1, int64_t dil_w=1, int64_t groups=1,
                           bias=None, residual=None, int activation=0, float slope=0.01,
-                          int isa=ISA_AVX512F, bint nchw_in=False):
+                          int isa=ISA_AVX512F, bint nchw_in=False, int blocking=0):
     """The vector generic kernel of ``isa`` (ISA_AVX512F, or ISA_AVX2) on weights packed by
     ``pack_weights(w, generic_panel(K, Wo, isa))`` (with groups: each group's packed weights,
     concatenated along the first axis), or on RSCK weights (R,S,C,K) - KCRS
@@ -752,8 +759,13 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     pack panel group by panel group into buffers of their own; with ``nchw_out``, y is
     (N,K,Ho,Wo) and written in that layout from the tiles; with ``nchw_in``, x is
     (N,C,H,W), read in that layout. The epilogue
-    y = act(conv + bias + residual) is fused (residual in y's layout)."""
+    y = act(conv + bias + residual) is fused (residual in y's layout). ``blocking``:
+    GENERIC_GROUPS_FIRST and GENERIC_SMALL_GROUPS or'ed (see ttile_runtime.h), 0 for
+    the default blocking."""
     _require_isa(isa)
+    if blocking & ~(GENERIC_GROUPS_FIRST | GENERIC_SMALL_GROUPS):
+        raise ValueError(f"blocking must be GENERIC_GROUPS_FIRST and GENERIC_SMALL_GROUPS "
+                         f"or'ed, got {blocking}")
     _check_f32_c4(y, "y")
     if groups < 1:
         raise ValueError("groups must be >= 1")
@@ -788,7 +800,7 @@ def conv2d_generic_packed(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
     cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
                                               y, k)
     cdef int out_flag = (1 if nchw_out else 0) | (2 if rsck and not kcrs else 0) \
-        | (4 if kcrs else 0) | (8 if nchw_in else 0)
+        | (4 if kcrs else 0) | (8 if nchw_in else 0) | blocking
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)

@@ -562,6 +562,8 @@ def _kernel_name(choice) -> str:
     """A kernel choice in a few words, for the context verdict's table."""
     if choice.tile:
         return f"{choice.kind.value} F({choice.tile}x{choice.tile})"
+    if choice.blocking:
+        return f"{choice.kind.value} ({choice.blocking.name.lower().replace('_', ' ')})"
     return choice.kind.value
 
 

@@ -6,7 +6,22 @@ reading ``"tuned"`` for code written against the string API.
 """
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, IntFlag
+
+
+class GenericBlocking(IntFlag):
+    """How the vector generic kernel splits its work where the default blocking, chosen
+    for weights in the caches, may lose to another with weights coming from memory (a
+    network's context verdict, ``routes.alternatives``). The values are the kernel's
+    flags (``kernels/ttile_runtime.h``)."""
+
+    DEFAULT = 0
+    #: each thread takes whole panel groups (its share of the weights) even where all
+    #: the panels fit in its L2 and it would take whole rows (reading all of them)
+    GROUPS_FIRST = 16
+    #: panel groups of half the cache blocking: the first group, read before anything
+    #: streams it in, is half as large
+    SMALL_GROUPS = 32
 
 
 class KernelKind(str, Enum):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import _kernels
-from ..core.kinds import Isa, KernelKind
+from ..core.kinds import GenericBlocking, Isa, KernelKind
 from ..core.spec import ConvSpec
 from ..core.vectors import extension_code
 from ..tuning.policy import DEFAULT_SHIP_POLICY, ShipPolicy
@@ -58,6 +58,7 @@ class KernelChoice:
     nchw: bool = False                  # the kernel can store an NCHW output itself
     degraded: str = ""                  # what was lost on the way here ("" : nothing)
     tile: int = 0                       # the Winograd kernel's output tile, 4 or 2 (0: other kinds)
+    blocking: GenericBlocking = GenericBlocking.DEFAULT   # the vector generic kernel's
 
 
 @dataclass(frozen=True)

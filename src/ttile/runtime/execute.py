@@ -116,7 +116,7 @@ def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.
     return lambda x, y, residual: _kernels.conv2d_generic_packed(
         x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads, False, kcrs,
         dil_h=dil_h, dil_w=dil_w, groups=groups, bias=bias, residual=residual,
-        activation=activation, slope=slope, isa=isa)
+        activation=activation, slope=slope, isa=isa, blocking=int(choice.blocking))
 
 
 def run_nhwc_kernel(choice: dispatch.KernelChoice, plan: CallPlan, x: np.ndarray,
@@ -189,7 +189,7 @@ def _nchw_generic(plan, choice, x, weights, nthreads, fused: Fused, out, in_plac
     _kernels.conv2d_generic_packed(x, weights, y, *_generic_args(spec), nthreads, True,
                                    weights.ndim == 4, groups=plan.groups, **_dilation(spec),
                                    **fused.kwargs(), isa=extension_code(choice.isa),
-                                   nchw_in=in_place)
+                                   nchw_in=in_place, blocking=int(choice.blocking))
     return y
 
 

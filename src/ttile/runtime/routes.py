@@ -11,12 +11,12 @@ per :class:`Route`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Optional
 
 from .. import _kernels
-from ..core.kinds import Isa, KernelKind
+from ..core.kinds import GenericBlocking, Isa, KernelKind
 from ..core.spec import ConvSpec
 from . import dispatch, registry, settings, winograd
 from .call_plan import CallPlan, Family
@@ -106,9 +106,11 @@ def alternatives(plan: CallPlan, nthreads: int) -> tuple[Selection, ...]:
     spec, isa = plan.spec, default.choice.isa
 
     def add(choice: dispatch.KernelChoice) -> None:
-        if all((s.choice.kind, s.choice.panel, s.choice.tile, s.choice.index,
-                s.choice.address) != (choice.kind, choice.panel, choice.tile, choice.index,
-                                      choice.address) for s in found):
+        def same(a: dispatch.KernelChoice) -> bool:
+            return (a.kind, a.panel, a.tile, a.index, a.address, a.blocking) == (
+                choice.kind, choice.panel, choice.tile, choice.index, choice.address,
+                choice.blocking)
+        if not any(same(s.choice) for s in found):
             found.append(Selection(choice, route(plan, choice, nthreads)))
 
     direct = default
@@ -118,10 +120,37 @@ def alternatives(plan: CallPlan, nthreads: int) -> tuple[Selection, ...]:
         direct = select(plan, nthreads, per_call=False, with_winograd=False)
         if direct.choice.final:
             add(direct.choice)
+    generic = None
     if direct.choice.kind in (KernelKind.TUNED, KernelKind.JIT) and isa.vector:
-        add(dispatch.generic_choice(isa, spec, "the generic kernel (faster in the network's "
-                                               "context than the searched one)"))
+        generic = dispatch.generic_choice(isa, spec, "the generic kernel (faster in the "
+                                                     "network's context than the searched one)")
+        add(generic)
+    elif direct.choice.kind is KernelKind.GENERIC and direct.choice.panel:
+        generic = direct.choice
+    if generic is not None:
+        for blocking in generic_blockings(spec, generic.panel, nthreads):
+            add(replace(generic, blocking=blocking,
+                        note=f"the generic kernel, blocking {blocking.name} (faster in the "
+                             f"network's context than the default blocking)"))
     return tuple(found)
+
+
+def generic_blockings(spec: ConvSpec, panel: int, nthreads: int) -> list[GenericBlocking]:
+    """The generic kernel's blockings other than the default that change how it splits
+    ``spec`` (dense, packed weights of ``panel`` wide panels) on ``nthreads``: mirrors the
+    kernel's rules (``kernels/generic_conv.inc``: panel groups of the cache blocking,
+    whole rows per thread where all the panels fit in 5/8 of the L2)."""
+    panel_bytes = 4 * spec.r * spec.s * spec.c * panel
+    kchunks = -(-spec.k // panel)
+    cache = _kernels.generic_cache_bytes()
+    group = max(1, cache // panel_bytes)
+    found = []
+    if -(-kchunks // group) > 1:
+        if nthreads > 1 and 8 * kchunks * panel_bytes <= 5 * _kernels.cpu_l2_bytes():
+            found.append(GenericBlocking.GROUPS_FIRST)
+        if max(1, cache // 2 // panel_bytes) < group:
+            found.append(GenericBlocking.SMALL_GROUPS)
+    return found
 
 
 def _choice_key(nthreads: int, per_call: bool, with_winograd: bool) -> tuple:

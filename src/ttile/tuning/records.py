@@ -48,7 +48,7 @@ GENERIC_REVISION = 9
 #: The first 16 hex digits of the SHA-256 of the generic kernel's sources, in this order.
 GENERIC_SOURCES = ("kernels/generic_conv.inc", "kernels/generic_avx512.c",
                    "kernels/generic_avx2.c")
-GENERIC_SOURCES_SHA256 = "767c2f99f071d76b"
+GENERIC_SOURCES_SHA256 = "0276918b457d5b76"
 
 
 class RecordError(ValueError):
