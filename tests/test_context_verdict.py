@@ -111,9 +111,10 @@ def test_a_generic_layer_offers_the_blockings_that_change_its_split(kernel_calls
         assert alternatives[0].choice.kind is KernelKind.GENERIC
         assert alternatives[0].choice.panel == 64   # 8 panels of 8 KB
         blockings = [a.choice.blocking for a in alternatives]
-        expected = [GenericBlocking.DEFAULT] + ([GenericBlocking.GROUPS_FIRST]
-                                                if threads > 1 else []) + [
-            GenericBlocking.SMALL_GROUPS]
+        both = GenericBlocking.GROUPS_FIRST | GenericBlocking.SMALL_GROUPS
+        expected = ([GenericBlocking.DEFAULT, GenericBlocking.GROUPS_FIRST,
+                     GenericBlocking.SMALL_GROUPS, both] if threads > 1 else
+                    [GenericBlocking.DEFAULT, GenericBlocking.SMALL_GROUPS])
         assert blockings == expected
         outputs = []
         for alternative in alternatives:

@@ -563,7 +563,9 @@ def _kernel_name(choice) -> str:
     if choice.tile:
         return f"{choice.kind.value} F({choice.tile}x{choice.tile})"
     if choice.blocking:
-        return f"{choice.kind.value} ({choice.blocking.name.lower().replace('_', ' ')})"
+        names = [b.name.lower().replace("_", " ") for b in type(choice.blocking)
+                 if b and b in choice.blocking]
+        return f"{choice.kind.value} ({', '.join(names)})"
     return choice.kind.value
 
 

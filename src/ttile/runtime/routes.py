@@ -150,6 +150,8 @@ def generic_blockings(spec: ConvSpec, panel: int, nthreads: int) -> list[Generic
             found.append(GenericBlocking.GROUPS_FIRST)
         if max(1, cache // 2 // panel_bytes) < group:
             found.append(GenericBlocking.SMALL_GROUPS)
+        if len(found) == 2:   # both: each thread's share of the weights comes sooner
+            found.append(GenericBlocking.GROUPS_FIRST | GenericBlocking.SMALL_GROUPS)
     return found
 
 
