@@ -189,6 +189,34 @@ def test_the_context_verdict_keeps_the_alternative_that_ran_faster_in_place():
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
+def test_an_interrupted_verdict_leaves_every_layer_on_its_default():
+    if not ttile.get_isa().vector:
+        pytest.skip("the Winograd kernel needs a vector family")
+    model = ThreeByThrees().eval()
+    x = torch.randn(1, 16, 16, 16).contiguous(memory_format=torch.channels_last)
+    converted = tt.convert(model, example_input=x, progress=False, settle=False)
+    sequence = next(m for m in converted.modules() if isinstance(m, tt.TTileSequence))
+    unit = getattr(sequence, sequence.steps[1][0])
+    run, calls = unit.run_nhwc, []
+
+    def run_nhwc(x_np, residual, t):
+        calls.append(1)
+        if len(calls) == 4:   # mid-rotation, with pins set
+            raise KeyboardInterrupt
+        return run(x_np, residual, t)
+    unit.run_nhwc = run_nhwc
+    with pytest.raises(KeyboardInterrupt):
+        sequence.settle(x)
+    del unit.run_nhwc
+    assert len(calls) == 4
+    for name, _ in sequence.steps:
+        conv = getattr(sequence, name)
+        layer = conv._packed.layer("NHWC")
+        assert not any(layer.pinned(shape, t) for shape, t in layer._pinned)
+    with torch.no_grad():
+        assert float((converted(x) - model(x)).abs().max() / model(x).abs().max()) < 1e-5
+
+
 def test_convert_settles_by_default_and_says_what_it_changed(capsys):
     model = ThreeByThrees().eval()
     x = torch.randn(1, 16, 16, 16).contiguous(memory_format=torch.channels_last)

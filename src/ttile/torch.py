@@ -675,9 +675,11 @@ class TTileSequence(nn.Module):
                seed: int = 0) -> list["ContextVerdict"]:
         """The network's context verdict: each layer's alternatives (``Conv2d.
         alternatives``: a Winograd layer's other tile and direct kernel, a searched
-        kernel's generic one) timed in place, in this sequence's fast path on ``xs``,
-        and the fastest kept (``Conv2d.pin``) where it beats the default by more than
-        ``margin`` in median; returns the verdicts, one per layer with alternatives.
+        kernel's generic one, the generic kernel's other blockings) timed in place, in
+        this sequence's fast path on ``xs``, and the fastest kept (``Conv2d.pin``) where
+        it beats the default by more than ``margin`` in median; returns the verdicts,
+        one per layer with alternatives. Interrupted, it leaves every layer on its
+        default.
 
         Why in place: a layer alone runs with its weights and input warm; in a network
         its weights come from memory and its input from the previous layer, and the
@@ -715,26 +717,12 @@ class TTileSequence(nn.Module):
         widest = max(len(alts) for *_, alts in units)
         times: dict = {(i, a): [] for i, *_, alts in units for a in range(len(alts))}
         by_step = {i: (layer, shape, t, alts) for i, layer, shape, t, alts in units}
-        for round_ in range(widest * (rounds + 1)):
-            picks = {}
-            for i, (layer, shape, t, alts) in by_step.items():
-                picks[i] = (round_ + offsets[i]) % len(alts)
-                layer.pin(shape, t, alts[picks[i]] if picks[i] else None)
-            values = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
-            for i, (unit, args, done) in enumerate(self._plan):
-                t0 = time.perf_counter()
-                if type(unit) is TTileConv2d:
-                    y = unit.run_nhwc(values[args[0]],
-                                      values[args[1]] if len(args) > 1 else None, threads)
-                else:
-                    y = unit.run_nhwc(values[args[0]], threads)
-                elapsed = time.perf_counter() - t0
-                if i in picks and round_ >= widest:
-                    times[(i, picks[i])].append(elapsed)
-                for a in done:
-                    if a >= self.inputs:
-                        values[a] = None
-                values.append(y)
+        try:
+            self._rotate(xs, by_step, offsets, widest * (rounds + 1), widest, times)
+        except BaseException:
+            for layer, shape, t, _ in by_step.values():
+                layer.pin(shape, t, None)
+            raise
         verdicts = []
         names = [name for name, _ in self.steps]
         for i, (layer, shape, t, alts) in by_step.items():
@@ -749,6 +737,33 @@ class TTileSequence(nn.Module):
                 alternatives=tuple(_kernel_name(a.choice) for a in alts),
                 medians_us=tuple(round(m * 1e6, 1) for m in medians), chosen=best))
         return verdicts
+
+    def _rotate(self, xs, by_step: dict, offsets: dict, total: int, warm: int,
+                times: dict) -> None:
+        """``total`` rounds of :meth:`settle`: each layer of ``by_step`` pinned to its
+        alternative of the round, the sequence run, each such layer's time recorded in
+        ``times`` from round ``warm`` on."""
+        threads = torch.get_num_threads()
+        for round_ in range(total):
+            picks = {}
+            for i, (layer, shape, t, alts) in by_step.items():
+                picks[i] = (round_ + offsets[i]) % len(alts)
+                layer.pin(shape, t, alts[picks[i]] if picks[i] else None)
+            values = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
+            for i, (unit, args, done) in enumerate(self._plan):
+                t0 = time.perf_counter()
+                if type(unit) is TTileConv2d:
+                    y = unit.run_nhwc(values[args[0]],
+                                      values[args[1]] if len(args) > 1 else None, threads)
+                else:
+                    y = unit.run_nhwc(values[args[0]], threads)
+                elapsed = time.perf_counter() - t0
+                if i in picks and round_ >= warm:
+                    times[(i, picks[i])].append(elapsed)
+                for a in done:
+                    if a >= self.inputs:
+                        values[a] = None
+                values.append(y)
 
     def _one_by_one(self, xs) -> torch.Tensor:
         values = list(xs)
@@ -1214,9 +1229,12 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
             bar.close()
     verdicts = []
     if settle:
-        for sequence, args in sequence_inputs:
-            sequence.verdicts = sequence.settle(*args)
-            verdicts += sequence.verdicts
+        for sequence, _ in sequence_inputs:
+            sequence.verdicts = []
+        for sequence, args in sequence_inputs:   # a sequence called twice: both inputs
+            found = sequence.settle(*args)
+            sequence.verdicts += found
+            verdicts += found
     rows = []
     names = {id(m): name for name, m in layers + blocks}
     for module, shape, layout, residual in seen:
