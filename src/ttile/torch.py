@@ -693,39 +693,41 @@ class TTileSequence(nn.Module):
         if not self._fast(xs):
             return []
         threads = torch.get_num_threads()
-        values: list = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
-        units = []   # (step, layer, input shape, threads, alternatives)
-        for i, (unit, args, _) in enumerate(self._plan):
+        first = self._timed_pass(xs, threads)   # the input shape each layer meets
+        if first is None:
+            return []
+        units = {}   # step: (layer, input shape, threads, alternatives)
+        for i, (unit, _, _) in enumerate(self._plan):
             if type(unit) is TTileConv2d:
-                x = values[args[0]]
-                t = unit.threads or threads
+                shape, t = first[0][i], unit.threads or threads
                 layer = unit._packed.layer("NHWC")
-                layer.pin(x.shape, t, None)
-                alternatives = layer.alternatives(x.shape, t)
+                layer.pin(shape, t, None)
+                alternatives = layer.alternatives(shape, t)
                 if len(alternatives) > 1:
-                    units.append((i, layer, x.shape, t, alternatives))
-                y = unit.run_nhwc(x, values[args[1]] if len(args) > 1 else None, threads)
-            else:
-                y = unit.run_nhwc(values[args[0]], threads)
-                if y is None:
-                    return []
-            values.append(y)
+                    units[i] = (layer, shape, t, alternatives)
         if not units:
             return []
         rng = np.random.default_rng(seed)
-        offsets = {i: int(rng.integers(len(alts))) for i, _, _, _, alts in units}
-        widest = max(len(alts) for *_, alts in units)
-        times: dict = {(i, a): [] for i, *_, alts in units for a in range(len(alts))}
-        by_step = {i: (layer, shape, t, alts) for i, layer, shape, t, alts in units}
+        offsets = {i: int(rng.integers(len(alts))) for i, (*_, alts) in units.items()}
+        widest = max(len(alts) for *_, alts in units.values())
+        times: dict = {(i, a): [] for i, (*_, alts) in units.items()
+                       for a in range(len(alts))}
         try:
-            self._rotate(xs, by_step, offsets, widest * (rounds + 1), widest, times)
+            for round_ in range(widest * (rounds + 1)):
+                picks = {i: (round_ + offsets[i]) % len(alts)
+                         for i, (*_, alts) in units.items()}
+                for i, (layer, shape, t, alts) in units.items():
+                    layer.pin(shape, t, alts[picks[i]] if picks[i] else None)
+                _, elapsed = self._timed_pass(xs, threads)
+                if round_ >= widest:   # the first round of each alternative packs
+                    for i, a in picks.items():
+                        times[(i, a)].append(elapsed[i])
         except BaseException:
-            for layer, shape, t, _ in by_step.values():
+            for layer, shape, t, _ in units.values():
                 layer.pin(shape, t, None)
             raise
         verdicts = []
-        names = [name for name, _ in self.steps]
-        for i, (layer, shape, t, alts) in by_step.items():
+        for i, (layer, shape, t, alts) in units.items():
             medians = tuple(statistics.median(times[(i, a)]) for a in range(len(alts)))
             best = min(range(len(alts)), key=medians.__getitem__)
             if medians[best] >= (1.0 - margin) * medians[0]:
@@ -733,37 +735,33 @@ class TTileSequence(nn.Module):
             layer.pin(shape, t, alts[best] if best else None)
             layer.forget_packed(keep=alts[best].choice)
             verdicts.append(ContextVerdict(
-                layer=names[i], input_shape=tuple(shape), threads=t,
+                layer=self.steps[i][0], input_shape=tuple(shape), threads=t,
                 alternatives=tuple(_kernel_name(a.choice) for a in alts),
                 medians_us=tuple(round(m * 1e6, 1) for m in medians), chosen=best))
         return verdicts
 
-    def _rotate(self, xs, by_step: dict, offsets: dict, total: int, warm: int,
-                times: dict) -> None:
-        """``total`` rounds of :meth:`settle`: each layer of ``by_step`` pinned to its
-        alternative of the round, the sequence run, each such layer's time recorded in
-        ``times`` from round ``warm`` on."""
-        threads = torch.get_num_threads()
-        for round_ in range(total):
-            picks = {}
-            for i, (layer, shape, t, alts) in by_step.items():
-                picks[i] = (round_ + offsets[i]) % len(alts)
-                layer.pin(shape, t, alts[picks[i]] if picks[i] else None)
-            values = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
-            for i, (unit, args, done) in enumerate(self._plan):
-                t0 = time.perf_counter()
-                if type(unit) is TTileConv2d:
-                    y = unit.run_nhwc(values[args[0]],
-                                      values[args[1]] if len(args) > 1 else None, threads)
-                else:
-                    y = unit.run_nhwc(values[args[0]], threads)
-                elapsed = time.perf_counter() - t0
-                if i in picks and round_ >= warm:
-                    times[(i, picks[i])].append(elapsed)
-                for a in done:
-                    if a >= self.inputs:
-                        values[a] = None
-                values.append(y)
+    def _timed_pass(self, xs, threads: int) -> Optional[tuple[list, list]]:
+        """One run of the fast path for :meth:`settle`: each step's first input shape
+        and its time in seconds, or None where a unit's verdict is still to be made on
+        tensors."""
+        values: list = [x.numpy().transpose(0, 2, 3, 1) for x in xs]
+        shapes, elapsed = [], []
+        for unit, args, done in self._plan:
+            shapes.append(values[args[0]].shape)
+            t0 = time.perf_counter()
+            if type(unit) is TTileConv2d:
+                y = unit.run_nhwc(values[args[0]],
+                                  values[args[1]] if len(args) > 1 else None, threads)
+            else:
+                y = unit.run_nhwc(values[args[0]], threads)
+            elapsed.append(time.perf_counter() - t0)
+            if y is None:
+                return None
+            for a in done:
+                if a >= self.inputs:
+                    values[a] = None
+            values.append(y)
+        return shapes, elapsed
 
     def _one_by_one(self, xs) -> torch.Tensor:
         values = list(xs)

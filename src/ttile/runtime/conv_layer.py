@@ -57,10 +57,10 @@ class _Bound:
             if selection.route is Route.NHWC else ())
 
     @classmethod
-    def of(cls, plan, selection, weights, nthreads, fused, guard=None) -> Optional["_Bound"]:
-        """The bound call of a selection that is final (remembered in its plan), or of
-        the one pinned in place of ``guard`` (:meth:`Conv2d.pin`)."""
-        guard = selection if guard is None else guard
+    def of(cls, plan, selection, weights, nthreads, fused, guard) -> Optional["_Bound"]:
+        """The bound call of ``selection`` while ``guard``, the selection ``select``
+        made, is final (remembered in its plan): the two are one unless a selection is
+        pinned in place of the default (:meth:`Conv2d.pin`)."""
         if remembered(plan, nthreads, per_call=False) is not guard:
             return None
         return cls(plan, selection, weights, nthreads, fused, guard)
