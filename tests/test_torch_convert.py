@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import ttile  # noqa: E402
 import ttile.torch as tt  # noqa: E402
@@ -376,9 +377,9 @@ def test_a_sequence_runs_through_the_poolings_it_serves(served):
     converted = tt.convert(net)
     pools = [m for m in converted.modules() if isinstance(m, tt.TTilePool2d)]
     sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
-    if served:   # stem, max pooling, c1, c2, max pooling, c3, average: one sequence
+    if served:   # stem, max pooling, c1, c2, max pooling, c3, average, fc: one sequence
         assert sorted(p.kind.value for p in pools) == ["global average", "max", "max"]
-        assert [len(s.steps) for s in sequences] == [7]
+        assert [len(s.steps) for s in sequences] == [8]
     else:        # ceil mode, dilation and a 2x2 output stay torch's and cut the run
         assert pools == [] and [len(s.steps) for s in sequences] == [2]
     x = torch.randn(2, 3, 29, 27, generator=torch.Generator().manual_seed(5))
@@ -390,6 +391,67 @@ def test_a_sequence_runs_through_the_poolings_it_serves(served):
                 expected = net(x)
                 for memory_format in (torch.channels_last, torch.contiguous_format):
                     got = converted(x.contiguous(memory_format=memory_format))
+                    assert rel_error(got, expected) < 1e-5, (count, memory_format)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Head(nn.Module):
+    """A convolution and a classifier head in one of the forms networks write it."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.conv = nn.Conv2d(5, 24, 3, padding=1)
+        self.gap = nn.AdaptiveAvgPool2d((1, 1) if form != "map" else 2)
+        self.flatten = nn.Flatten()
+        self.drop = nn.Dropout(0.2)
+        self.fc = nn.Linear(24 if form != "map" else 96, 13, bias=form != "no bias")
+        self.other = nn.Linear(24, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        if self.form == "functional":    # torchvision's MobileNetV2
+            return self.fc(self.drop(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)))
+        if self.form == "method":
+            return self.fc(self.gap(x).flatten(1))
+        if self.form == "read twice":    # the flattened features go elsewhere too
+            f = self.flatten(self.gap(x))
+            return self.fc(f) + self.other(f).sum()
+        return self.fc(self.drop(self.flatten(self.gap(x))))
+
+
+@pytest.mark.parametrize("form", ["module", "no bias", "functional", "method", "map",
+                                  "read twice"])
+def test_a_classifier_after_global_pooling_is_a_1x1_layer_of_the_sequence(form):
+    """After a global average pooling the map is N x C x 1 x 1, and the linear layer
+    on its flattening is a 1x1 convolution: it joins the sequence (weights the linear
+    layer's own), and the model still returns torch's (N, K). A 2x2 pooling or a
+    flattening read by something else leaves the linear layer to torch."""
+    net = Head(form).eval()
+    converted = tt.convert(net)
+    served = {name: m for name, m in tt.served_layers(converted)}
+    fcs = [m for m in served.values() if m.source.startswith("flatten+")]
+    sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+    if form in ("map", "read twice"):
+        assert fcs == [] and any(isinstance(m, nn.Linear) for m in converted.modules())
+    else:
+        assert len(fcs) == 1 and fcs[0].weight.shape == (13, 24, 1, 1)
+        assert (fcs[0].bias is None) == (form == "no bias")
+        shared = tt.served_layers(tt.convert(net, inplace=True))   # no copy of the weights
+        assert net.fc.weight.data_ptr() in {m.weight.data_ptr() for _, m in shared}
+        assert [len(s.steps) for s in sequences] == [3]   # conv, pooling, fc
+        assert not any(isinstance(m, (nn.Linear, nn.Dropout)) for m in converted.modules())
+    x = torch.randn(2, 5, 9, 7, generator=torch.Generator().manual_seed(7))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.no_grad():
+                expected = net(x)
+                for memory_format in (torch.channels_last, torch.contiguous_format):
+                    got = converted(x.contiguous(memory_format=memory_format))
+                    assert got.shape == expected.shape and got.is_contiguous()
                     assert rel_error(got, expected) < 1e-5, (count, memory_format)
     finally:
         torch.set_num_threads(threads)
