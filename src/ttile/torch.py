@@ -379,8 +379,9 @@ class TTileInvertedResidual(nn.Module):
             self._fused, self._packed_from, self._tensors = None, (), ()
 
     def _sources(self) -> tuple:
-        e, d, p = (self.expand._parameters, self.depthwise._parameters,
-                   self.project._parameters)
+        modules = self._modules   # nn.Module's attribute lookup costs half a microsecond
+        e, d, p = (modules["expand"]._parameters, modules["depthwise"]._parameters,
+                   modules["project"]._parameters)
         return (e["weight"], e.get("bias"), d["weight"], d.get("bias"), p["weight"],
                 p.get("bias"))
 
@@ -465,7 +466,7 @@ class TTileInvertedResidual(nn.Module):
         """The block on an NHWC float32 array, for :class:`TTileSequence`; None while
         its verdict at this shape is not known (the tensor path makes it). Without
         AVX-512 its layers serve it."""
-        threads = self.project.threads or threads
+        threads = self._modules["project"].threads or threads
         if InvertedResidual.unsupported() is None:
             plan = self.plans.get((x.shape, threads))
             if plan is None:
@@ -647,9 +648,8 @@ class TTileSequence(nn.Module):
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
         for unit, _, _ in self._plan:
-            if _hooked(unit) or (isinstance(unit, TTileInvertedResidual) and (
-                    _hooked(unit.expand) or _hooked(unit.depthwise)
-                    or _hooked(unit.project))):
+            if _hooked(unit) or (type(unit) is TTileInvertedResidual and any(
+                    _hooked(m) for m in unit._modules.values())):
                 return False
         return True
 
