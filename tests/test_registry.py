@@ -164,13 +164,17 @@ def test_a_verdict_serves_only_its_vector_family():
     forget_choices()
 
 
-def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel():
-    """A searched kernel needs its weights packed per call; the generic kernel packs in
-    place. With both warm rates known, the cheaper serves a per-call conv2d."""
+@pytest.mark.parametrize("kind", ["tuned", "jit"])
+def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel(kind):
+    """A searched kernel - compiled in, or tuned here - needs its weights packed per
+    call; the generic kernel packs in place. With both warm rates known, the cheaper
+    serves a per-call conv2d."""
     from ttile.core.kinds import Isa
     entry = max((e for e in registry.KERNELS if e.warm_gflops and e.generic_gflops),
                 key=lambda e: e.spec.k * e.spec.c * e.spec.r * e.spec.s / e.spec.flops)
     choice = dispatch.registry_choice(entry, Isa.AVX512F)
+    if kind == "jit":   # what dispatch._load makes of a cache entry: its head-to-head rates
+        choice = dataclasses.replace(choice, kind=ttile.KernelKind.JIT, index=-1)
     kept = dispatch.for_call(choice, entry.spec, "NHWC", False, entry.threads, Isa.AVX512F)
     assert kept is choice                           # pre-packed NHWC: the faster kernel
     slow = dataclasses.replace(choice, warm_gflops=entry.generic_gflops * 1.01)
@@ -181,6 +185,9 @@ def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel():
     fast = dataclasses.replace(choice, warm_gflops=entry.generic_gflops * 100)
     assert dispatch.for_call(fast, entry.spec, "NCHW", True, entry.threads,
                              Isa.AVX512F) is fast
+    unrated = dataclasses.replace(slow, warm_gflops=0.0)   # never compared: kept
+    assert dispatch.for_call(unrated, entry.spec, "NCHW", True, entry.threads,
+                             Isa.AVX512F) is unrated
 
 
 @requires_avx512

@@ -64,6 +64,14 @@ def test_first_call_tunes_and_caches(jit_cache, prefer_jit):
     data = json.loads(meta.read_text())
     assert data["writer"] == "ttile" and data["kind"] == "jit"
     assert meta.with_suffix(".so").stat().st_size == data["library_size"]
+    # the head-to-head's rates come with the kernel: a per-call call weighs packing by them
+    from ttile.runtime import dispatch
+    from ttile.runtime.call_plan import call_plan
+    spec = call_plan(X_SHAPE, W_SHAPE, 1, 1, "NHWC", 1, 1).spec
+    choice = dispatch.cached_choice(spec, "NHWC", 1)
+    assert choice.kind is ttile.KernelKind.JIT
+    assert choice.warm_gflops == data["gflops"] > 0
+    assert choice.generic_gflops == data["generic_gflops"] > 0
 
 
 def test_the_avx2_family_tunes_its_own_kernel(jit_cache, prefer_jit):

@@ -208,6 +208,9 @@ def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
 #: slower (its input, cold in the caches, costs the generic kernel more than the model says).
 PACK_PER_CALL_BYTES_PER_S = 12e9
 PACK_IN_KERNEL_BYTES_PER_S = 20e9
+#: Weights smaller than this pack in microseconds: the kernel the tuning chose serves
+#: per call as it does packed.
+PACK_WEIGHED_MIN_BYTES = 128 << 10
 
 
 def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
@@ -217,14 +220,18 @@ def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
     kernel packs them in place as its threads go. With both kernels' warm rates in the
     registry, the generic kernel serves a per-call call when its estimated time is lower
     (a 9.4 MB layer: ResNet18-10 at 2 threads took 1.20 ms per call with its searched
-    kernel, 0.95 with the generic one). (Charging the generic kernel's NCHW call with its
+    kernel, 0.95 with the generic one). The same holds for a kernel tuned here, whose
+    head-to-head with the generic kernel gave both rates (ResNet18-12 at 1 thread on a Zen
+    5: 1.66 ms per call with its run-time tuned kernel, 1.25 with the generic one, 0.93
+    and 1.07 with the weights packed). (Charging the generic kernel's NCHW call with its
     input conversion, which a searched kernel's NCHW entry point skips, made ResNet18-7
     and -11 slower per call: their inputs convert from cache.)"""
-    if not per_call or choice.kind is not KernelKind.TUNED or not isa.vector \
-            or not (choice.warm_gflops > 0 and choice.generic_gflops > 0):
+    weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
+    if not per_call or choice.kind not in (KernelKind.TUNED, KernelKind.JIT) \
+            or not isa.vector or not (choice.warm_gflops > 0 and choice.generic_gflops > 0) \
+            or weight_bytes < PACK_WEIGHED_MIN_BYTES:
         return choice
     scale = threads ** 0.5
-    weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
     tuned = spec.flops / (choice.warm_gflops * 1e9)
     generic = spec.flops / (choice.generic_gflops * 1e9)
     if choice.panel != spec.k or layout == "NCHW":
@@ -306,6 +313,7 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
                         address=address, address_nchw=address_nchw,
                         nchw=address_nchw != 0, scheme=entry.scheme,
                         microkernels=entry.microkernels, gflops=entry.gflops,
+                        warm_gflops=entry.gflops, generic_gflops=entry.generic_gflops,
                         tuned_cpu=entry.key.cpu, tuned_threads=entry.key.threads,
                         note=f"tuned here in {entry.search_seconds:.1f} s "
                              f"({entry.library.name})", handle=handle, isa=isa)
