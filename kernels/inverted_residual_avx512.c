@@ -45,7 +45,7 @@
  * prefetch MobileNetV2's 7x7 blocks ran 1.2x slower (266 -> 223 us at 1 thread, Xeon
  * model 167; 4, 8 and 16 steps measured alike, each block alone). In a network the
  * first pass over a block's weights finds them in L3 or memory, which 8 steps (about
- * 80 cycles) do not cover: the whole MobileNetV2 ran 1.0-2.4 % faster with 32 than
+ * 80 cycles) do not cover: the whole MobileNetV2 ran 0.5-2.0 % faster with 32 than
  * with 8, at 1 and 2 threads on a Zen 5 (interleaved in one process). */
 #define IR_PREFETCH 32
 
