@@ -17,10 +17,10 @@ all applied in the kernel's output store; and an inverted residual block (1x1 ex
 :class:`TTileInvertedResidual`, served by one fused kernel where that is faster than its
 three layers. A classifier after a global average pooling (flatten, dropouts, a linear
 layer) becomes a 1x1 :class:`TTileConv2d` on the pooled map. Consecutive ttile layers and
-blocks then run as one :class:`TTileSequence`, NHWC arrays passed from kernel to kernel. A model that does not trace gets a plain module
-swap (each convolution served alone). Layers ttile cannot serve stay torch's: other
-dtypes or devices, ``padding_mode`` other than "zeros", a string padding that is not
-symmetric.
+blocks then run as one :class:`TTileSequence`, NHWC arrays passed from kernel to kernel.
+A model that does not trace gets a plain module swap (each convolution served alone).
+Layers ttile cannot serve stay torch's: other dtypes or devices, ``padding_mode`` other
+than "zeros", a string padding that is not symmetric.
 
 Tensors are handed over without copies: a channels_last input is ttile's native NHWC
 (``x.permute(0, 2, 3, 1)`` is contiguous, viewed by numpy), a contiguous NCHW input is
@@ -1041,7 +1041,7 @@ def _serve_classifiers(gm: torch.fx.GraphModule, threads) -> int:
         if (type(linear) is not nn.Linear or len(node.args) != 1 or node.kwargs
                 or linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu"):
             continue
-        chain, source = [node], [node.target]
+        chain = [node]
         flat = node.args[0]
         while (isinstance(flat, torch.fx.Node) and flat.op == "call_module"
                and type(modules.get(flat.target)) is nn.Dropout and len(flat.args) == 1
