@@ -556,10 +556,6 @@ class TTilePool2d(nn.Module):
         return "global average"
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def _kernel_name(choice) -> str:
     """A kernel choice in a few words, for the context verdict's table."""
     if choice.tile:
@@ -630,6 +626,10 @@ class TTileSequence(nn.Module):
         self._plan = [(getattr(self, name), args,
                        tuple(a for a in set(args) if last_read[a] == i))
                       for i, (name, args) in enumerate(self.steps)]
+        # the modules whose hooks send a call down the slow path (_fast)
+        self._watched = tuple(m for unit, _, _ in self._plan for m in (
+            (unit, *unit._modules.values()) if type(unit) is TTileInvertedResidual
+            else (unit,)))
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -647,9 +647,8 @@ class TTileSequence(nn.Module):
                 return False
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
-        for unit, _, _ in self._plan:
-            if _hooked(unit) or (type(unit) is TTileInvertedResidual and any(
-                    _hooked(m) for m in unit._modules.values())):
+        for module in self._watched:   # hooks on a unit or a block's layer see each call
+            if module._forward_hooks or module._forward_pre_hooks:
                 return False
         return True
 
