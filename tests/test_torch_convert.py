@@ -350,6 +350,24 @@ def test_a_sequence_runs_every_layer_on_its_whole_team():
         assert fitted == {(shape, 2, True, False): 1}
 
 
+def assert_matches_at_1_and_2_threads(net, converted, x, same_shape=False):
+    """The converted model gives the model's output at 1 and 2 threads, on x in both
+    memory formats (``same_shape``: also its shape, contiguous)."""
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.no_grad():
+                expected = net(x)
+                for memory_format in (torch.channels_last, torch.contiguous_format):
+                    got = converted(x.contiguous(memory_format=memory_format))
+                    if same_shape:
+                        assert got.shape == expected.shape and got.is_contiguous()
+                    assert rel_error(got, expected) < 1e-5, (count, memory_format)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Pooled(nn.Module):
     """Convolutions around a max pooling and a global average pooling, as in a ResNet,
     and two poolings ttile leaves to torch (ceil mode, dilation)."""
@@ -383,17 +401,7 @@ def test_a_sequence_runs_through_the_poolings_it_serves(served):
     else:        # ceil mode, dilation and a 2x2 output stay torch's and cut the run
         assert pools == [] and [len(s.steps) for s in sequences] == [2]
     x = torch.randn(2, 3, 29, 27, generator=torch.Generator().manual_seed(5))
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            with torch.no_grad():
-                expected = net(x)
-                for memory_format in (torch.channels_last, torch.contiguous_format):
-                    got = converted(x.contiguous(memory_format=memory_format))
-                    assert rel_error(got, expected) < 1e-5, (count, memory_format)
-    finally:
-        torch.set_num_threads(threads)
+    assert_matches_at_1_and_2_threads(net, converted, x)
 
 
 class Head(nn.Module):
@@ -443,18 +451,7 @@ def test_a_classifier_after_global_pooling_is_a_1x1_layer_of_the_sequence(form):
         assert [len(s.steps) for s in sequences] == [3]   # conv, pooling, fc
         assert not any(isinstance(m, (nn.Linear, nn.Dropout)) for m in converted.modules())
     x = torch.randn(2, 5, 9, 7, generator=torch.Generator().manual_seed(7))
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            with torch.no_grad():
-                expected = net(x)
-                for memory_format in (torch.channels_last, torch.contiguous_format):
-                    got = converted(x.contiguous(memory_format=memory_format))
-                    assert got.shape == expected.shape and got.is_contiguous()
-                    assert rel_error(got, expected) < 1e-5, (count, memory_format)
-    finally:
-        torch.set_num_threads(threads)
+    assert_matches_at_1_and_2_threads(net, converted, x, same_shape=True)
 
 
 def test_a_sequence_with_hooked_layers_calls_them_one_by_one():
