@@ -2,15 +2,22 @@
 the network beside the same node's time in onnxruntime's and OpenVINO's profilers.
 
 Run through ``bench_network.py --breakdown``. A whole-network ratio says that ttile loses;
-this table says on which layers. Each convolution is timed four ways:
+this table says on which layers. Each convolution is timed five ways:
 
-* **in network**: the ``TTileConv2d`` module's wall time (forward pre/post hooks) while
-  the whole converted network runs, median over the rounds. The hooks make each
-  ``TTileSequence`` call its layers one by one as modules, so this column (and the
-  profiled run's total) carries the per-module torch calls the sequence's fast path
-  saves: the network row of ``bench_network.py`` is the time a user meets. Its input was just written by
-  the layer before and its weights were last touched one inference ago: the context the
-  layer really runs in. Includes the module's call overhead;
+* **in network (hooked)**: the ``TTileConv2d`` module's wall time (forward pre/post
+  hooks) while the whole converted network runs, median over the rounds. The hooks make
+  each ``TTileSequence`` call its layers one by one as modules, so this column carries
+  the per-module torch calls the sequence's fast path saves (ttile's network total below
+  is timed without hooks, as the network row of ``bench_network.py``). Its input was
+  just written by the layer before and its weights were last touched one inference ago.
+  Includes the module's call overhead;
+* **fast path**: the same unit's time on the sequence's fast path (each
+  ``TTileSequence`` run unit by unit with a clock around each call,
+  ``TTileSequence._timed_pass``, on the inputs the sequence met in the network, right
+  after a whole inference): no hooks, no per-module torch calls, one team for all the
+  units, as a user's call runs them. The ratios to the engines, and ttile's convolution
+  total, are taken from this column where a layer has it (a layer outside any sequence
+  keeps its hooked time);
 * **alone**: the same module called again and again on the input it saw in the network
   (warm caches, weights in L2 where they fit): the number a single-layer benchmark gives;
 * **kernel alone**: the module's packed ``ttile.Conv2d`` (a fused block's kernel) called
@@ -54,6 +61,13 @@ class LayerTime:
     alone: float
     kernel: float                                 # the packed Conv2d alone, NHWC
     engines: dict = field(default_factory=dict)   # engine -> µs (absent: not matched)
+    fast_path: Optional[float] = None             # in its sequence's fast path
+
+    @property
+    def in_context(self) -> float:
+        """The time the layer takes where a user's call runs it (µs): on its sequence's
+        fast path, or as a module where no sequence runs it."""
+        return self.fast_path if self.fast_path is not None else self.in_network
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,41 @@ def _ttile_layer_times(converted, x, reps: int):
         h.remove()
     modules = dict(layers)
     return [(name, modules[name], times[name], inputs[name]) for name in order], walls
+
+
+def _fast_path_times(converted, x, threads: int, reps: int) -> tuple[dict, list]:
+    """id(unit) -> seconds per round of every unit of the model's sequences on their fast
+    path (``TTileSequence._timed_pass``), each round right after a whole inference, on the
+    inputs each sequence met in it (captured by a hook on the sequence itself, which
+    leaves its fast path on); and the whole inferences' wall times (s), hooks off."""
+    import torch
+
+    import ttile.torch as tt
+    sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+    inputs: dict = {}
+    handles = [s.register_forward_pre_hook(
+        lambda mod, args: inputs.setdefault(id(mod), args)) for s in sequences]
+    try:
+        with torch.no_grad():
+            converted(x)
+    finally:
+        for h in handles:
+            h.remove()
+    times: dict = {}
+    walls = []
+    with torch.no_grad():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            converted(x)
+            walls.append(time.perf_counter() - t0)
+            for seq in sequences:
+                xs = inputs.get(id(seq))
+                passed = None if xs is None else seq._timed_pass(list(xs), threads)
+                if passed is None:   # not on the fast path: the hooked times stand
+                    continue
+                for (unit, _, _), seconds in zip(seq._plan, passed[1]):
+                    times.setdefault(id(unit), []).append(seconds)
+    return times, walls
 
 
 def _repeated(call, reps: int) -> float:
@@ -311,10 +360,13 @@ def _layer_keys(module, args) -> set:
 def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[bytes],
               threads: int, reps: int) -> Breakdown:
     """The per-layer table of one network at one thread count (see the module text)."""
-    layers, walls = _ttile_layer_times(converted, x_cl, reps)
+    layers, _ = _ttile_layer_times(converted, x_cl, reps)
+    fast, fast_walls = _fast_path_times(converted, x_cl, threads, reps)
     notes = []
     engines: dict = {}
-    totals = {"ttile": (statistics.median(walls) * 1e3,)}
+    # the network as a user's call runs it: no hooks (they send sequences down their
+    # slow path)
+    totals = {"ttile": (statistics.median(fast_walls) * 1e3,)}
     if onnx_model is not None:
         for label, fn in (("onnxruntime", _onnxruntime_nodes), ("OpenVINO", _openvino_nodes)):
             try:
@@ -344,6 +396,8 @@ def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[by
         rows.append(LayerTime(
             index=i, name=lname, shape=_shape(module, args),
             in_network=statistics.median(samples) * 1e6,
+            fast_path=(statistics.median(fast[id(module)]) * 1e6 if id(module) in fast
+                       else None),
             alone=_alone(module, args, reps) * 1e6,
             kernel=_kernel_alone(module, args, threads, reps) * 1e6, engines=times))
     for label, convs in engines.items():
@@ -352,7 +406,7 @@ def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[by
             notes.append(f"{label}: {missing} of ttile's {len(rows)} layers unmatched, "
                          f"{len(convs) - len(matched[label])} of its {len(convs)} "
                          f"convolution nodes unmatched")
-    conv_sum = sum(r.in_network for r in rows) / 1e3
+    conv_sum = sum(r.in_context for r in rows) / 1e3
     totals["ttile"] = (totals["ttile"][0], conv_sum, totals["ttile"][0] - conv_sum)
     return Breakdown(name, threads, tuple(rows), totals, tuple(notes))
 
@@ -360,16 +414,17 @@ def breakdown(name: str, model, converted, x_cl, x_nchw, onnx_model: Optional[by
 def format_breakdown(b: Breakdown) -> list[str]:
     engines = [e for e in ("onnxruntime", "OpenVINO") if any(e in r.engines for r in b.layers)]
     lines = [f"#### {b.network}, {b.threads} thread{'s' if b.threads > 1 else ''}", "",
-             "| # | layer | shape | ttile in network µs | ttile alone µs | "
-             "ttile kernel alone µs | "
+             "| # | layer | shape | ttile fast path µs | ttile in network (hooked) µs | "
+             "ttile alone µs | ttile kernel alone µs | "
              + " | ".join(f"{e} µs" for e in engines)
              + " | " + " | ".join(f"{e} / ttile" for e in engines) + " |",
-             "|---|---|---|---|---|---|" + "---|" * (2 * len(engines))]
+             "|---|---|---|---|---|---|---|" + "---|" * (2 * len(engines))]
     for r in b.layers:
         times = " | ".join(f"{r.engines[e]:.0f}" if e in r.engines else "-" for e in engines)
-        ratios = " | ".join(f"{r.engines[e] / r.in_network:.2f}" if e in r.engines else "-"
+        ratios = " | ".join(f"{r.engines[e] / r.in_context:.2f}" if e in r.engines else "-"
                             for e in engines)
-        lines.append(f"| {r.index} | {r.name} | {r.shape} | {r.in_network:.0f} | "
+        fast = "-" if r.fast_path is None else f"{r.fast_path:.0f}"
+        lines.append(f"| {r.index} | {r.name} | {r.shape} | {fast} | {r.in_network:.0f} | "
                      f"{r.alone:.0f} | {r.kernel:.0f} | {times} | {ratios} |")
     lines += ["", "| contender | network ms (profiled run) | convolutions ms | other ms |",
               "|---|---|---|---|"]

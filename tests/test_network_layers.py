@@ -46,3 +46,36 @@ def test_onnxruntime_runs_are_split_at_their_closing_event(nl):
     assert runs[0][0] == ("a", "Conv", 10, ("size", 256, 108))
     assert runs[0][1][3] == ("size", 64, 16)
     assert runs[1][0][2] == 12
+
+
+def test_the_fast_path_times_every_unit_of_a_sequence(nl):
+    """The breakdown's fast-path column: every unit of a converted model's sequence (a
+    fused block among them) gets one positive time per round, keyed by its module, and
+    each round's whole inference is timed."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    import ttile.torch as tt
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Sequential(
+                nn.Conv2d(16, 64, 1), nn.ReLU6(), nn.Conv2d(64, 64, 3, 1, 1, groups=64),
+                nn.ReLU6(), nn.Conv2d(64, 16, 1))
+
+        def forward(self, x):
+            return x + self.conv(x)
+
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), Block(),
+                          nn.Conv2d(16, 32, 1)).eval()
+    x = torch.rand(1, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    converted = tt.convert(model, example_input=x, progress=False)
+    sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+    assert len(sequences) == 1
+    units = [unit for unit, _, _ in sequences[0]._plan]
+    assert any(isinstance(u, tt.TTileInvertedResidual) for u in units)
+    times, walls = nl._fast_path_times(converted, x, torch.get_num_threads(), reps=3)
+    assert set(times) == {id(u) for u in units}
+    assert all(len(t) == 3 and min(t) > 0 for t in times.values())
+    assert len(walls) == 3 and min(walls) > 0
