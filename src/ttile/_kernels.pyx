@@ -1036,10 +1036,11 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1, out=None):
 
 
 def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
-                 int64_t ph, int64_t pw, int nthreads=1):
+                 int64_t ph, int64_t pw, int nthreads=1, out=None):
     """``torch.nn.functional.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw))`` of an NHWC
-    float32 array (no dilation, floor rounding), into a new NHWC array on a cache line;
-    a NaN in a window is its maximum, as in torch."""
+    float32 array (no dilation, floor rounding), into a new NHWC array on a cache line
+    (or ``out``, which must not overlap x); a NaN in a window is its maximum, as in
+    torch."""
     _check_f32_c4(x, "x")
     if kh < 1 or kw < 1 or sh < 1 or sw < 1 or nthreads < 1:
         raise ValueError("kernel, stride and nthreads must be >= 1")
@@ -1052,7 +1053,7 @@ def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
     if ho < 1 or wo < 1:
         raise ValueError(f"a {kh}x{kw} window does not fit a {xs[1]}x{xs[2]} input "
                          f"padded by ({ph}, {pw})")
-    cdef cnp.ndarray y = empty_aligned((xs[0], ho, wo, xs[3]))
+    cdef cnp.ndarray y = _output(out, (xs[0], ho, wo, xs[3]), "out")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     cdef int64_t n = xs[0], h = xs[1], w = xs[2], c = xs[3]
@@ -1061,9 +1062,10 @@ def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
     return y
 
 
-def global_avgpool_nhwc(cnp.ndarray x, int nthreads=1):
+def global_avgpool_nhwc(cnp.ndarray x, int nthreads=1, out=None):
     """The mean of each image's pixels, channel by channel, of an NHWC float32 array:
-    a new (N, 1, 1, C) array on a cache line (``adaptive_avg_pool2d(x, 1)``)."""
+    a new (N, 1, 1, C) array on a cache line, or ``out``, which must not overlap x
+    (``adaptive_avg_pool2d(x, 1)``)."""
     _check_f32_c4(x, "x")
     if nthreads < 1:
         raise ValueError("nthreads must be >= 1")
@@ -1071,7 +1073,7 @@ def global_avgpool_nhwc(cnp.ndarray x, int nthreads=1):
     cdef int64_t n = xs[0], hw = xs[1] * xs[2], c = xs[3]
     if hw == 0:
         raise ValueError(f"no pixels to average in an input of shape {(<object>x).shape}")
-    cdef cnp.ndarray y = empty_aligned((n, 1, 1, c))
+    cdef cnp.ndarray y = _output(out, (n, 1, 1, c), "out")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:

@@ -65,6 +65,10 @@ class _Bound:
             return None
         return cls(plan, selection, weights, nthreads, fused, guard)
 
+    def holds(self) -> bool:
+        """Whether ``select`` would still return this binding's selection."""
+        return remembered(self.plan, self.nthreads, per_call=False) is self.guard
+
     def __call__(self, x: np.ndarray, residual) -> Optional[np.ndarray]:
         if x.dtype != FLOAT32 or not _plain(x):
             return None
@@ -225,6 +229,20 @@ class Conv2d:
                 if bound is not None:
                     self._bound[key] = bound
         return result
+
+    def bound_nhwc(self, x_shape, threads: int, residual: bool) -> Optional[_Bound]:
+        """The binding an NHWC call on ``threads`` threads (``whole_team``) with an input
+        of ``x_shape`` left behind, while it holds: its ``bound_kernel[0]`` is the
+        kernel, ``kernel(x, y, residual)``, and ``plan.out_shape`` its output's shape
+        (``ttile.runtime.program``). None before such a call has made a final choice,
+        for other layouts, and once a pin or the settings changed the choice; a binding
+        stays right only while :meth:`bound_nhwc` returns it."""
+        if self.layout != "NHWC":
+            return None
+        bound = self._bound.get((tuple(x_shape), threads, not residual, True))
+        if bound is None or not bound.bound_kernel or not bound.holds():
+            return None
+        return bound
 
     def _plan_of(self, x_shape) -> CallPlan:
         return call_plan(tuple(x_shape), self._w_shape, self.stride, self.padding,

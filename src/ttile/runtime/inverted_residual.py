@@ -180,6 +180,30 @@ class InvertedResidual:
                                    self.slopes, self.residual, threads)
         return out
 
+    def scratch_floats(self, x_shape: tuple, threads: int) -> int:
+        """Floats of scratch a call on ``x_shape`` at ``threads`` needs."""
+        return self._call_for(tuple(x_shape), threads)[2]
+
+    def bound_call(self, x_shape: tuple, threads: int, buffer: np.ndarray):
+        """The block bound for inputs of ``x_shape`` at ``threads``, with ``buffer`` (at
+        least :meth:`scratch_floats` float32s, aligned, used by nothing else while the
+        call runs) as its scratch: ``(call, out_shape)``, ``call(x, y, residual)``
+        writing y (the residual argument is ignored: the block adds its own input), as
+        ``ttile.runtime.program`` runs it."""
+        out_shape, threads, floats = self._call_for(tuple(x_shape), threads)
+        if buffer.dtype != np.float32 or buffer.size < floats:
+            raise ValueError(f"the scratch buffer needs {floats} float32s")
+        scratch_buffer = buffer.reshape(-1)[:floats]
+        w1, b1, w2, b2, w3, b3 = self._w1, self._b1, self._w2, self._b2, self._w3, self._b3
+        e, stride, codes, slopes, residual = (self.e, self.stride, self._codes,
+                                              self.slopes, self.residual)
+        kernel = _kernels.inverted_residual
+
+        def call(x, y, _residual):
+            kernel(x, w1, b1, w2, b2, w3, b3, y, scratch_buffer, e, stride, codes, slopes,
+                   residual, threads)
+        return call, out_shape
+
     def _call_for(self, x_shape: tuple, threads: int) -> tuple:
         """(output shape, threads used, scratch floats) of a call on x_shape."""
         if len(x_shape) != 4 or x_shape[3] != self.c:
