@@ -31,11 +31,12 @@ from .tuning.policy import ShipPolicy
 def cache_clear() -> int:
     """Delete every kernel tuned at run time from the disk cache and forget this
     process's choices; returns the number of files removed."""
-    from .runtime import call_plan, dispatch
+    from .runtime import call_plan, dispatch, settings
     from .runtime.cache import KernelCache
     removed = KernelCache(dispatch.tuning_policy().cache_dir).clear()
     dispatch.forget_choices()
     call_plan.forget_choices()
+    settings.invalidate_choices()   # what was bound from the forgotten choices, too
     return removed
 
 

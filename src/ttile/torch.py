@@ -62,7 +62,7 @@ from torch.nn.modules import module as _torch_module   # torch's global module h
 from . import _kernels
 from .core.kinds import Activation
 from .runtime.arguments import as_pair
-from .runtime.conv_layer import Conv2d
+from .runtime.conv_layer import Conv2d, bindings_revision
 from .runtime.api import plan as _ttile_plan
 from .runtime import dispatch as _dispatch
 from .runtime import settings as _settings
@@ -178,6 +178,7 @@ class _PackedLayer:
         with self._lock:
             self._layers.clear()
             self._source = self._tensors = ()
+            _units_changed()
 
     def current(self, layout: str) -> Optional[Conv2d]:
         """The layer packed for ``layout``, unchecked (None if none): a
@@ -198,6 +199,7 @@ class _PackedLayer:
             if source != self._source:   # other tensors or changed values: pack again
                 self._layers.clear()
                 self._source, self._tensors = source, (weight, bias)
+                _units_changed()
             layer = self._layers.get(layout)
             if layer is None:
                 w = weight.detach().numpy()
@@ -384,6 +386,7 @@ class TTileInvertedResidual(nn.Module):
         """Pack the fused kernel's weights again on its next call (see :func:`repack`)."""
         with self._lock:
             self._fused, self._packed_from, self._tensors = None, (), ()
+            _units_changed()
 
     def _sources(self) -> tuple:
         modules = self._modules   # nn.Module's attribute lookup costs half a microsecond
@@ -420,6 +423,7 @@ class TTileInvertedResidual(nn.Module):
                                  (self.expand, self.depthwise, self.project)),
                     residual=self.project.residual)
                 self._packed_from, self._tensors = stamp, tensors
+                _units_changed()
             return self._fused
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
@@ -612,22 +616,36 @@ class ContextVerdict:
         return f"{self.layer}: {self.alternatives[self.chosen]} ({times})"
 
 
+#: Bumped whenever a converted layer or block packs its weights anew or is told to
+#: (``repack``): a sequence's program checks this one number instead of each unit's
+#: packed copy.
+_units_revision = 0
+
+
+def _units_changed() -> None:
+    global _units_revision
+    _units_revision += 1
+
+
 class _BoundSequence:
     """A sequence's :class:`~ttile.runtime.program.Program` at one input signature, and
     what its steps were bound from: it may run while :meth:`holds`."""
 
-    __slots__ = ("program", "generation", "tensors", "layers", "blocks", "units",
-                 "unit_shapes")
+    __slots__ = ("program", "revisions", "tensors", "units", "unit_shapes")
 
-    def __init__(self, program: Program, generation: int, tensors: tuple, layers: tuple,
-                 blocks: tuple, units: tuple, unit_shapes: tuple):
-        self.program, self.generation = program, generation
-        self.units = units               # each step's unit (its index in the sequence)
-        self.unit_shapes = unit_shapes   # each unit's first input's shape
+    def __init__(self, program: Program, tensors: tuple, units: tuple, unit_shapes: tuple):
+        self.program = program
+        self.revisions = _BoundSequence.current_revisions()
         # (a module's _parameters, name, the tensor there or None, its version, address)
         self.tensors = tensors
-        self.layers = layers   # (TTileConv2d, Conv2d, x shape, threads, residual?, binding)
-        self.blocks = blocks   # (TTileInvertedResidual, InvertedResidual, plan key, plan)
+        self.units = units               # each step's unit (its index in the sequence)
+        self.unit_shapes = unit_shapes   # each unit's first input's shape
+
+    @staticmethod
+    def current_revisions() -> tuple:
+        """The settings generation (kernel choices), the layers' bindings revision and
+        the converted units' packing revision."""
+        return _settings.generation(), bindings_revision(), _units_revision
 
     @staticmethod
     def stamps(modules) -> Optional[tuple]:
@@ -646,27 +664,21 @@ class _BoundSequence:
         return tuple(stamps)
 
     def holds(self) -> bool:
-        """Whether every unit would still run what its step runs: the settings that
-        choose kernels unchanged; every weight and bias the same tensor, at the same
-        address, with no in-place change counted (what ``_PackedLayer`` and the blocks
-        check before they use their packed copies); each layer's packed copy and binding
-        still the ones bound (``repack``, a pin or a new choice drops them), each fused
-        block's packed weights and verdict too. About 20 us for MobileNetV2's 21 units,
-        all of it before the first kernel runs."""
-        if _settings.generation() != self.generation:
+        """Whether every unit would still run what its step runs: no setting that
+        chooses kernels changed, no layer's binding dropped or replaced (a pin, a new
+        choice), no unit packed anew or told to (``repack``), and every weight and bias
+        still the same tensor at the same address with no in-place change counted
+        (what ``_PackedLayer`` and the blocks check before they use their packed
+        copies). Run right after the previous inference's kernels, on cold caches, the
+        tensors' check is most of it: about 85 us for MobileNetV2's 106 tensors at 1
+        thread on a Zen 5 (13 us warm)."""
+        if _BoundSequence.current_revisions() != self.revisions:
             return False
         for params, name, tensor, version, address in self.tensors:
             if params.get(name) is not tensor:
                 return False
             if tensor is not None and (tensor._version != version
                                        or tensor.data_ptr() != address):
-                return False
-        for unit, layer, shape, threads, residual, bound in self.layers:
-            if unit._packed.current("NHWC") is not layer \
-                    or layer.bound_nhwc(shape, threads, residual) is not bound:
-                return False
-        for unit, fused, key, plan in self.blocks:
-            if unit._fused is not fused or unit.plans.get(key) is not plan:
                 return False
         return True
 
@@ -827,7 +839,7 @@ class TTileSequence(nn.Module):
             bound = layer.bound_nhwc(shapes[source], t, residual >= 0)
             if bound is None:
                 return None
-            layers.append((unit, layer, shapes[source], t, residual >= 0, bound))
+            layers.append(unit)
             return add(bound.bound_kernel[0], source, residual, bound.plan.out_shape)
 
         step_units: list = []
@@ -851,9 +863,9 @@ class TTileSequence(nn.Module):
                 if (plan.verdict is BlockVerdict.FUSED
                         and InvertedResidual.unsupported() is None):
                     fused = unit._block()
-                    blocks.append((unit, fused, key, plan))
+                    blocks.append(unit)
                     pending.append((len(steps), fused, shapes[source], t))
-                    value = add(None, source, -1, fused._call_for(shapes[source], t)[0])
+                    value = add(None, source, -1, fused.output_shape(shapes[source]))
                 else:
                     value = add_layer(unit.expand, source, -1)
                     if value is not None:
@@ -865,8 +877,8 @@ class TTileSequence(nn.Module):
                 return None
             step_units += [u] * (len(steps) - len(step_units))
             index.append(value)
-        modules = [layer[0] for layer in layers]
-        for unit, *_ in blocks:
+        modules = list(layers)
+        for unit in blocks:
             modules += [unit.expand, unit.depthwise, unit.project]
         tensors = _BoundSequence.stamps(modules)
         if tensors is None:
@@ -877,8 +889,7 @@ class TTileSequence(nn.Module):
             for i, block, shape, t in pending:
                 call, _ = block.bound_call(shape, t, buffer)
                 steps[i] = replace(steps[i], call=call)
-        return _BoundSequence(Program(self.inputs, steps), _settings.generation(),
-                              tensors, tuple(layers), tuple(blocks), tuple(step_units),
+        return _BoundSequence(Program(self.inputs, steps), tensors, tuple(step_units),
                               tuple(unit_shapes))
 
     def settle(self, *xs: torch.Tensor, rounds: int = 8, margin: float = 0.03,

@@ -30,6 +30,21 @@ from .scratch import aligned_copy
 #: The most input signatures a Conv2d remembers a bound call for.
 _MAX_BOUND = 64
 
+#: Bumped whenever any Conv2d drops or replaces a binding (a pin, dropped packed
+#: weights, a new selection): what was bound from one (``bound_nhwc``) checks this one
+#: number instead of every layer's bindings (``ttile.torch``'s sequence programs).
+_bindings_revision = 0
+
+
+def bindings_revision() -> int:
+    """The current bindings revision (see ``_bindings_revision``)."""
+    return _bindings_revision
+
+
+def _bindings_changed() -> None:
+    global _bindings_revision
+    _bindings_revision += 1
+
 
 class _Bound:
     """A repeated call of a layer, bound: the plan, the final selection and the packed
@@ -227,6 +242,8 @@ class Conv2d:
                     else len(self._bound) < _MAX_BOUND):
                 bound = _Bound.of(plan, selection, weights, nthreads, self._fused, guard)
                 if bound is not None:
+                    if known is not None:
+                        _bindings_changed()
                     self._bound[key] = bound
         return result
 
@@ -236,7 +253,8 @@ class Conv2d:
         kernel, ``kernel(x, y, residual)``, and ``plan.out_shape`` its output's shape
         (``ttile.runtime.program``). None before such a call has made a final choice,
         for other layouts, and once a pin or the settings changed the choice; a binding
-        stays right only while :meth:`bound_nhwc` returns it."""
+        stays right while :meth:`bound_nhwc` returns it, or while neither
+        :func:`bindings_revision` nor the settings generation has changed since."""
         if self.layout != "NHWC":
             return None
         bound = self._bound.get((tuple(x_shape), threads, not residual, True))
@@ -271,6 +289,7 @@ class Conv2d:
             self._pinned[key] = (select(plan, nthreads, per_call=False), selection)
         for bound_key in [k for k in self._bound if k[0] == key[0]]:
             del self._bound[bound_key]
+        _bindings_changed()
 
     def forget_packed(self, keep) -> None:
         """Drop the packed weights of every kernel but ``keep`` (a kernel choice): after
@@ -281,6 +300,7 @@ class Conv2d:
             for other in [k for k in self._packed if k != key]:
                 del self._packed[other]
             self._bound.clear()
+        _bindings_changed()
 
     def pinned(self, x_shape, threads: int):
         """The selection pinned for calls on an input of ``x_shape`` on ``threads``

@@ -184,6 +184,10 @@ class InvertedResidual:
         """Floats of scratch a call on ``x_shape`` at ``threads`` needs."""
         return self._call_for(tuple(x_shape), threads)[2]
 
+    def output_shape(self, x_shape: tuple) -> tuple:
+        """The (N, Ho, Wo, K) output of a call on ``x_shape``."""
+        return self._call_for(tuple(x_shape), 1)[0]
+
     def bound_call(self, x_shape: tuple, threads: int, buffer: np.ndarray):
         """The block bound for inputs of ``x_shape`` at ``threads``, with ``buffer`` (at
         least :meth:`scratch_floats` float32s, aligned, used by nothing else while the
