@@ -85,7 +85,7 @@ def _units(converted):
     import ttile.torch as tt
     blocks = [(name, m) for name, m in converted.named_modules()
               if isinstance(m, tt.TTileInvertedResidual)]
-    inner = {id(layer) for _, b in blocks for layer in (b.expand, b.depthwise, b.project)}
+    inner = {id(layer) for _, b in blocks for layer in b.layers}
     units = blocks + [(name, m) for name, m in tt.served_layers(converted)
                       if id(m) not in inner]
     position = {name: i for i, (name, _) in enumerate(converted.named_modules())}
@@ -93,12 +93,13 @@ def _units(converted):
 
 
 def _block_layers(block, x_shape) -> list:
-    """(layer, input shape) of a block's three layers for an input of x_shape (NCHW)."""
+    """(layer, input shape) of a block's layers for an input of x_shape (NCHW)."""
     n, c, h, w = x_shape
-    e = block.expand.weight.shape[0]
+    e = block.depthwise.weight.shape[0]
     stride = block.depthwise.stride[0]
-    return [(block.expand, (n, c, h, w)), (block.depthwise, (n, e, h, w)),
-            (block.project, (n, e, (h - 1) // stride + 1, (w - 1) // stride + 1))]
+    expand = [] if block.expand is None else [(block.expand, (n, c, h, w))]
+    return expand + [(block.depthwise, (n, e, h, w)),
+                     (block.project, (n, e, (h - 1) // stride + 1, (w - 1) // stride + 1))]
 
 
 class _Shaped:
@@ -213,7 +214,7 @@ def _kernel_alone(module, args, threads: int, reps: int) -> float:
             return _repeated(lambda: block(x_np, threads), reps)
         with torch.no_grad():
             total, y = 0.0, args[0]
-            for layer in (module.expand, module.depthwise, module.project):
+            for layer in module.layers:
                 layer_args = (y, args[0]) if layer.residual else (y,)
                 total += _kernel_alone(layer, layer_args, threads, reps)
                 y = layer(*layer_args)
@@ -324,8 +325,9 @@ def _shape(module, args) -> str:
     import ttile.torch as tt
     if isinstance(module, tt.TTileInvertedResidual):
         n, c, h, w = args[0].shape
-        e, k = module.expand.weight.shape[0], module.project.weight.shape[0]
-        return (f"block 1x1 {c}->{e}, dw 3x3/{module.depthwise.stride[0]}, 1x1 {e}->{k} "
+        e, k = module.depthwise.weight.shape[0], module.project.weight.shape[0]
+        expand = "" if module.expand is None else f"1x1 {c}->{e}, "
+        return (f"block {expand}dw 3x3/{module.depthwise.stride[0]}, 1x1 {e}->{k} "
                 f"{h}x{w}" + (f" N={n}" if n > 1 else ""))
     x = args[0]
     k, cg, r, s = module.weight.shape

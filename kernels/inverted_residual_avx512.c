@@ -1,7 +1,7 @@
 /* The inverted residual block (MobileNetV2; EfficientNet's MBConv without its
  * squeeze-excitation) as one kernel on AVX-512, NHWC:
  *
- *     e = act1(x * W1 + b1)             1x1 expand, c -> e channels
+ *     e = act1(x * W1 + b1)             1x1 expand, c -> e channels (or e = x: none)
  *     d = act2(dw3x3/stride(e) + b2)    3x3 depthwise, padding 1, stride 1 or 2
  *     y = act3(d * W3 + b3 (+ x))       1x1 project, e -> k channels (+ the block's input)
  *
@@ -306,6 +306,27 @@ static void ir_dw_row(const ttile_ir_shape *sh, int64_t ep, const float *const r
     }
 }
 
+/* Without an expand stage (w1 NULL: a depthwise layer feeding a 1x1, MobileNetV2's
+ * first block, MobileNetV1's pairs) the depthwise layer reads the block's input itself:
+ * channels c0 .. c1 of a row of w pixels of c floats, copied into a ring row of ep floats
+ * a pixel (the channels past c zero), where the depthwise loop finds its zero padding
+ * around it. */
+static void ir_copy_row(const float *x_row, int64_t c, int64_t w, int64_t ep, int64_t c0,
+                        int64_t c1, float *out)
+{
+    const int64_t hi = c1 < c ? c1 : c;
+    if (c == ep && c0 == 0 && c1 >= c) {
+        memcpy(out, x_row, (size_t)(w * c) * sizeof(float));
+        return;
+    }
+    for (int64_t p = 0; p < w; p++) {
+        if (hi > c0)
+            memcpy(out + p * ep + c0, x_row + p * c + c0, (size_t)(hi - c0) * sizeof(float));
+        if (c1 > hi)
+            memset(out + p * ep + hi, 0, (size_t)(c1 - hi) * sizeof(float));
+    }
+}
+
 /* How the threads share a block: bands of output rows times slices of the expanded
  * channels. Bands alone recompute each band's halo rows and leave threads idle when
  * there are fewer rows than threads (a 7x7 block at 16 threads runs on 7); slices of
@@ -353,6 +374,8 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
         return -1;
     if (sh->residual && (sh->stride != 1 || sh->c != sh->k))
         return -1;
+    if (w1 == NULL && sh->e != sh->c)   /* no expand stage: the input is depthwise's */
+        return -1;
     if (nthreads < 1)
         nthreads = 1;
     const int64_t ep = (sh->e + 15) / 16 * 16;
@@ -394,9 +417,12 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
                 if (held[slot] != img * sh->h + ih) {
                     memset(e, 0, ep * sizeof(float));
                     memset(e + (sh->w + 1) * ep, 0, ep * sizeof(float));
-                    ir_gemm_row(x + (img * sh->h + ih) * sh->w * sh->c, sh->c, sh->w, 0,
-                                sh->c, sh->c, w1, g0, g1, ep, b1, e + ep, ep, NULL, 0,
-                                sh->act1, sh->slope1);
+                    const float *x_row = x + (img * sh->h + ih) * sh->w * sh->c;
+                    if (w1 != NULL)
+                        ir_gemm_row(x_row, sh->c, sh->w, 0, sh->c, sh->c, w1, g0, g1, ep,
+                                    b1, e + ep, ep, NULL, 0, sh->act1, sh->slope1);
+                    else
+                        ir_copy_row(x_row, sh->c, sh->w, ep, c0, c1, e + ep);
                     held[slot] = img * sh->h + ih;
                 }
                 rows[r] = e;

@@ -129,9 +129,10 @@ void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                  const ttile_epilogue *ep);
 /* An inverted residual block in one call (inverted_residual_avx512.c): x (n, h, w, c),
  * the packed weights its file describes, y (n, ho, wo, k); scratch holds
- * ttile_inverted_residual_scratch_floats(shape, nthreads) floats on a 64-byte line. -1
- * (nothing written) for a stride other than 1 or 2, or a residual the shapes do not
- * allow. */
+ * ttile_inverted_residual_scratch_floats(shape, nthreads) floats on a 64-byte line; w1
+ * and b1 NULL for a block without its expand stage (e == c: the depthwise layer reads x).
+ * -1 (nothing written) for a stride other than 1 or 2, a residual the shapes do not
+ * allow, or no expand stage with e != c. */
 int64_t ttile_inverted_residual_scratch_floats(const ttile_ir_shape *shape, int nthreads);
 /* Packs a 1x1 stage's kk x n weights (row q at w + q * ldw) into out (kk x n rounded up
  * to 16 floats) as the fused kernel reads them. */

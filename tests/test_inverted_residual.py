@@ -35,6 +35,60 @@ CASES = [
 ]
 
 
+# (n, h, w, c, k, stride, residual, activations) of blocks without an expand stage:
+# MobileNetV2's first block, MobileNetV1's pairs (a project activation: no channel
+# slices), channels off the vector width, a residual, maps of one row
+NO_EXPAND_CASES = [
+    (1, 28, 28, 32, 16, 1, False, ("none", "relu6", "none")),
+    (1, 14, 13, 64, 128, 2, False, ("none", "relu", "relu")),
+    (2, 5, 7, 20, 20, 1, True, ("none", "relu6", "none")),
+    (1, 7, 7, 40, 24, 1, False, ("none", "silu", "none")),
+    (1, 1, 9, 17, 33, 2, False, ("none", "none", "leaky_relu")),
+]
+
+
+@needs_avx512
+@pytest.mark.parametrize("case", NO_EXPAND_CASES, ids=lambda c: "x".join(map(str, c[:6])))
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_a_block_without_expand_matches_the_float64_reference(case, threads):
+    """The depthwise stage reads the block's input (its rows copied into the ring, only
+    a thread's channels where threads split them)."""
+    n, h, w, c, k, stride, residual, activations = case
+    rng = np.random.default_rng(n * h * w + c + k)
+    _, _, dw, dwb, pw, pwb = block_weights(rng, c, c, k, biases=(c % 2 == 0))
+    weights = (None, None, dw, dwb, pw, pwb)
+    block = InvertedResidual(*weights, stride=stride, activations=activations,
+                             slopes=(0.1, 0.2, 0.05), residual=residual)
+    assert not block.expands and block.shape_of((n, h, w, c)).weight_bytes == 4 * (
+        (c + 15) // 16 * 16) * ((k + 15) // 16 * 16)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    expected = reference(x, *weights, stride=stride, activations=activations,
+                         slopes=(0.1, 0.2, 0.05), residual=residual)
+    y = block(x, threads)
+    error = np.abs(y - expected).max() / max(np.abs(expected).max(), 1e-6)
+    assert y.shape == expected.shape and error < 2e-5, error
+
+
+def test_a_block_without_expand_refuses_an_expand_bias_or_activation():
+    rng = np.random.default_rng(0)
+    _, _, dw, dwb, pw, pwb = block_weights(rng, 8, 8, 8)
+    with pytest.raises(ValueError, match="no expand bias or activation"):
+        InvertedResidual(None, np.ones(8, np.float32), dw, dwb, pw, pwb, stride=1,
+                         activations=("none", "relu", "none"))
+    with pytest.raises(ValueError, match="no expand bias or activation"):
+        InvertedResidual(None, None, dw, dwb, pw, pwb, stride=1,
+                         activations=("relu", "relu", "none"))
+    if ttile.has_avx512f():
+        x = np.zeros((1, 4, 4, 8), np.float32)
+        with pytest.raises(ValueError, match="must equal C"):
+            _kernels.inverted_residual(x, None, None, np.zeros((9, 16), np.float32),
+                                       np.zeros(16, np.float32), np.zeros((16, 16), np.float32),
+                                       np.zeros(16, np.float32), np.zeros((1, 4, 4, 8),
+                                                                          np.float32),
+                                       _kernels.empty_aligned((1 << 16,)), 16, 1, (0, 0, 0),
+                                       (0.0, 0.0, 0.0), False, 1)
+
+
 @needs_avx512
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])))
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -183,7 +237,7 @@ def test_convert_serves_inverted_residual_blocks_and_matches_torch(mode):
     try:
         converted = tt.convert(model)
         blocks = [m for m in converted.modules() if isinstance(m, tt.TTileInvertedResidual)]
-        assert len(blocks) == 4      # the branchy expand is not one
+        assert len(blocks) == 4      # the branchy expand is not one, nor are its other two
         assert [b.project.residual for b in blocks] == [False, True, True, False]
         with torch.no_grad():
             expected = model(x)
@@ -201,6 +255,47 @@ def test_convert_serves_inverted_residual_blocks_and_matches_torch(mode):
             assert all(p.fused_us and p.layers_us for b in blocks for p in b.plans.values())
     else:
         assert verdicts == []
+
+
+@pytest.mark.parametrize("mode", ["now", "never"])
+def test_depthwise_pointwise_pairs_become_blocks_without_expand(mode):
+    """MobileNetV2's first block (stem -> depthwise -> 1x1) and MobileNetV1's pairs (a
+    1x1 with its own activation after each depthwise layer)."""
+    torch = _torch()
+    from torch import nn
+    import ttile.torch as tt
+
+    def dw(c, stride):
+        return [nn.Conv2d(c, c, 3, stride, 1, groups=c, bias=False), nn.BatchNorm2d(c),
+                nn.ReLU6()]
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.ReLU6(),
+                          *dw(32, 1), nn.Conv2d(32, 16, 1, bias=False), nn.BatchNorm2d(16),
+                          *dw(16, 2), nn.Conv2d(16, 40, 1), nn.ReLU(),
+                          *dw(40, 1), nn.Conv2d(40, 24, 1), nn.ReLU()).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(1, 3, 30, 34)
+    previous = ttile.set_tuning(mode)
+    try:
+        converted = tt.convert(model)
+        blocks = [m for m in converted.modules() if isinstance(m, tt.TTileInvertedResidual)]
+        assert len(blocks) == 3 and all(b.expand is None for b in blocks)
+        assert [b.project.activation for b in blocks] == [None, "relu", "relu"]
+        with torch.no_grad():
+            expected = model(x)
+            for memory_format in (torch.channels_last, torch.contiguous_format,
+                                  torch.channels_last):
+                got = converted(x.contiguous(memory_format=memory_format))
+                error = ((got - expected).abs().max() / expected.abs().max()).item()
+                assert error < 1e-5, (memory_format, error)
+    finally:
+        ttile.restore_tuning(previous)
+    if ttile.has_avx512f():
+        assert all(len(b.plans) == 1 for b in blocks)
+        assert "|" in next(iter(blocks[0].plans.values())).epilogue
 
 
 @needs_avx512

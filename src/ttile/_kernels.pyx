@@ -459,7 +459,7 @@ def inverted_residual_pack(cnp.ndarray w, cnp.ndarray out):
                                      <float *>cnp.PyArray_DATA(out))
 
 
-def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray w2,
+def inverted_residual(cnp.ndarray x, object w1, object b1, cnp.ndarray w2,
                       cnp.ndarray b2, cnp.ndarray w3, cnp.ndarray b3, cnp.ndarray y,
                       cnp.ndarray scratch, int64_t e, int64_t stride, tuple activations,
                       tuple slopes, bint residual, int nthreads):
@@ -467,7 +467,8 @@ def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray
     (N, H, W, C); w1 (C, EP), b1 (EP,), w2 (9, EP), b2 (EP,), w3 (EP, KP), b3 (KP,) packed
     as that file says (EP, KP: e and k rounded up to 16, zero padded); y (N, Ho, Wo, K);
     scratch of inverted_residual_scratch_floats floats; ``activations`` and
-    ``slopes`` the three stages' TTILE_ACT_* codes and leaky slopes."""
+    ``slopes`` the three stages' TTILE_ACT_* codes and leaky slopes. w1 and b1 None: no
+    expand stage (e == C, the depthwise layer reads x; the first activation unused)."""
     _require_isa(_ISA_AVX512F)
     cdef ttile_ir_shape sh
     _ir_shape(&sh, x, e, 0 if cnp.PyArray_NDIM(y) != 4 else cnp.PyArray_DIMS(y)[3], stride,
@@ -476,8 +477,18 @@ def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray
     # C-level checks: this runs once per block call, and tuples of shapes cost microseconds
     _check_dims(x, "x", 4, sh.n, sh.h, sh.w, sh.c)
     _check_dims(y, "y", 4, sh.n, sh.ho, sh.wo, sh.k)
-    _check_dims(w1, "w1", 2, sh.c, ep, 0, 0)
-    _check_dims(b1, "b1", 1, ep, 0, 0, 0)
+    cdef const float *w1p = NULL
+    cdef const float *b1p = NULL
+    if w1 is None or b1 is None:
+        if w1 is not None or b1 is not None:
+            raise ValueError("w1 and b1 are both arrays or both None (no expand stage)")
+        if e != sh.c:
+            raise ValueError(f"without an expand stage e must equal C ({e} != {sh.c})")
+    else:
+        _check_dims(w1, "w1", 2, sh.c, ep, 0, 0)
+        _check_dims(b1, "b1", 1, ep, 0, 0, 0)
+        w1p = <const float *>cnp.PyArray_DATA(w1)
+        b1p = <const float *>cnp.PyArray_DATA(b1)
     _check_dims(w2, "w2", 2, 9, ep, 0, 0)
     _check_dims(b2, "b2", 1, ep, 0, 0, 0)
     _check_dims(w3, "w3", 2, ep, kp, 0, 0)
@@ -494,8 +505,8 @@ def inverted_residual(cnp.ndarray x, cnp.ndarray w1, cnp.ndarray b1, cnp.ndarray
     cdef int rc
     with nogil:
         rc = ttile_inverted_residual_avx512(
-            &sh, <const float *>cnp.PyArray_DATA(x), <const float *>cnp.PyArray_DATA(w1),
-            <const float *>cnp.PyArray_DATA(b1), <const float *>cnp.PyArray_DATA(w2),
+            &sh, <const float *>cnp.PyArray_DATA(x), w1p, b1p,
+            <const float *>cnp.PyArray_DATA(w2),
             <const float *>cnp.PyArray_DATA(b2), <const float *>cnp.PyArray_DATA(w3),
             <const float *>cnp.PyArray_DATA(b3), <float *>cnp.PyArray_DATA(y),
             <float *>cnp.PyArray_DATA(scratch), nthreads)

@@ -350,7 +350,9 @@ class TTileInvertedResidual(nn.Module):
     and 1x1 project layers (``expand``, ``depthwise``, ``project``, the last with the
     block's input as its residual when the block has one), served by the fused kernel
     (:mod:`ttile.runtime.inverted_residual`) where that is faster, else by the three
-    layers.
+    layers. ``expand`` is None for a depthwise layer feeding a 1x1 layer with no expand
+    before it (MobileNetV2's first block, MobileNetV1's pairs): the fused kernel then
+    reads the block's input in its depthwise stage.
 
     The verdict is per input shape and thread count: with run-time tuning "now" both
     ways are timed on the block's first call at that shape (the layers tuned first),
@@ -358,12 +360,19 @@ class TTileInvertedResidual(nn.Module):
     AVX-512 CPUs, in eager mode; everything else (NCHW inputs, tracing, ``torch.compile``,
     the checks on training mode and gradients) goes through the layers."""
 
-    def __init__(self, expand: TTileConv2d, depthwise: TTileConv2d, project: TTileConv2d):
+    def __init__(self, expand: Optional[TTileConv2d], depthwise: TTileConv2d,
+                 project: TTileConv2d):
         super().__init__()
         self.expand, self.depthwise, self.project = expand, depthwise, project
-        self.source = " | ".join((expand.source, depthwise.source, project.source))
+        self.source = " | ".join(m.source for m in self.layers)
         self._attach()
         self.eval()
+
+    @property
+    def layers(self) -> tuple:
+        """The block's converted layers in order (without ``expand`` where it has none)."""
+        return ((self.depthwise, self.project) if self.expand is None
+                else (self.expand, self.depthwise, self.project))
 
     def _attach(self) -> None:
         self._fused: Optional[InvertedResidual] = None
@@ -390,8 +399,9 @@ class TTileInvertedResidual(nn.Module):
 
     def _sources(self) -> tuple:
         modules = self._modules   # nn.Module's attribute lookup costs half a microsecond
-        e, d, p = (modules["expand"]._parameters, modules["depthwise"]._parameters,
-                   modules["project"]._parameters)
+        d, p = modules["depthwise"]._parameters, modules["project"]._parameters
+        expand = modules.get("expand")
+        e = {"weight": None} if expand is None else expand._parameters
         return (e["weight"], e.get("bias"), d["weight"], d.get("bias"), p["weight"],
                 p.get("bias"))
 
@@ -415,24 +425,24 @@ class TTileInvertedResidual(nn.Module):
         with self._lock:
             if self._fused is None or stamp != self._packed_from:
                 arrays = [None if t is None else t.detach().numpy() for t in tensors]
+                stages = (self.expand, self.depthwise, self.project)
                 self._fused = InvertedResidual(
                     *arrays, stride=self.depthwise.stride[0],
-                    activations=tuple(m.activation or "none" for m in
-                                      (self.expand, self.depthwise, self.project)),
-                    slopes=tuple(m.negative_slope for m in
-                                 (self.expand, self.depthwise, self.project)),
+                    activations=tuple("none" if m is None else m.activation or "none"
+                                      for m in stages),
+                    slopes=tuple(0.01 if m is None else m.negative_slope for m in stages),
                     residual=self.project.residual)
                 self._packed_from, self._tensors = stamp, tensors
                 _units_changed()
             return self._fused
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.depthwise(self.expand(x))
+        y = self.depthwise(x if self.expand is None else self.expand(x))
         return self.project(y, x) if self.project.residual else self.project(y)
 
     def _layers_unhooked(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`_layers` through the layers' ``forward`` (timing: no hooks fire)."""
-        y = self.depthwise.forward(self.expand.forward(x))
+        y = self.depthwise.forward(x if self.expand is None else self.expand.forward(x))
         return self.project.forward(y, x if self.project.residual else None)
 
     def _plan(self, x: torch.Tensor, x_np: np.ndarray, threads: int) -> BlockPlan:
@@ -467,7 +477,7 @@ class TTileInvertedResidual(nn.Module):
                              fused_us, layers_us)
         stages = [_describe_epilogue(m.bias is not None, m is self.project and m.residual,
                                      Activation(m.activation or "none"))
-                  for m in (self.expand, self.depthwise, self.project)]
+                  for m in self.layers]
         plan = replace(plan, epilogue=" | ".join(stages))
         with self._lock:
             self.plans[key] = plan
@@ -484,7 +494,8 @@ class TTileInvertedResidual(nn.Module):
                 return None
             if plan.verdict is BlockVerdict.FUSED:
                 return self._block()(x, threads)
-        y = self.depthwise.run_nhwc(self.expand.run_nhwc(x, None, threads), None, threads)
+        y = x if self.expand is None else self.expand.run_nhwc(x, None, threads)
+        y = self.depthwise.run_nhwc(y, None, threads)
         return self.project.run_nhwc(y, x if self.project.residual else None, threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -492,7 +503,7 @@ class TTileInvertedResidual(nn.Module):
                 and x.is_cpu and x.ndim == 4
                 and not (x.requires_grad and torch.is_grad_enabled())
                 and x.is_contiguous(memory_format=torch.channels_last)
-                and x.shape[1] == self.expand.weight.shape[1]
+                and x.shape[1] == self.layers[0].weight.shape[1] * self.layers[0].groups
                 and InvertedResidual.unsupported() is None
                 and not torch.compiler.is_compiling()):
             threads = self.project.threads or torch.get_num_threads()
@@ -867,7 +878,8 @@ class TTileSequence(nn.Module):
                     pending.append((len(steps), fused, shapes[source], t))
                     value = add(None, source, -1, fused.output_shape(shapes[source]))
                 else:
-                    value = add_layer(unit.expand, source, -1)
+                    value = (source if unit.expand is None
+                             else add_layer(unit.expand, source, -1))
                     if value is not None:
                         value = add_layer(unit.depthwise, value, -1)
                     if value is not None:
@@ -879,7 +891,7 @@ class TTileSequence(nn.Module):
             index.append(value)
         modules = list(layers)
         for unit in blocks:
-            modules += [unit.expand, unit.depthwise, unit.project]
+            modules += unit.layers
         tensors = _BoundSequence.stamps(modules)
         if tensors is None:
             return None
@@ -1176,7 +1188,9 @@ def _is_pointwise(m) -> bool:
 def _fuse_inverted_residuals(gm: torch.fx.GraphModule) -> int:
     """Replaces each expand (1x1) -> depthwise (3x3, padding 1, stride 1 or 2) -> project
     (1x1, residual only from the block's input) chain of converted layers, each feeding
-    only the next, by one :class:`TTileInvertedResidual`; returns how many."""
+    only the next, by one :class:`TTileInvertedResidual`, and each depthwise -> project
+    pair left (its input from anything else: MobileNetV2's first block, MobileNetV1's
+    pairs) by one without an expand stage; returns how many."""
     modules = dict(gm.named_modules())
     graph = gm.graph
     count = 0
@@ -1198,24 +1212,29 @@ def _fuse_inverted_residuals(gm: torch.fx.GraphModule) -> int:
                 or project.weight.shape[1] != e):
             continue
         first = mid.args[0]
-        if not isinstance(first, torch.fx.Node) or first.op != "call_module" \
-                or _sole_user(first) is not mid or len(first.args) != 1:
+        expand = None
+        if isinstance(first, torch.fx.Node) and first.op == "call_module" \
+                and _sole_user(first) is mid and len(first.args) == 1:
+            candidate = modules.get(first.target)
+            if _is_pointwise(candidate) and not candidate.residual \
+                    and candidate.weight.shape[0] == e:
+                expand = candidate
+        chain = [mid, node] if expand is None else [first, mid, node]
+        block_input = first if expand is None else first.args[0]
+        if not isinstance(block_input, torch.fx.Node):
             continue
-        expand = modules.get(first.target)
-        if not _is_pointwise(expand) or expand.residual or expand.weight.shape[0] != e:
-            continue
-        block_input = first.args[0]
         if project.residual:
             if len(node.args) != 2 or node.args[1] is not block_input \
                     or depthwise.stride != (1, 1):
                 continue
         elif len(node.args) != 1:
             continue
-        if len({expand.threads, depthwise.threads, project.threads}) != 1:
+        stages = [m for m in (expand, depthwise, project) if m is not None]
+        if len({m.threads for m in stages}) != 1:
             continue
         block = TTileInvertedResidual(expand, depthwise, project)
-        name = _replace_chain(gm, [first, mid, node], block,
-                              "ttile_block_" + first.target.removeprefix("ttile_"),
+        name = _replace_chain(gm, chain, block,
+                              "ttile_block_" + chain[0].target.removeprefix("ttile_"),
                               (block_input,))
         modules[name] = block
         count += 1

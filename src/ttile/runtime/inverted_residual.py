@@ -49,12 +49,13 @@ class BlockShape:
     k: int
     stride: int
     residual: bool
+    expands: bool = True
 
     @property
     def weight_bytes(self) -> int:
-        """The two 1x1 layers' packed weights, which each output row streams once."""
+        """The 1x1 layers' packed weights, which each output row streams once."""
         ep, kp = _round16(self.e), _round16(self.k)
-        return 4 * (self.c * ep + ep * kp)
+        return 4 * ((self.c * ep if self.expands else 0) + ep * kp)
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,27 @@ class InvertedResidual:
     three stages' (MobileNetV2: relu6, relu6, none), ``slopes`` their leaky slopes.
     The depthwise layer pads by 1 and has ``stride`` 1 or 2; ``residual`` adds the
     block's input to its output (stride 1, K == C).
+
+    ``expand`` None (and its bias None, its activation "none"): a block without its
+    expand stage, the depthwise layer on the block's input (E == C) feeding the 1x1
+    project: MobileNetV2's first block, MobileNetV1's depthwise-pointwise pairs. The
+    depthwise output, as large as the input, then stays in L2 too.
     """
 
     def __init__(self, expand, expand_bias, depthwise, depthwise_bias, project,
                  project_bias, *, stride: int, activations: tuple, slopes: tuple = (
                      0.01, 0.01, 0.01), residual: bool = False):
-        expand = np.asarray(expand)
-        if expand.ndim != 4 or expand.shape[2:] != (1, 1):
-            raise ValueError(f"expand weights must be (E, C, 1, 1), got {expand.shape}")
-        e, c = expand.shape[:2]
+        self.expands = expand is not None
+        if self.expands:
+            expand = np.asarray(expand)
+            if expand.ndim != 4 or expand.shape[2:] != (1, 1):
+                raise ValueError(f"expand weights must be (E, C, 1, 1), got {expand.shape}")
+            e, c = expand.shape[:2]
+        else:
+            if expand_bias is not None or Activation(activations[0]) is not Activation.NONE:
+                raise ValueError("a block without an expand stage has no expand bias or "
+                                 "activation")
+            e = c = np.asarray(depthwise).shape[0]
         depthwise = _as_float32(depthwise, (e, 1, 3, 3), "depthwise weights")
         project = np.asarray(project)
         if project.ndim != 4 or project.shape[1:] != (e, 1, 1):
@@ -129,16 +142,19 @@ class InvertedResidual:
             out = _kernels.empty_aligned(shape)
             out.fill(0.0)
             return out
-        self._w1 = padded((c, ep))
-        _kernels.inverted_residual_pack(
-            np.ascontiguousarray(expand.astype(np.float32)[:, :, 0, 0].T), self._w1)
+        self._w1 = self._b1 = None
+        if self.expands:
+            self._w1 = padded((c, ep))
+            _kernels.inverted_residual_pack(
+                np.ascontiguousarray(expand.astype(np.float32)[:, :, 0, 0].T), self._w1)
+            self._b1 = padded((ep,))
         self._w2 = padded((9, ep))
         self._w2[:, :e] = depthwise.reshape(e, 9).T
         w3 = np.zeros((ep, k), dtype=np.float32)
         w3[:e] = project.astype(np.float32)[:, :, 0, 0].T
         self._w3 = padded((ep, kp))
         _kernels.inverted_residual_pack(w3, self._w3)
-        self._b1, self._b2, self._b3 = padded((ep,)), padded((ep,)), padded((kp,))
+        self._b2, self._b3 = padded((ep,)), padded((kp,))
         for out, bias, n, name in ((self._b1, expand_bias, e, "expand bias"),
                                    (self._b2, depthwise_bias, e, "depthwise bias"),
                                    (self._b3, project_bias, k, "project bias")):
@@ -149,7 +165,8 @@ class InvertedResidual:
 
     def shape_of(self, x_shape: tuple) -> BlockShape:
         n, h, w, c = x_shape
-        return BlockShape(n, h, w, c, self.e, self.k, self.stride, self.residual)
+        return BlockShape(n, h, w, c, self.e, self.k, self.stride, self.residual,
+                          self.expands)
 
     @staticmethod
     def unsupported() -> Optional[str]:
@@ -228,12 +245,15 @@ def reference(x, expand, expand_bias, depthwise, depthwise_bias, project, projec
     from ..core.reference import activate_f64 as activate
     x = np.asarray(x, dtype=np.float64)
     n, h, w, c = x.shape
-    e, k = expand.shape[0], project.shape[0]
+    e, k = np.asarray(depthwise).shape[0], project.shape[0]
 
     def bias(b, size):
         return np.zeros(size) if b is None else np.asarray(b, dtype=np.float64)
-    t = np.einsum("nhwc,ec->nhwe", x, np.asarray(expand, np.float64)[:, :, 0, 0])
-    t = activate(t + bias(expand_bias, e), activations[0], slopes[0])
+    if expand is None:   # no expand stage: the depthwise layer reads x
+        t = x
+    else:
+        t = np.einsum("nhwc,ec->nhwe", x, np.asarray(expand, np.float64)[:, :, 0, 0])
+        t = activate(t + bias(expand_bias, e), activations[0], slopes[0])
     padded = np.zeros((n, h + 2, w + 2, e))
     padded[:, 1:-1, 1:-1] = t
     ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
