@@ -308,3 +308,24 @@ def test_a_converted_model_with_a_bound_program_pickles_and_copies(converted):
         for _ in range(2):
             _check(clone, model, x)
         assert _bound(clone) == ["_BoundSequence"]
+
+
+def test_a_sequence_keeps_few_programs_and_bounded_memory(converted):
+    model, fast, x = converted
+    seq = _sequences(fast)[0]
+    seq.MAX_PROGRAMS = 3
+    shapes = [(1, 3, 32 + 2 * i, 32) for i in range(5)]
+    with torch.no_grad():
+        for shape in shapes:
+            xi = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+            for _ in range(3):   # first calls: verdicts on tensors, then bound
+                _check(fast, model, xi)
+    kept = [k for k, v in seq._programs.items() if type(v).__name__ == "_BoundSequence"]
+    assert len(seq._programs) <= 3 and kept
+    assert kept[-1][0][0] == (1, 32 + 2 * 4, 32, 3)   # the newest signature stays
+    seq.MAX_PROGRAM_BYTES = 0   # only the newest program is kept
+    with torch.no_grad():
+        xi = torch.randn(shapes[0]).contiguous(memory_format=torch.channels_last)
+        for _ in range(3):
+            _check(fast, model, xi)
+    assert [type(v).__name__ for v in seq._programs.values()] == ["_BoundSequence"]

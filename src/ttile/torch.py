@@ -797,18 +797,37 @@ class TTileSequence(nn.Module):
                 if type(bound) is int and (bound + 1) % self.BIND_RETRY:
                     self._programs[key] = bound + 1
                 else:
-                    if key not in self._programs:   # the oldest signatures go
-                        for old in list(self._programs)[:1 + len(self._programs)
-                                                        - self.MAX_PROGRAMS]:
-                            self._programs.pop(old, None)
-                    self._programs[key] = self._bind(key[0], threads) or 0
+                    self._programs.pop(key, None)
+                    bound = self._bind(key[0], threads)
+                    self._keep(key, bound or 0)
             return torch.from_numpy(y.transpose(0, 3, 1, 2))
         return self._one_by_one(xs)
 
     #: Input signatures a sequence keeps a program for.
     MAX_PROGRAMS = 8
+    #: Activation memory a sequence keeps for its programs beyond the newest one (each
+    #: keeps about the peak of what a call of it has live at once).
+    MAX_PROGRAM_BYTES = 256 << 20
     #: Unbound runs between two tries to bind a sequence that could not be bound.
     BIND_RETRY = 16
+
+    def _keep(self, key, entry) -> None:
+        """Keep ``entry`` (a bound program, or a count of runs since binding failed) for
+        ``key``, the oldest signatures dropped beyond MAX_PROGRAMS and
+        MAX_PROGRAM_BYTES."""
+        programs = self._programs
+        programs[key] = entry
+        def kept_bytes():
+            return sum(p.program.buffer_bytes for p in list(programs.values())
+                       if type(p) is _BoundSequence)
+        for old in list(programs):
+            if old == key:
+                continue
+            if len(programs) <= self.MAX_PROGRAMS and kept_bytes() <= \
+                    self.MAX_PROGRAM_BYTES + (entry.program.buffer_bytes
+                                              if type(entry) is _BoundSequence else 0):
+                break
+            programs.pop(old, None)
 
     def _unbound(self, values: list, threads: int) -> Optional[np.ndarray]:
         """The units called one by one on NHWC arrays (each layer's own checks and
