@@ -281,13 +281,19 @@ def test_generic_kernel_stores_vectors_only_to_the_output():
     assert not spills, f"vector registers stored to the stack: {spills[:5]}"
 
 
+def _functions(asm: str) -> list[str]:
+    """The assembly cut at each function's label: names may hold dots (OpenMP's outlined
+    ``f._omp_fn.0``, GCC's clones), local labels (``.L12``) start with one."""
+    return re.split(r"\n(?=[A-Za-z_][\w.]*:\n)", asm)
+
+
 def test_fused_block_kernels_keep_their_vectors_in_registers():
     """The fused inverted residual kernel's GEMM blocks (up to 8 pixels x 3 vectors: 24
     accumulators) and depthwise blocks (8 outputs, 9 taps) keep their vectors in
     registers: no block function stores a vector register to the stack or reads one
     back (a scalar broadcast from the stack is the leaky slope argument, not a spill)."""
     asm = _hand_written_assembly("inverted_residual_avx512.c", ["-mavx512f", "-mfma"])
-    functions = re.split(r"\n(?=\w+:\n)", asm)
+    functions = _functions(asm)
     blocks = [f for f in functions if re.match(r"ir_(block|dw)_\d+_\d+:", f)]
     assert len(blocks) == 8 * 3 + 8 * 2, "not the fused kernel's block functions"
     for body in blocks:
@@ -306,7 +312,7 @@ def test_avx2_depthwise_blocks_keep_their_vectors_in_registers():
     never read back: not a spill. The AVX-512 kernel's 5x5 two-vector blocks do spill,
     with 27 live zmm registers at 8 outputs; they are not held to this.)"""
     asm = _hand_written_assembly("depthwise_avx2.c", ["-mavx2", "-mfma"])
-    functions = re.split(r"\n(?=\w+:\n)", asm)
+    functions = _functions(asm)
     blocks = [f for f in functions if re.match(r"dw2_(fast|block)_\w+:", f)]
     assert len(blocks) == 8 + 4 * 8, "not the depthwise kernel's block functions"
     for body in blocks:
