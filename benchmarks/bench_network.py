@@ -32,7 +32,9 @@ MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
   input (ttile's native layout) and on the NCHW input.
 
 With ``--alone``, each contender is also timed by itself in a child process of its own
-(back-to-back calls, the kernels tuned by the interleaved run served from the disk cache):
+(back-to-back calls, the kernels tuned by the interleaved run served from the disk cache),
+in three rounds with the contenders in a shuffled order each round; the alone ratios are
+medians of each round's ratio:
 at 2 threads and more, the interleaved contenders' thread pools spin after their calls and
 take cores from whoever runs next (every engine's MobileNetV2 about 1.3x at 2 threads on a
 Xeon model 167), so the alone ratios say what a user running one engine meets, and the two
@@ -246,6 +248,10 @@ def check_output(name: str, label: str, fn, expected) -> None:
         raise AssertionError(f"{name}: {label} differs from torch eager: {error:.2e}")
 
 
+#: Rounds of --alone: every contender's child process once a round.
+ALONE_ROUNDS = 3
+
+
 def alone(name: str, batch: int, threads: int, reps: int, label: str) -> dict:
     """One contender timed by itself in this process: ``reps`` back-to-back calls after five
     untimed ones, as a service answering one request after another meets it, with no other
@@ -266,19 +272,30 @@ def alone(name: str, batch: int, threads: int, reps: int, label: str) -> dict:
     return dict(label=label, ms=statistics.median(times) * 1e3)
 
 
-def alone_in_children(name: str, batch: int, threads: int, reps: int, labels) -> dict:
+def alone_in_children(name: str, batch: int, threads: int, reps: int, labels,
+                      rounds: int = ALONE_ROUNDS, seed: int = 0) -> list[dict]:
     """Each contender's median from ``alone`` in a child process of its own, pinned to the
-    same CPUs, one after another: ms by label."""
+    same CPUs, one after another, in ``rounds`` rounds with the contenders in a seeded
+    shuffled order each round (a shared host drifts over the minutes this takes, and one
+    pass would give whoever ran in a quiet spell the lead): ms by label, one dict a
+    round."""
     import json
+    import random
     import subprocess
-    ms = {}
-    for label in labels:
-        out = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--alone-child", label,
-             "--networks", name, "--batch", str(batch), "--threads", str(threads),
-             "--reps", str(reps)], check=True, capture_output=True, text=True).stdout
-        ms[label] = json.loads(out.strip().splitlines()[-1])["ms"]
-    return ms
+    order = list(labels)
+    shuffle = random.Random(seed).shuffle
+    results = []
+    for _ in range(rounds):
+        shuffle(order)
+        ms = {}
+        for label in order:
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--alone-child", label,
+                 "--networks", name, "--batch", str(batch), "--threads", str(threads),
+                 "--reps", str(reps)], check=True, capture_output=True, text=True).stdout
+            ms[label] = json.loads(out.strip().splitlines()[-1])["ms"]
+        results.append(ms)
+    return results
 
 
 def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
@@ -341,13 +358,19 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
     if separately:
         # The converted model's kernels are tuned and cached on disk by now: the child's
         # convert finds them there and its first call tunes nothing.
-        ms = alone_in_children(name, batch, threads, max(reps * 3, 20), list(runs))
-        ttile_ms = min(ms["ttile channels_last"], ms["ttile NCHW"])
+        solo = alone_in_children(name, batch, threads, max(reps * 3, 20), list(runs))
+
+        def ttile_ms(ms):
+            return min(ms["ttile channels_last"], ms["ttile NCHW"])
         result["alone"] = dict(
-            ms=ms,
-            ratio_engines=(min(ms[label] for label in engines) / ttile_ms if engines
-                           else float("nan")),
-            ratio=min(ms["torch NCHW"], ms["torch channels_last"]) / ttile_ms)
+            ms={label: statistics.median(r[label] for r in solo) for label in runs},
+            rounds=len(solo),
+            # medians over the rounds of each round's ratio
+            ratio_engines=(statistics.median(min(r[label] for label in engines) / ttile_ms(r)
+                                             for r in solo)
+                           if engines else float("nan")),
+            ratio=statistics.median(min(r["torch NCHW"], r["torch channels_last"])
+                                    / ttile_ms(r) for r in solo))
     return result
 
 
