@@ -829,18 +829,26 @@ class TTileSequence(nn.Module):
                 break
             programs.pop(old, None)
 
-    def _unbound(self, values: list, threads: int) -> Optional[np.ndarray]:
+    def _unbound(self, values: list, threads: int, shapes: Optional[list] = None,
+                 elapsed: Optional[list] = None) -> Optional[np.ndarray]:
         """The units called one by one on NHWC arrays (each layer's own checks and
         choices): the output, or None where a unit's verdict is still to be made on
-        tensors."""
+        tensors. With ``shapes`` and ``elapsed`` (:meth:`_timed_pass`), each unit's
+        first input shape and its seconds are appended to them."""
+        timed = elapsed is not None
         for unit, args, done in self._plan:
+            if timed:
+                shapes.append(values[args[0]].shape)
+                t0 = time.perf_counter()
             if type(unit) is TTileConv2d:
                 y = unit.run_nhwc(values[args[0]],
                                   values[args[1]] if len(args) > 1 else None, threads)
             else:
                 y = unit.run_nhwc(values[args[0]], threads)
-                if y is None:
-                    return None
+            if timed:
+                elapsed.append(time.perf_counter() - t0)
+            if y is None:
+                return None
             for a in done:
                 if a >= self.inputs:
                     values[a] = None   # the memory goes back as soon as it can
@@ -1006,22 +1014,10 @@ class TTileSequence(nn.Module):
                 for unit, seconds in zip(bound.units, times):
                     elapsed[unit] += seconds
                 return list(bound.unit_shapes), elapsed
-        shapes, elapsed = [], []
-        for unit, args, done in self._plan:
-            shapes.append(values[args[0]].shape)
-            t0 = time.perf_counter()
-            if type(unit) is TTileConv2d:
-                y = unit.run_nhwc(values[args[0]],
-                                  values[args[1]] if len(args) > 1 else None, threads)
-            else:
-                y = unit.run_nhwc(values[args[0]], threads)
-            elapsed.append(time.perf_counter() - t0)
-            if y is None:
-                return None
-            for a in done:
-                if a >= self.inputs:
-                    values[a] = None
-            values.append(y)
+        shapes: list = []
+        elapsed: list = []
+        if self._unbound(values, threads, shapes, elapsed) is None:
+            return None
         return shapes, elapsed
 
     def _one_by_one(self, xs) -> torch.Tensor:
