@@ -78,10 +78,20 @@ def _evict() -> None:
     np.add(_SWEEP[0], 1.0, out=_SWEEP[0])
 
 
+#: Seconds each contender waits before its turn. An engine's worker threads spin for a
+#: while after its call, waiting for more work, and on a CPU with no core to spare they
+#: take it from whoever runs next: at 2 threads on 2 cores, ttile's Winograd call on
+#: Yolo9000-8 took 6.2-6.5 ms after an onnxruntime call (its pool's spinning on, the
+#: default), 2.1 ms after nothing, 2.4 ms after an onnxruntime session with spinning off;
+#: after 10 ms of sleep, 2.3 ms (Zen 5). Each engine runs alone in a user's process; the
+#: wait gives back that condition without touching the engines' own settings.
+SETTLE_S = 0.015
+
+
 def rounds(runs: dict, reps: int, cache: Cache = Cache.WARM) -> dict:
     """Times of each run, interleaved round by round in an order drawn afresh for each
     round (seeded: the same on every run of the script), each timed call from ``cache``,
-    after one warm-up call each.
+    after one warm-up call each, each turn after a wait of :data:`SETTLE_S`.
 
     A rotating order (each round starting one contender later) leaves each contender right after the same one in all but one
     round in len(runs), and the call before still shapes the timed one after a warm-up
@@ -97,6 +107,7 @@ def rounds(runs: dict, reps: int, cache: Cache = Cache.WARM) -> dict:
     for _ in range(reps):
         shuffle(order)
         for name, fn in order:
+            time.sleep(SETTLE_S)   # the previous contender's idle threads stop spinning
             if cache is Cache.WARM:
                 fn()
             else:
