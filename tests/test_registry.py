@@ -190,6 +190,28 @@ def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel(kind):
                              Isa.AVX512F) is unrated
 
 
+def test_a_per_call_nhwc_conv2d_on_weights_that_stay_in_cache_keeps_the_faster_kernel():
+    """Weights that fit the threads' L2 caches are checked (NHWC, searched kernel) or
+    packed (generic kernel) from cache at like rates: the faster kernel serves per call
+    as it does packed. NCHW calls, which transpose torch's weights, still weigh."""
+    from ttile.core.kinds import Isa
+    from ttile.generator.networks import layer
+    spec = layer("ResNet18-11").spec()   # 1x1 256->512: 512 KB of weights
+    weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
+    if _kernels.cpu_l2_bytes() < weight_bytes:
+        pytest.skip("this CPU's L2 is smaller than the layer's weights")
+    entry = next(e for e in registry.KERNELS if e.warm_gflops and e.generic_gflops)
+    choice = dataclasses.replace(dispatch.registry_choice(entry, Isa.AVX512F),
+                                 kind=ttile.KernelKind.JIT, index=-1, panel=32,
+                                 warm_gflops=200.0, generic_gflops=190.0)
+    assert dispatch.for_call(choice, spec, "NHWC", True, 1, Isa.AVX512F) is choice
+    nchw = dispatch.for_call(choice, spec, "NCHW", True, 1, Isa.AVX512F)
+    assert nchw.kind is ttile.KernelKind.GENERIC and "estimated" in nchw.note
+    large = layer("ResNet18-12").spec()   # 9.4 MB: from memory, weighed in both layouts
+    assert dispatch.for_call(choice, large, "NHWC", True, 1,
+                             Isa.AVX512F).kind is ttile.KernelKind.GENERIC
+
+
 @requires_avx512
 def test_a_generic_verdict_serves_the_generic_kernel_without_tuning(jit_cache, monkeypatch):
     verdicts = [e for e in registry.ENTRIES if e.kind is ttile.KernelKind.GENERIC]

@@ -213,6 +213,18 @@ PACK_IN_KERNEL_BYTES_PER_S = 20e9
 PACK_WEIGHED_MIN_BYTES = 128 << 10
 
 
+def _weights_stay_in_cache(weight_bytes: int, layout: str, threads: int) -> bool:
+    """Whether an NHWC call's weights fit the L2 caches of its threads. A searched
+    kernel's per-call NHWC call then checks them against the panels it packed on the
+    first call (``weight_cache``), and the check, like the generic kernel's own packing,
+    reads from cache at about 50 GB/s a core (0.5-2.3 MB, Zen 5): the rates above, of
+    9.4 MB from memory, charged the searched kernel four times what it pays. ResNet18-11
+    (512 KB) was served per call by the generic kernel at 0.09 ms (1 thread) and 0.10 ms
+    (2 threads), where its searched kernel took 0.057 and 0.037 packed. NCHW calls pack
+    torch's KCRS weights, a transpose, and keep the rates."""
+    return layout == "NHWC" and weight_bytes <= threads * _kernels.cpu_l2_bytes()
+
+
 def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
              threads: int, isa: Isa) -> KernelChoice:
     """The kernel for one kind of call: a searched kernel of the registry is the faster
@@ -229,7 +241,8 @@ def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
     weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
     if not per_call or choice.kind not in (KernelKind.TUNED, KernelKind.JIT) \
             or not isa.vector or not (choice.warm_gflops > 0 and choice.generic_gflops > 0) \
-            or weight_bytes < PACK_WEIGHED_MIN_BYTES:
+            or weight_bytes < PACK_WEIGHED_MIN_BYTES \
+            or _weights_stay_in_cache(weight_bytes, layout, threads):
         return choice
     scale = threads ** 0.5
     tuned = spec.flops / (choice.warm_gflops * 1e9)
