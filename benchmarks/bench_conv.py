@@ -48,7 +48,7 @@ import numpy as np
 
 import results
 import ttile
-from bench_semantics import rounds
+from bench_semantics import SETTLE_S, rounds
 from ttile import _kernels, peers
 from ttile.runtime import registry
 from ttile.core.cpuinfo import process_cpus
@@ -343,7 +343,8 @@ def main(argv=None) -> int:
              f"tuning {args.tuning}; kernel set: {results.kernel_set(args.shipped)}"
              + (", torch capped at AVX2: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2"
                 if args.isa == "avx2" else "") + "); "
-             f"batch 1, fp32; {args.reps} interleaved rounds, warm cache (the "
+             f"batch 1, fp32; {args.reps} interleaved rounds, each turn after "
+             f"{SETTLE_S * 1e3:.0f} ms of quiet, warm cache (the "
              f"same tensors every call); times are medians, torch/ttile the median of the "
              f"rounds' ratios (torch's fastest way in each round over ttile).", ""]
     for threads in counts:

@@ -27,7 +27,9 @@ onnxruntime, OpenVINO), per CPU, one table per question. Every table comes from 
 file in `records/` written by the benchmark named under it, and this page is generated from
 those files by `python benchmarks/make_results.py` (do not edit it by hand). Ratios are
 medians over rounds of each round's ratio, the contenders interleaved in a seeded shuffled
-order (the machines are shared and noisy); above 1, ttile is faster. A kernel set searched
+order (the machines are shared and noisy); a table whose line says so gave each turn 15
+ms of quiet first (an engine's worker threads spin after its call and slow whoever runs
+next). Above 1, ttile is faster. A kernel set searched
 on one CPU at one thread count is evidence about that CPU and thread count only: the
 "kernel set" line of each table says which served.
 
