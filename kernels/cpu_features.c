@@ -3,6 +3,7 @@
  * report the former without the latter (e.g. under some hypervisors), so both are read.
  * AVX2 + FMA: cpuid leaf 7 EBX bit 5 and leaf 1 ECX bit 12, with the XMM and YMM state
  * (XCR0 bits 1, 2). */
+#include <unistd.h>
 #include "ttile_runtime.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -112,4 +113,32 @@ int64_t ttile_generic_cache_bytes(void)
 void ttile_set_generic_cache_bytes(int64_t bytes)
 {
     generic_cache_bytes = bytes > 0 ? bytes : default_cache_bytes();
+}
+
+/* The last-level cache of this CPU as glibc reports it (cpuid), 0 when unknown. */
+static int64_t default_stream_bytes(void)
+{
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#else
+    const long l3 = 0;
+#endif
+    const int64_t floor = TTILE_STREAM_BYTES;
+    if (l3 <= 0)
+        return 4 * floor;
+    return (int64_t)l3 > floor ? (int64_t)l3 : floor;
+}
+
+static volatile int64_t generic_stream_bytes = -1;
+
+int64_t ttile_generic_stream_bytes(void)
+{
+    if (generic_stream_bytes <= 0)
+        generic_stream_bytes = default_stream_bytes();
+    return generic_stream_bytes;
+}
+
+void ttile_set_generic_stream_bytes(int64_t bytes)
+{
+    generic_stream_bytes = bytes > 0 ? bytes : default_stream_bytes();
 }

@@ -19,6 +19,7 @@
 #define G_SET1(v) _mm256_set1_ps(v)
 #define G_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define G_ADD(a, b) _mm256_add_ps(a, b)
+#define G_STREAM(p, v) _mm256_stream_ps(p, v)   /* half a line, past the caches */
 #define G_MAX(a, b) _mm256_max_ps(a, b)
 #define G_MIN(a, b) _mm256_min_ps(a, b)
 #define G_MASKZ_LOAD(m, p) _mm256_maskload_ps(p, m)

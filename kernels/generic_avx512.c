@@ -16,6 +16,7 @@
 #define G_SET1(v) _mm512_set1_ps(v)
 #define G_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define G_ADD(a, b) _mm512_add_ps(a, b)
+#define G_STREAM(p, v) _mm512_stream_ps(p, v)   /* a whole line, past the caches */
 #define G_MAX(a, b) _mm512_max_ps(a, b)
 #define G_MIN(a, b) _mm512_min_ps(a, b)
 #define G_MASKZ_LOAD(m, p) _mm512_maskz_loadu_ps(m, p)

@@ -174,3 +174,52 @@ def test_the_generic_kernel_splits_rows_when_all_its_panels_fit_in_l2(shape, thr
     np.testing.assert_array_equal(plain[threads], plain[1])
     np.testing.assert_array_equal(groups_first, plain[1])
     assert_conv_close(small, x, w, (1, 1), (pad,) * 4)
+
+
+@pytest.mark.parametrize("isa_code", ["avx512f", "avx2"])
+@pytest.mark.parametrize("k", [32, 40])
+@pytest.mark.parametrize("epilogue", ["none", "bias_relu", "bias_residual_relu", "silu"])
+def test_generic_outputs_past_the_last_level_cache_are_stored_around_it(isa_code, k,
+                                                                        epilogue):
+    """An NHWC output larger than ``generic_stream_bytes`` (the last-level cache) is
+    written with non-temporal stores by the blocks' last stores: made small here, so
+    that a small layer takes that path. The output equals the one stored plainly, bit for
+    bit, and the float64 reference; an output channel count off the vector width, and an
+    epilogue applied from memory after the stores (SiLU), are stored plainly."""
+    from ttile import _kernels
+    from ttile.core.kinds import Activation
+    from ttile.core.reference import activate_f64, conv2d_nhwc_f64
+    if isa_code == "avx512f" and not ttile.has_avx512f() or not ttile.has_avx2():
+        pytest.skip(f"this CPU does not run the {isa_code} family")
+    isa = _kernels.ISA_AVX512F if isa_code == "avx512f" else _kernels.ISA_AVX2
+    rng = np.random.default_rng(k)
+    x = rng.uniform(-1, 1, (1, 23, 19, 12)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, 12, k)).astype(np.float32)
+    packed = _kernels.pack_weights(w, _kernels.generic_panel(k, 19, isa))
+    bias = rng.uniform(-1, 1, k).astype(np.float32) if epilogue != "none" else None
+    residual = rng.uniform(-1, 1, (1, 23, 19, k)).astype(np.float32) \
+        if "residual" in epilogue else None
+    act = {"none": Activation.NONE, "silu": Activation.SILU}.get(epilogue, Activation.RELU)
+    outputs = []
+    for stream_bytes in (1 << 40, 1024):
+        previous = _kernels.set_generic_stream_bytes(stream_bytes)
+        try:
+            for threads in (1, 2, 3):
+                y = _kernels.empty_aligned((1, 23, 19, k))
+                y[...] = np.nan
+                _kernels.conv2d_generic_packed(x, packed, y, 1, 1, 1, 1, threads, isa=isa,
+                                               bias=bias, residual=residual,
+                                               activation=act.code)
+                outputs.append(y)
+        finally:
+            _kernels.set_generic_stream_bytes(previous)
+    for y in outputs[1:]:
+        np.testing.assert_array_equal(y, outputs[0])
+    expected = conv2d_nhwc_f64(x, w, pads=(1, 1, 1, 1))
+    if bias is not None:
+        expected = expected + bias
+    if residual is not None:
+        expected = expected + residual
+    expected = activate_f64(expected, act)
+    np.testing.assert_allclose(outputs[0], expected, rtol=1e-4, atol=1e-4)
+    assert _kernels.set_generic_stream_bytes(0) == _kernels.generic_stream_bytes() > 0

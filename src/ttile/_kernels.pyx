@@ -31,6 +31,8 @@ cdef extern from "ttile_runtime.h" nogil:
     int64_t ttile_cpu_l2_bytes()
     int64_t ttile_generic_cache_bytes()
     void ttile_set_generic_cache_bytes(int64_t bytes)
+    int64_t ttile_generic_stream_bytes()
+    void ttile_set_generic_stream_bytes(int64_t bytes)
     void ttile_conv_generic_portable(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
@@ -250,6 +252,22 @@ def set_generic_cache_bytes(int64_t nbytes):
         raise ValueError("nbytes must be >= 0")
     previous = ttile_generic_cache_bytes()
     ttile_set_generic_cache_bytes(nbytes)
+    return previous
+
+
+def generic_stream_bytes():
+    """The size past which the generic kernel stores an NHWC output past the caches
+    (non-temporal stores): the last-level cache, or 32 MiB when unknown."""
+    return ttile_generic_stream_bytes()
+
+
+def set_generic_stream_bytes(int64_t nbytes):
+    """Set ``generic_stream_bytes`` for this process (tests); 0 restores the default.
+    Returns the previous value."""
+    if nbytes < 0:
+        raise ValueError("nbytes must be >= 0")
+    previous = ttile_generic_stream_bytes()
+    ttile_set_generic_stream_bytes(nbytes)
     return previous
 
 
