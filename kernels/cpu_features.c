@@ -3,7 +3,6 @@
  * report the former without the latter (e.g. under some hypervisors), so both are read.
  * AVX2 + FMA: cpuid leaf 7 EBX bit 5 and leaf 1 ECX bit 12, with the XMM and YMM state
  * (XCR0 bits 1, 2). */
-#include <unistd.h>
 #include "ttile_runtime.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -115,18 +114,34 @@ void ttile_set_generic_cache_bytes(int64_t bytes)
     generic_cache_bytes = bytes > 0 ? bytes : default_cache_bytes();
 }
 
-/* The last-level cache of this CPU as glibc reports it (cpuid), 0 when unknown. */
+/* The L3 a core shares, from the cache topology leaf (AMD's 0x8000001D, Intel's 4), 0
+ * when unknown. Not AMD's leaf 0x80000006 nor glibc's sysconf, which under KVM on a Zen 5
+ * report the whole socket's 384 MB where a core shares 32 MB. */
+static int64_t detect_l3_bytes(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax, ebx, ecx, edx;
+    const unsigned leaf = __get_cpuid_max(0x80000000u, 0) >= 0x8000001Du ? 0x8000001Du : 4u;
+    if (leaf == 4u && __get_cpuid_max(0, 0) < 4u)
+        return 0;
+    for (unsigned i = 0; i < 8; i++) {
+        __cpuid_count(leaf, i, eax, ebx, ecx, edx);
+        if ((eax & 31u) == 0)   /* no more caches */
+            break;
+        if (((eax >> 5) & 7u) == 3u)
+            return (int64_t)(((ebx >> 22) & 0x3ffu) + 1) * (((ebx >> 12) & 0x3ffu) + 1)
+                   * ((ebx & 0xfffu) + 1) * ((int64_t)ecx + 1);
+    }
+#endif
+    return 0;
+}
+
 static int64_t default_stream_bytes(void)
 {
-#ifdef _SC_LEVEL3_CACHE_SIZE
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-#else
-    const long l3 = 0;
-#endif
-    const int64_t floor = TTILE_STREAM_BYTES;
+    const int64_t l3 = detect_l3_bytes(), floor = TTILE_STREAM_BYTES;
     if (l3 <= 0)
         return 4 * floor;
-    return (int64_t)l3 > floor ? (int64_t)l3 : floor;
+    return l3 > floor ? l3 : floor;
 }
 
 static volatile int64_t generic_stream_bytes = -1;

@@ -53,8 +53,8 @@ int64_t ttile_cpu_l2_bytes(void);
 int64_t ttile_generic_cache_bytes(void);
 void ttile_set_generic_cache_bytes(int64_t bytes);
 /* The generic kernel's NHWC outputs larger than this are written past the caches
- * (non-temporal stores): those larger than the last-level cache (glibc's sysconf; 32 MiB
- * when unknown), whose lines would leave it before the next layer read them. Set for
+ * (non-temporal stores): those larger than the L3 a core shares (cpuid's cache topology;
+ * 32 MiB when unknown), whose lines would leave it before the next layer read them. Set for
  * tests (ttile_set_generic_stream_bytes; <= 0 restores the default). */
 int64_t ttile_generic_stream_bytes(void);
 void ttile_set_generic_stream_bytes(int64_t bytes);
