@@ -19,9 +19,9 @@ if os.environ.get("TTILE_TEST_AS_CPU"):
 def pytest_collection_finish(session):
     """Lets test modules start their long compiles as soon as the run knows it needs them:
     a module's ``start_in_background(test_name)`` runs for each of its collected tests.
-    The sanitized build (minutes of GCC) and the generic kernel's assembly (about two
-    and a half) then overlap the tests that run before the ones reading them; on two
-    cores they had made CI's wall time about 20 minutes."""
+    The sanitized build (minutes of GCC) and any hand-written kernel's assembly that the
+    installed extension cannot show (test_codegen.py) then overlap the tests that run
+    before the ones reading them."""
     started = set()
     for item in session.items:
         module = getattr(item, "module", None)
