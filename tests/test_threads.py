@@ -223,3 +223,54 @@ def test_generic_outputs_past_the_last_level_cache_are_stored_around_it(isa_code
     expected = activate_f64(expected, act)
     np.testing.assert_allclose(outputs[0], expected, rtol=1e-4, atol=1e-4)
     assert _kernels.set_generic_stream_bytes(0) == _kernels.generic_stream_bytes() > 0
+
+
+@pytest.mark.parametrize("isa_code", ["avx512f", "avx2"])
+@pytest.mark.parametrize("k", [48, 80])
+@pytest.mark.parametrize("epilogue", ["none", "bias_relu", "bias_residual_relu", "silu"])
+def test_generic_direct_weights_anywhere_in_a_line_give_the_same_bits(isa_code, k, epilogue):
+    """RSCK weights larger than the cache blocking, on a small output, are read where
+    they are (the generic kernel's direct path), slab by slab, each task asking for the
+    next panel's columns meanwhile; AVX-512's panels then start on the weights' cache
+    lines, the lanes outside [0, K) masked. Made small here (16 KB of cache blocking:
+    slabs of 8 or 9 channels), with the weights at every float offset in a line: the
+    output is the same bit for bit as on weights on a line, at 1, 2 and 3 threads, with
+    epilogues in registers and from memory, and matches the float64 reference."""
+    from ttile import _kernels
+    from ttile.core.kinds import Activation
+    from ttile.core.reference import activate_f64, conv2d_nhwc_f64
+    if isa_code == "avx512f" and not ttile.has_avx512f() or not ttile.has_avx2():
+        pytest.skip(f"this CPU does not run the {isa_code} family")
+    isa = _kernels.ISA_AVX512F if isa_code == "avx512f" else _kernels.ISA_AVX2
+    rng = np.random.default_rng(k)
+    x = rng.uniform(-1, 1, (1, 7, 7, 40)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, 40, k)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32) if epilogue != "none" else None
+    residual = rng.uniform(-1, 1, (1, 7, 7, k)).astype(np.float32) \
+        if "residual" in epilogue else None
+    act = {"none": Activation.NONE, "silu": Activation.SILU}.get(epilogue, Activation.RELU)
+    lines = _kernels.empty_aligned((w.size + 16,))
+    outputs = {}
+    previous = _kernels.set_generic_cache_bytes(16 << 10)
+    try:
+        for offset in range(16):
+            placed = lines[offset:offset + w.size].reshape(w.shape)
+            placed[...] = w
+            for threads in (1, 2, 3):
+                y = np.full((1, 7, 7, k), np.nan, np.float32)
+                _kernels.conv2d_generic_packed(x, placed, y, 1, 1, 1, 1, threads, isa=isa,
+                                               bias=bias, residual=residual,
+                                               activation=act.code)
+                outputs[offset, threads] = y
+    finally:
+        _kernels.set_generic_cache_bytes(previous)
+    expected = conv2d_nhwc_f64(x, w, pads=(1, 1, 1, 1))
+    if bias is not None:
+        expected = expected + bias
+    if residual is not None:
+        expected = expected + residual
+    expected = activate_f64(expected, act)
+    for (offset, threads), y in outputs.items():   # (the slabs follow the thread count)
+        np.testing.assert_array_equal(y, outputs[0, threads],
+                                      err_msg=f"offset {offset}, {threads} threads")
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
