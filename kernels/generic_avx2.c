@@ -31,6 +31,8 @@
 #define G_TAIL_MASK ttile_tail_mask256
 
 #define MAX_KV 3
+/* Direct RSCK on rows of two blocks too (a 7-pixel row: 4 + 3 pixels by 3 vectors). */
+#define G_DIRECT_BLOCKS 2
 #define GENERIC_KV(X) X(3, 4) X(2, 6) X(1, 12)
 
 #include "generic_conv.inc"
