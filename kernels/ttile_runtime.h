@@ -93,13 +93,16 @@ int64_t ttile_generic_panel_avx2(int64_t k, int64_t wo);
  * from memory: TTILE_GROUPS_FIRST, each thread takes whole panel groups (a share of the
  * weights) even where all the panels fit in its L2 and it would take whole rows;
  * TTILE_SMALL_GROUPS, panel groups of half the cache blocking (the first group, read
- * before anything streams it in, is half as large). */
+ * before anything streams it in, is half as large). TTILE_QUERY_DIRECT (with
+ * TTILE_RSCK_WEIGHTS): nothing is read or computed; returns 1 where the kernel would
+ * read the RSCK weights in place (its direct path: no packing), else 0. */
 #define TTILE_NCHW_OUT 1
 #define TTILE_RSCK_WEIGHTS 2
 #define TTILE_KCRS_WEIGHTS 4
 #define TTILE_NCHW_IN 8
 #define TTILE_GROUPS_FIRST 16
 #define TTILE_SMALL_GROUPS 32
+#define TTILE_QUERY_DIRECT 64
 int ttile_conv_generic_packed_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *packed, float *y, int nthreads,
                                      int flags, const ttile_epilogue *ep);

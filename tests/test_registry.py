@@ -193,23 +193,64 @@ def test_a_per_call_conv2d_weighs_packing_against_the_generic_kernel(kind):
 def test_a_per_call_nhwc_conv2d_on_weights_that_stay_in_cache_keeps_the_faster_kernel():
     """Weights that fit the threads' L2 caches are checked (NHWC, searched kernel) or
     packed (generic kernel) from cache at like rates: the faster kernel serves per call
-    as it does packed. NCHW calls, which transpose torch's weights, still weigh."""
+    as it does packed. Where the generic kernel reads them in place (a small output),
+    the searched kernel's check is weighed against nothing. NCHW calls, which transpose
+    torch's weights, still weigh."""
     from ttile.core.kinds import Isa
     from ttile.generator.networks import layer
-    spec = layer("ResNet18-11").spec()   # 1x1 256->512: 512 KB of weights
+    spec = layer("ResNet18-11").spec()   # 1x1 256->512 on 7x7 outputs: 512 KB of weights
     weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
-    if _kernels.cpu_l2_bytes() < weight_bytes:
-        pytest.skip("this CPU's L2 is smaller than the layer's weights")
+    if _kernels.cpu_l2_bytes() < weight_bytes or _kernels.generic_cache_bytes() > weight_bytes:
+        pytest.skip("this CPU's L2 is smaller than the layer's weights, or its cache "
+                    "blocking larger")
     entry = next(e for e in registry.KERNELS if e.warm_gflops and e.generic_gflops)
     choice = dataclasses.replace(dispatch.registry_choice(entry, Isa.AVX512F),
                                  kind=ttile.KernelKind.JIT, index=-1, panel=32,
                                  warm_gflops=200.0, generic_gflops=190.0)
-    assert dispatch.for_call(choice, spec, "NHWC", True, 1, Isa.AVX512F) is choice
+    # read in place: 0.064 ms + 26 us of checking against 0.067 ms
+    assert dispatch._generic_reads_in_place(spec, 1, Isa.AVX512F)
+    direct = dispatch.for_call(choice, spec, "NHWC", True, 1, Isa.AVX512F)
+    assert direct.kind is ttile.KernelKind.GENERIC and "estimated" in direct.note
+    fast = dataclasses.replace(choice, warm_gflops=400.0)   # 0.032 + 0.026 ms: kept
+    assert dispatch.for_call(fast, spec, "NHWC", True, 1, Isa.AVX512F) is fast
+    packing = layer("ResNet18-6").spec()   # 590 KB on 28x28 outputs: packed in the kernel
+    assert not dispatch._generic_reads_in_place(packing, 1, Isa.AVX512F)
+    assert dispatch.for_call(choice, packing, "NHWC", True, 1, Isa.AVX512F) is choice
     nchw = dispatch.for_call(choice, spec, "NCHW", True, 1, Isa.AVX512F)
     assert nchw.kind is ttile.KernelKind.GENERIC and "estimated" in nchw.note
     large = layer("ResNet18-12").spec()   # 9.4 MB: from memory, weighed in both layouts
     assert dispatch.for_call(choice, large, "NHWC", True, 1,
                              Isa.AVX512F).kind is ttile.KernelKind.GENERIC
+
+
+@pytest.mark.parametrize("isa_code", ["avx512f", "avx2"])
+def test_the_generic_kernel_says_which_weights_it_reads_in_place(isa_code):
+    """Its direct path serves small outputs (at most 64 pixels) whose weights reach its
+    cache blocking: ResNet18-10 and -12 (7x7 outputs, 9.4 MB), not ResNet18-9 (14x14)
+    nor 221 KB of weights on 7x7 - until the blocking is made smaller than those."""
+    from ttile.generator.networks import layer
+    if isa_code == "avx512f" and not ttile.has_avx512f() or not ttile.has_avx2():
+        pytest.skip(f"this CPU does not run the {isa_code} family")
+    isa = _kernels.ISA_AVX512F if isa_code == "avx512f" else _kernels.ISA_AVX2
+
+    def reads_in_place(spec, threads=1):
+        return _kernels.generic_reads_in_place(
+            spec.n, spec.h, spec.w, spec.c, spec.k, spec.r, spec.s, spec.ho, spec.wo,
+            spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, 1, 1, threads, isa)
+
+    for name in ("ResNet18-10", "ResNet18-12"):
+        assert reads_in_place(layer(name).spec()) and reads_in_place(layer(name).spec(), 2)
+    assert not reads_in_place(layer("ResNet18-9").spec())
+    small = ConvSpec(1, 96, 64, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1)   # one block a row
+    assert not reads_in_place(small)
+    previous = _kernels.set_generic_cache_bytes(64 << 10)
+    try:
+        assert reads_in_place(small)
+    finally:
+        _kernels.set_generic_cache_bytes(previous)
+    with pytest.raises(ValueError, match=">= 1"):
+        _kernels.generic_reads_in_place(1, 7, 7, 64, 64, 3, 3, 7, 7, 1, 1, 1, 1, 1, 1, 0,
+                                        isa)
 
 
 @requires_avx512

@@ -767,6 +767,36 @@ def generic_panel(int64_t k, int64_t wo, int isa=ISA_AVX512F):
     return _generic_panel(k, wo, isa)
 
 
+def generic_reads_in_place(int64_t n, int64_t h, int64_t w, int64_t c, int64_t k,
+                           int64_t r, int64_t s, int64_t ho, int64_t wo, int64_t stride_h,
+                           int64_t stride_w, int64_t pad_top, int64_t pad_left,
+                           int64_t dil_h, int64_t dil_w, int nthreads,
+                           int isa=ISA_AVX512F):
+    """Whether the vector generic kernel of ``isa`` reads RSCK weights of this NHWC
+    convolution (one group) in place at ``nthreads`` threads - its direct path, which
+    packs nothing - rather than packing them as its threads go: the kernel's own rule,
+    asked without running it."""
+    _require_isa(isa)
+    if min(n, h, w, c, k, r, s, ho, wo, stride_h, stride_w, dil_h, dil_w, nthreads) < 1:
+        raise ValueError("extents, strides, dilations and threads must be >= 1")
+    cdef ttile_conv_shape shape
+    shape.n = n; shape.h = h; shape.w = w; shape.c = c; shape.k = k; shape.r = r
+    shape.s = s; shape.ho = ho; shape.wo = wo; shape.stride_h = stride_h
+    shape.stride_w = stride_w; shape.pad_top = pad_top; shape.pad_left = pad_left
+    shape.dil_h = dil_h; shape.dil_w = dil_w; shape.groups = 1
+    cdef int flags = 2 | 64   # TTILE_RSCK_WEIGHTS | TTILE_QUERY_DIRECT
+    cdef int answer
+    if isa == _ISA_AVX2:
+        answer = ttile_conv_generic_packed_avx2(&shape, NULL, NULL, NULL, nthreads, flags,
+                                                NULL)
+    else:
+        answer = ttile_conv_generic_packed_avx512(&shape, NULL, NULL, NULL, nthreads,
+                                                  flags, NULL)
+    if answer < 0:
+        raise MemoryError("not enough memory for the generic kernel's zero row")
+    return answer == 1
+
+
 #: The generic kernel's blocking flags (``conv2d_generic_packed``'s ``blocking``): each
 #: thread takes whole panel groups even where it would take whole rows; panel groups of
 #: half the cache blocking.

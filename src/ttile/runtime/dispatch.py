@@ -208,6 +208,11 @@ def registry_choice(entry: registry.TunedEntry, isa: Isa) -> KernelChoice:
 #: slower (its input, cold in the caches, costs the generic kernel more than the model says).
 PACK_PER_CALL_BYTES_PER_S = 12e9
 PACK_IN_KERNEL_BYTES_PER_S = 20e9
+#: The weight cache's check of a per-call call's weights against the panels it packed on
+#: the first call, both read from L3 (what the layers or engines run in between leave):
+#: 512 KB in 26 us at 1 thread, 20 GB/s (ResNet18-11, Zen 5: 0.082 ms per call on its
+#: searched kernel, 0.056 pre-packed).
+CHECK_PER_CALL_BYTES_PER_S = 20e9
 #: Weights smaller than this pack in microseconds: the kernel the tuning chose serves
 #: per call as it does packed.
 PACK_WEIGHED_MIN_BYTES = 128 << 10
@@ -221,8 +226,22 @@ def _weights_stay_in_cache(weight_bytes: int, layout: str, threads: int) -> bool
     9.4 MB from memory, charged the searched kernel four times what it pays. ResNet18-11
     (512 KB) was served per call by the generic kernel at 0.09 ms (1 thread) and 0.10 ms
     (2 threads), where its searched kernel took 0.057 and 0.037 packed. NCHW calls pack
-    torch's KCRS weights, a transpose, and keep the rates."""
+    torch's KCRS weights, a transpose, and keep the rates. Where the generic kernel reads
+    such weights in place, the two are weighed with the check's rate instead: ResNet18-11
+    per call then took 0.067 ms by the generic kernel at 1 thread and 0.035 at 2, against
+    0.082 and 0.050 by its searched kernel and the check (weights in L3, Zen 5)."""
     return layout == "NHWC" and weight_bytes <= threads * _kernels.cpu_l2_bytes()
+
+
+def _generic_reads_in_place(spec: ConvSpec, threads: int, isa: Isa) -> bool:
+    """Whether the generic kernel reads this NHWC call's RSCK weights where they are (its
+    direct path: small outputs, weights at least its cache blocking), packing nothing.
+    It then costs a per-call call what it costs pre-packed, while a searched kernel
+    still pays the weight cache's check."""
+    return _kernels.generic_reads_in_place(
+        spec.n, spec.h, spec.w, spec.c, spec.k, spec.r, spec.s, spec.ho, spec.wo,
+        spec.stride_h, spec.stride_w, spec.pad_top, spec.pad_left, spec.dilation_h,
+        spec.dilation_w, threads, extension_code(isa))
 
 
 def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
@@ -241,15 +260,20 @@ def for_call(choice: KernelChoice, spec: ConvSpec, layout: str, per_call: bool,
     weight_bytes = 4 * spec.k * spec.c * spec.r * spec.s
     if not per_call or choice.kind not in (KernelKind.TUNED, KernelKind.JIT) \
             or not isa.vector or not (choice.warm_gflops > 0 and choice.generic_gflops > 0) \
-            or weight_bytes < PACK_WEIGHED_MIN_BYTES \
-            or _weights_stay_in_cache(weight_bytes, layout, threads):
+            or weight_bytes < PACK_WEIGHED_MIN_BYTES:
+        return choice
+    in_cache = _weights_stay_in_cache(weight_bytes, layout, threads)
+    if in_cache and not _generic_reads_in_place(spec, threads, isa):
         return choice
     scale = threads ** 0.5
     tuned = spec.flops / (choice.warm_gflops * 1e9)
     generic = spec.flops / (choice.generic_gflops * 1e9)
-    if choice.panel != spec.k or layout == "NCHW":
-        tuned += weight_bytes / (PACK_PER_CALL_BYTES_PER_S * scale)
-    generic += weight_bytes / (PACK_IN_KERNEL_BYTES_PER_S * scale)
+    if in_cache:   # checked by the weight cache, against none packed (ResNet18-11)
+        tuned += weight_bytes / (CHECK_PER_CALL_BYTES_PER_S * scale)
+    else:
+        if choice.panel != spec.k or layout == "NCHW":
+            tuned += weight_bytes / (PACK_PER_CALL_BYTES_PER_S * scale)
+        generic += weight_bytes / (PACK_IN_KERNEL_BYTES_PER_S * scale)
     if generic >= tuned:
         return choice
     note = (f"the generic kernel, estimated {generic * 1e3:.3f} ms per call with its "
