@@ -233,7 +233,7 @@ def test_generic_direct_weights_anywhere_in_a_line_give_the_same_bits(isa_code, 
     they are (the generic kernel's direct path), slab by slab, each task asking for the
     next panel's columns meanwhile; AVX-512's panels then start on the weights' cache
     lines, the lanes outside [0, K) masked. Made small here (16 KB of cache blocking:
-    slabs of 8 or 9 channels), with the weights at every float offset in a line: the
+    slabs of 11 or 18 channels), with the weights at every float offset in a line: the
     output is the same bit for bit as on weights on a line, at 1, 2 and 3 threads, with
     epilogues in registers and from memory, and matches the float64 reference."""
     from ttile import _kernels

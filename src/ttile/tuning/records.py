@@ -48,7 +48,7 @@ GENERIC_REVISION = 11
 #: The first 16 hex digits of the SHA-256 of the generic kernel's sources, in this order.
 GENERIC_SOURCES = ("kernels/generic_conv.inc", "kernels/generic_avx512.c",
                    "kernels/generic_avx2.c")
-GENERIC_SOURCES_SHA256 = "e9b76dd637b0a97e"
+GENERIC_SOURCES_SHA256 = "0be3aa5be936c4f1"
 
 
 class RecordError(ValueError):
