@@ -64,7 +64,8 @@ def _records(generator):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path, capsys):
+def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path, capsys,
+                                                                         monkeypatch):
     generator = _generator_dir(tmp_path / "generator")
     layers = tmp_path / "layers.toml"
     layers.write_text(LAYERS_TOML)
@@ -121,14 +122,20 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
     # Regenerating from the records measures nothing and writes the same files.
     before = {p.name: p.read_bytes() for p in kernels.iterdir()}
     count = len(records)
+    # with no table read, the percentages are of this CPU's peak, measured then (made up
+    # here: on a shared host a peak measured at one moment fell below a kernel's rate
+    # measured at another, 145 against 220 GFLOP/s)
+    from ttile.generator import microkernels
+    measured = []
+    monkeypatch.setattr(microkernels, "measure_peak_gflops",
+                        lambda **kwargs: measured.append(kwargs) or 1000.0)
     assert main(common + ["--from-records"]) == 0
     assert len(_records(generator)) == count
     assert {p.name: p.read_bytes() for p in kernels.iterdir()} == before
-    # with no table read, the percentages are of this CPU's peak, measured: a kernel's
-    # cold-cache rate stays below it
     again = re.findall(r"^\| \S+ \| `\[.*\]` \| .* \| ([\d.]+) \| (\d+) \|",
                        capsys.readouterr().out, re.M)
-    assert again and all(int(pct) < 100 for _, pct in again), again
+    assert measured and again, again
+    assert all(abs(int(pct) - float(g) / 10) <= 0.55 for g, pct in again), again
 
 
 def test_bad_layers_file_and_pruning_fraction_are_refused(tmp_path, capsys):
