@@ -176,6 +176,36 @@ def test_the_generic_kernel_splits_rows_when_all_its_panels_fit_in_l2(shape, thr
     assert_conv_close(small, x, w, (1, 1), (pad,) * 4)
 
 
+def _generic_epilogue_case(isa_code: str, k: int, epilogue: str, h: int, w: int, c: int):
+    """(isa, x, w, bias, residual, activation) of a 3x3 layer, padding 1, on an h x w x c
+    input with k outputs, for the generic kernel of ``isa_code`` (skips a family this CPU
+    does not run) and ``epilogue``: "none", "bias_relu", "bias_residual_relu" or "silu"."""
+    from ttile import _kernels
+    from ttile.core.kinds import Activation
+    if isa_code == "avx512f" and not ttile.has_avx512f() or not ttile.has_avx2():
+        pytest.skip(f"this CPU does not run the {isa_code} family")
+    isa = _kernels.ISA_AVX512F if isa_code == "avx512f" else _kernels.ISA_AVX2
+    rng = np.random.default_rng(k)
+    x = rng.uniform(-1, 1, (1, h, w, c)).astype(np.float32)
+    weights = rng.uniform(-1, 1, (3, 3, c, k)).astype(np.float32)
+    bias = rng.uniform(-1, 1, k).astype(np.float32) if epilogue != "none" else None
+    residual = rng.uniform(-1, 1, (1, h, w, k)).astype(np.float32) \
+        if "residual" in epilogue else None
+    act = {"none": Activation.NONE, "silu": Activation.SILU}.get(epilogue, Activation.RELU)
+    return isa, x, weights, bias, residual, act
+
+
+def _expected_f64(x, w, bias, residual, act):
+    """act(conv + bias + residual) in float64, padding 1."""
+    from ttile.core.reference import activate_f64, conv2d_nhwc_f64
+    expected = conv2d_nhwc_f64(x, w, pads=(1, 1, 1, 1))
+    if bias is not None:
+        expected = expected + bias
+    if residual is not None:
+        expected = expected + residual
+    return activate_f64(expected, act)
+
+
 @pytest.mark.parametrize("isa_code", ["avx512f", "avx2"])
 @pytest.mark.parametrize("k", [32, 40])
 @pytest.mark.parametrize("epilogue", ["none", "bias_relu", "bias_residual_relu", "silu"])
@@ -187,19 +217,8 @@ def test_generic_outputs_past_the_last_level_cache_are_stored_around_it(isa_code
     bit, and the float64 reference; an output channel count off the vector width, and an
     epilogue applied from memory after the stores (SiLU), are stored plainly."""
     from ttile import _kernels
-    from ttile.core.kinds import Activation
-    from ttile.core.reference import activate_f64, conv2d_nhwc_f64
-    if isa_code == "avx512f" and not ttile.has_avx512f() or not ttile.has_avx2():
-        pytest.skip(f"this CPU does not run the {isa_code} family")
-    isa = _kernels.ISA_AVX512F if isa_code == "avx512f" else _kernels.ISA_AVX2
-    rng = np.random.default_rng(k)
-    x = rng.uniform(-1, 1, (1, 23, 19, 12)).astype(np.float32)
-    w = rng.uniform(-1, 1, (3, 3, 12, k)).astype(np.float32)
+    isa, x, w, bias, residual, act = _generic_epilogue_case(isa_code, k, epilogue, 23, 19, 12)
     packed = _kernels.pack_weights(w, _kernels.generic_panel(k, 19, isa))
-    bias = rng.uniform(-1, 1, k).astype(np.float32) if epilogue != "none" else None
-    residual = rng.uniform(-1, 1, (1, 23, 19, k)).astype(np.float32) \
-        if "residual" in epilogue else None
-    act = {"none": Activation.NONE, "silu": Activation.SILU}.get(epilogue, Activation.RELU)
     outputs = []
     for stream_bytes in (1 << 40, 1024):
         previous = _kernels.set_generic_stream_bytes(stream_bytes)
@@ -215,12 +234,7 @@ def test_generic_outputs_past_the_last_level_cache_are_stored_around_it(isa_code
             _kernels.set_generic_stream_bytes(previous)
     for y in outputs[1:]:
         np.testing.assert_array_equal(y, outputs[0])
-    expected = conv2d_nhwc_f64(x, w, pads=(1, 1, 1, 1))
-    if bias is not None:
-        expected = expected + bias
-    if residual is not None:
-        expected = expected + residual
-    expected = activate_f64(expected, act)
+    expected = _expected_f64(x, w, bias, residual, act)
     np.testing.assert_allclose(outputs[0], expected, rtol=1e-4, atol=1e-4)
     assert _kernels.set_generic_stream_bytes(0) == _kernels.generic_stream_bytes() > 0
 
@@ -237,18 +251,7 @@ def test_generic_direct_weights_anywhere_in_a_line_give_the_same_bits(isa_code, 
     output is the same bit for bit as on weights on a line, at 1, 2 and 3 threads, with
     epilogues in registers and from memory, and matches the float64 reference."""
     from ttile import _kernels
-    from ttile.core.kinds import Activation
-    from ttile.core.reference import activate_f64, conv2d_nhwc_f64
-    if isa_code == "avx512f" and not ttile.has_avx512f() or not ttile.has_avx2():
-        pytest.skip(f"this CPU does not run the {isa_code} family")
-    isa = _kernels.ISA_AVX512F if isa_code == "avx512f" else _kernels.ISA_AVX2
-    rng = np.random.default_rng(k)
-    x = rng.uniform(-1, 1, (1, 7, 7, 40)).astype(np.float32)
-    w = rng.uniform(-1, 1, (3, 3, 40, k)).astype(np.float32)
-    bias = rng.uniform(-1, 1, k).astype(np.float32) if epilogue != "none" else None
-    residual = rng.uniform(-1, 1, (1, 7, 7, k)).astype(np.float32) \
-        if "residual" in epilogue else None
-    act = {"none": Activation.NONE, "silu": Activation.SILU}.get(epilogue, Activation.RELU)
+    isa, x, w, bias, residual, act = _generic_epilogue_case(isa_code, k, epilogue, 7, 7, 40)
     lines = _kernels.empty_aligned((w.size + 16,))
     outputs = {}
     previous = _kernels.set_generic_cache_bytes(16 << 10)
@@ -264,12 +267,7 @@ def test_generic_direct_weights_anywhere_in_a_line_give_the_same_bits(isa_code, 
                 outputs[offset, threads] = y
     finally:
         _kernels.set_generic_cache_bytes(previous)
-    expected = conv2d_nhwc_f64(x, w, pads=(1, 1, 1, 1))
-    if bias is not None:
-        expected = expected + bias
-    if residual is not None:
-        expected = expected + residual
-    expected = activate_f64(expected, act)
+    expected = _expected_f64(x, w, bias, residual, act)
     for (offset, threads), y in outputs.items():   # (the slabs follow the thread count)
         np.testing.assert_array_equal(y, outputs[0, threads],
                                       err_msg=f"offset {offset}, {threads} threads")
