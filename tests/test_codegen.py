@@ -216,18 +216,24 @@ _ASSEMBLY_READERS = {
     ("inverted_residual_avx512.c", ("-mavx512f", "-mfma")):
         "test_fused_block_kernels_keep_their_vectors_in_registers",
 }
-_assembly_jobs: dict = {}   # (source, flags) -> (process, output file), started early
+_assembly_jobs: dict = {}   # (source, flags) -> [(process, output file)], started early
 
 
-def _assembly_command(source: str, flags) -> Optional[list]:
+#: hand-written kernels built from several translation units -> those units
+_UNITS = {"generic_avx512.c": ("generic_avx512.c", *(f"generic_blocks_avx512_{i}.c"
+                                                     for i in range(1, 5)))}
+
+
+def _assembly_commands(source: str, flags) -> Optional[list]:
+    """The compiler commands that print the assembly of ``source``'s units, or None."""
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    path = root / "kernels" / source
     compiler = find_compiler()
-    if not path.exists() or compiler is None:
+    paths = [root / "kernels" / unit for unit in _UNITS.get(source, (source,))]
+    if compiler is None or not all(path.exists() for path in paths):
         return None
-    return [compiler, "-O3", *flags, "-fopenmp", "-fno-math-errno",
-            "-I", str(root / "kernels"), "-S", "-o", "-", str(path)]
+    return [[compiler, "-O3", *flags, "-fopenmp", "-fno-math-errno",
+             "-I", str(root / "kernels"), "-S", "-o", "-", str(path)] for path in paths]
 
 
 def start_in_background(test_name: str) -> None:
@@ -239,17 +245,23 @@ def start_in_background(test_name: str) -> None:
     for key, reader in _ASSEMBLY_READERS.items():
         if reader != test_name or key in _assembly_jobs:
             continue
-        command = _assembly_command(*key)
-        if command is not None and _installed_machine_code(key[0]) is None:
-            output = tempfile.TemporaryFile(mode="w+")
-            _assembly_jobs[key] = (subprocess.Popen(command, stdout=output,
-                                                    stderr=subprocess.PIPE, text=True),
-                                   output)
+        commands = _assembly_commands(*key)
+        if commands is not None and _installed_machine_code(key[0]) is None:
+            jobs = []
+            for command in commands:
+                output = tempfile.TemporaryFile(mode="w+")
+                jobs.append((subprocess.Popen(command, stdout=output,
+                                              stderr=subprocess.PIPE, text=True), output))
+            _assembly_jobs[key] = jobs
 
 
-#: sources whose functions the installed extension's symbols name -> the pattern of their
-#: exported functions (their static ones follow the source's FILE symbol)
-_INSTALLED_SOURCES = {"generic_avx512.c": r"ttile_(conv_)?generic\w*_avx512"}
+#: sources whose functions the installed extension's symbols name -> (the pattern of the
+#: FILE symbols of the translation units it is built from, the pattern of its named
+#: functions). Static functions follow their unit's FILE symbol; the exported ones and
+#: the hidden ones shared between its units (the generic kernel's blocks, LOCAL in the
+#: linked extension) are found by name.
+_INSTALLED_SOURCES = {"generic_avx512.c": (r"generic_(avx512|blocks_avx512_\d+)\.c",
+                                           r"ttile_(conv_)?generic\w*_avx512")}
 
 
 def _installed_machine_code(source: str) -> Optional[str]:
@@ -263,9 +275,10 @@ def _installed_machine_code(source: str) -> Optional[str]:
     import shutil
     import subprocess
     from ttile import _kernels
-    exported = _INSTALLED_SOURCES.get(source)
-    if exported is None or shutil.which("readelf") is None or shutil.which("objdump") is None:
+    if source not in _INSTALLED_SOURCES or shutil.which("readelf") is None \
+            or shutil.which("objdump") is None:
         return None
+    units, named = _INSTALLED_SOURCES[source]
     table = subprocess.run(["readelf", "-sW", _kernels.__file__], capture_output=True,
                            text=True).stdout.split("Symbol table '.symtab'")
     if len(table) < 2:
@@ -277,12 +290,13 @@ def _installed_machine_code(source: str) -> Optional[str]:
             continue
         kind, bind, name = fields[3], fields[4], fields[7]
         if kind == "FILE":
-            in_source = name == source
+            in_source = re.fullmatch(units, name) is not None
         elif kind == "FUNC" and ((in_source and bind == "LOCAL")
-                                 or (bind == "GLOBAL" and re.fullmatch(exported, name))):
+                                 or re.fullmatch(named, name)):
             start, size = int(fields[1], 16), int(fields[2], 0)
             ranges.append((name, start, start + size))
-    if not any("_omp_fn" in name for name, _, _ in ranges):
+    if not any("_omp_fn" in name for name, _, _ in ranges) \
+            or not any(re.fullmatch(named, name) and "block" in name for name, _, _ in ranges):
         return None   # not the layout this reader expects: compile instead
     listings = []
     for _, start, stop in ranges:
@@ -304,33 +318,47 @@ def _hand_written_assembly(source: str, flags: list[str]) -> str:
     if installed is not None:
         return installed
     key = (source, tuple(flags))
-    command = _assembly_command(source, flags)
-    if command is None:
+    commands = _assembly_commands(source, flags)
+    if commands is None:
         pytest.skip("needs a source checkout and a C compiler")
-    job = _assembly_jobs.pop(key, None)
-    if job is not None:
-        process, output = job
-        _, stderr = process.communicate()
+    jobs = _assembly_jobs.pop(key, None)
+    if jobs is None:
+        jobs = [(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True), None) for command in commands]
+    listings = []
+    for process, output in jobs:
+        stdout, stderr = process.communicate()
         assert process.returncode == 0, stderr
-        output.seek(0)
-        text = output.read()
-        output.close()
-        return text
-    proc = subprocess.run(command, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+        if output is not None:
+            output.seek(0)
+            stdout = output.read()
+            output.close()
+        listings.append(stdout)
+    return "\n".join(listings)
 
 
 def test_generic_kernel_stores_vectors_only_to_the_output():
-    """The hand-written generic kernel's register blocks stay in registers: no vector
-    register goes to the stack, and the blocks' stores are masked output stores (the
-    only unmasked ones fill weight panels and transpose tiles). Register arrays sized by
-    function arguments become stack VLAs; that once halved its speed."""
+    """The hand-written generic kernel's register blocks stay in registers: no block
+    function stores a vector register to the stack, and the blocks' stores are masked
+    output stores. Register arrays sized by function arguments become stack VLAs; that
+    once halved its speed. (The driver that calls them may store vectors to the stack:
+    GCC fills the blocks' shared arguments with 64-byte moves.)"""
     asm = _hand_written_assembly("generic_avx512.c", ["-mavx512f", "-mfma"])
-    stores = re.findall(r"vmov\w*\s+%zmm\d+,\s*[^%\s].*", asm)
-    assert any("{%k" in s for s in stores), "no masked stores: is this the generic kernel?"
-    spills = [s for s in stores if "%rsp" in s or "%rbp" in s]
-    assert not spills, f"vector registers stored to the stack: {spills[:5]}"
+    # objdump's "0000 <name>:" or the assembler's "name:" starts each function
+    bodies = re.split(r"\n(?=[0-9a-f]* ?<?[A-Za-z_][\w.]*>?:\n)", asm)
+    blocks = {}
+    for body in bodies:
+        name = re.match(r"[0-9a-f]* ?<?(ttile_generic_block_(?:nchw_)?\d+_\d+_avx512)>?:", body)
+        if name is not None:
+            blocks[name.group(1)] = body
+    # every block function: 6, 8, 12 and 24 widths of 4, 3, 2 and 1 vectors, on NHWC and
+    # on NCHW inputs
+    assert len(blocks) == 2 * (6 + 8 + 12 + 24), sorted(blocks)[:4]
+    for name, body in blocks.items():
+        stores = re.findall(r"vmov\w*\s+%zmm\d+,\s*[^%\s].*", body)
+        assert any("{%k" in s for s in stores), f"{name}: no masked stores"
+        spills = [s for s in stores if "%rsp" in s or "%rbp" in s]
+        assert not spills, f"{name}: vector registers stored to the stack: {spills[:5]}"
 
 
 def _functions(asm: str) -> list[str]:

@@ -121,8 +121,11 @@ def _sanitized_build(workdir: Path):
         "numpy", "pytest", "hypothesis", "platformdirs", "islpy-barvinok", "sympy", "scipy"))],
                           capture_output=True, text=True)
     assert deps.returncode == 0, deps.stderr[-3000:]
+    # a build folder of its own: the checkout's build/ (pyproject.toml's build-dir) holds
+    # the release build, which these flags would recompile from scratch
     build = subprocess.run([*pip, "--no-deps", "-C", "cmake.define.TTILE_SANITIZE=ON",
-                            "-C", "cmake.define.TTILE_SHIPPED_KERNELS=OFF", str(ROOT)],
+                            "-C", "cmake.define.TTILE_SHIPPED_KERNELS=OFF",
+                            "-C", f"build-dir={workdir / 'build'}", str(ROOT)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     return python, str(env_dir), libasan

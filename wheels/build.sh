@@ -13,6 +13,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:-$root/wheelhouse}" && cd "${1:-$root/wheelhouse}" && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python -m build --wheel --outdir "$work/dist" "$root"
+# (a build folder of its own, not the checkout's build/ that `pip install .` keeps)
+python -m build --wheel -C build-dir="$work/build" --outdir "$work/dist" "$root"
 python -m auditwheel repair --wheel-dir "$out" "$work"/dist/*.whl
 ls "$out"/*.whl

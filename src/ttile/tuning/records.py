@@ -44,11 +44,14 @@ RECORD_FORMAT = 2
 #: are not counted. It goes with the sources below: a change to them must bump the
 #: revision (or, for a change that cannot alter its speed, only the digest), which
 #: tests/test_records_revision.py enforces.
-GENERIC_REVISION = 11
+GENERIC_REVISION = 12
 #: The first 16 hex digits of the SHA-256 of the generic kernel's sources, in this order.
-GENERIC_SOURCES = ("kernels/generic_conv.inc", "kernels/generic_avx512.c",
-                   "kernels/generic_avx2.c")
-GENERIC_SOURCES_SHA256 = "0be3aa5be936c4f1"
+GENERIC_SOURCES = ("kernels/generic_conv.inc", "kernels/generic_block.h",
+                   "kernels/generic_blocks.inc", "kernels/generic_avx512.h",
+                   "kernels/generic_avx512.c", "kernels/generic_avx2.h", "kernels/generic_avx2.c",
+                   *(f"kernels/generic_blocks_avx512_{i}.c" for i in range(1, 5)),
+                   *(f"kernels/generic_blocks_avx2_{i}.c" for i in range(1, 3)))
+GENERIC_SOURCES_SHA256 = "5274330d989df61f"
 
 
 class RecordError(ValueError):
