@@ -272,39 +272,19 @@ def _installed_machine_code(source: str) -> Optional[str]:
     The extension is what the build made of the source with CMakeLists.txt's flags; the
     generic kernel's 1.8 MB of blocks take GCC 8 minutes of a CI run to compile again,
     and objdump a quarter of a second to list."""
-    import shutil
-    import subprocess
-    from ttile import _kernels
-    if source not in _INSTALLED_SOURCES or shutil.which("readelf") is None \
-            or shutil.which("objdump") is None:
+    import extension_code
+    if source not in _INSTALLED_SOURCES:
         return None
     units, named = _INSTALLED_SOURCES[source]
-    table = subprocess.run(["readelf", "-sW", _kernels.__file__], capture_output=True,
-                           text=True).stdout.split("Symbol table '.symtab'")
-    if len(table) < 2:
-        return None   # stripped
-    ranges, in_source = [], False
-    for line in table[1].splitlines():
-        fields = line.split()
-        if len(fields) < 8 or not fields[0].endswith(":"):
-            continue
-        kind, bind, name = fields[3], fields[4], fields[7]
-        if kind == "FILE":
-            in_source = re.fullmatch(units, name) is not None
-        elif kind == "FUNC" and ((in_source and bind == "LOCAL")
-                                 or re.fullmatch(named, name)):
-            start, size = int(fields[1], 16), int(fields[2], 0)
-            ranges.append((name, start, start + size))
-    if not any("_omp_fn" in name for name, _, _ in ranges) \
-            or not any(re.fullmatch(named, name) and "block" in name for name, _, _ in ranges):
+    symbols = extension_code.functions(extension_code.matcher(units),
+                                       extension_code.matcher(named))
+    if symbols is None:
+        return None   # stripped, or no binutils
+    names = [f.name for f in symbols.functions]
+    if not any("_omp_fn" in name for name in names) \
+            or not any(re.fullmatch(named, name) and "block" in name for name in names):
         return None   # not the layout this reader expects: compile instead
-    listings = []
-    for _, start, stop in ranges:
-        listings.append(subprocess.run(
-            ["objdump", "-d", "--no-show-raw-insn", f"--start-address={start}",
-             f"--stop-address={stop}", _kernels.__file__],
-            capture_output=True, text=True, check=True).stdout)
-    return "\n".join(listings)
+    return "\n".join(extension_code.disassembly(f) for f in symbols.functions)
 
 
 @requires_avx512

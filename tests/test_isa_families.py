@@ -108,30 +108,19 @@ def _avx2_sources() -> list[str]:
     return expanded
 
 
-def _functions_of(sources: list[str]) -> "list[tuple[str, int, int]] | None":
-    """(name, start, end) of the installed extension's functions compiled from
-    ``sources``: the static ones after each source's FILE symbol, the others by their
-    family suffix (``_avx2``, ``__avx2``). None where the extension keeps no symbols."""
-    table = subprocess.run(["readelf", "-sW", _kernels.__file__], capture_output=True,
-                           text=True).stdout.split("Symbol table '.symtab'")
-    if len(table) < 2:
-        return None
+def _functions_of(sources: list[str]):
+    """The installed extension's functions compiled from ``sources``: the static ones
+    after each source's FILE symbol, the others by their family suffix (``_avx2``,
+    ``__avx2``). None where the extension keeps no symbols."""
+    import extension_code
     names = {Path(s).name for s in sources}
-    seen, ranges, in_source = set(), [], False
-    for line in table[1].splitlines():
-        fields = line.split()
-        if len(fields) < 8 or not fields[0].endswith(":"):
-            continue
-        kind, bind, name = fields[3], fields[4], fields[7]
-        if kind == "FILE":
-            in_source = name in names
-            seen.add(name)
-        elif kind == "FUNC" and int(fields[2], 0) > 0 and (
-                (in_source and bind == "LOCAL") or re.search(r"_avx2(\.|$)", name)):
-            ranges.append((name, int(fields[1], 16), int(fields[1], 16) + int(fields[2], 0)))
-    missing = names - seen
+    symbols = extension_code.functions(lambda unit: unit in names,
+                                       lambda name: re.search(r"_avx2(\.|$)", name) is not None)
+    if symbols is None:
+        return None
+    missing = names - symbols.units
     assert not missing, f"AVX2 sources with no FILE symbol in the extension: {sorted(missing)}"
-    return ranges
+    return symbols.functions
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
@@ -143,8 +132,9 @@ def test_the_avx2_family_contains_no_avx512_instruction(tmp_path):
     CPU without AVX-512 would fault on one). Read from the extension's own machine code,
     function by function (pyproject.toml keeps its symbols); a stripped extension's
     sources are compiled instead."""
+    import extension_code
     sources = _avx2_sources()
-    ranges = None if shutil.which("readelf") is None else _functions_of(sources)
+    ranges = _functions_of(sources)
     if ranges is None:
         if shutil.which("cc") is None:
             pytest.skip("a stripped extension, and no compiler to build its sources")
@@ -152,13 +142,10 @@ def test_the_avx2_family_contains_no_avx512_instruction(tmp_path):
         return
     assert len(ranges) > len(sources), "too few AVX2 functions found: not this layout?"
     vector_functions = 0
-    for name, start, stop in ranges:
-        listing = subprocess.run(
-            ["objdump", "-d", "--no-show-raw-insn", f"--start-address={start}",
-             f"--stop-address={stop}", _kernels.__file__],
-            capture_output=True, text=True, check=True).stdout
+    for function in ranges:
+        listing = extension_code.disassembly(function)
         found = re.search(r".*(%zmm|\{%k[1-7]\}|%k[1-7]\b).*", listing)
-        assert found is None, f"{name}: {found.group(0)}"
+        assert found is None, f"{function.name}: {found.group(0)}"
         vector_functions += "%ymm" in listing
     # the kernels themselves: every generic block and searched kernel is AVX code
     assert vector_functions >= len(sources), "no AVX instructions: not the AVX2 family?"
