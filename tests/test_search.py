@@ -342,6 +342,48 @@ def test_tuner_compiles_each_candidate_once_on_every_compiler(tmp_path, monkeypa
 
 
 @requires_avx512
+def test_tuner_budget_is_wall_time_with_compiles_and_checks(tmp_path, monkeypatch):
+    """--budget is a bound on a layer's wall time: with the budget spent, the tuner
+    compiles one candidate (a layer ends with a result) and re-times only it, and the
+    clock says where the time went; with time for about two compiles it compiles no more
+    than that at once, not a batch of twelve."""
+    import ttile.tuning.bench as bench_module
+    from ttile.generator.autotune import LayerClock, Phase
+    spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
+    texts = ("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]", "[T3 w; T6 h; T3 r; T3 s; T8 c; U2 w; V k]",
+             "[T6 w; T3 r; T3 s; T8 c; U6 h; V k]", "[T2 w; T6 h; T3 r; T3 s; T8 c; U3 w; V k]")
+    candidates = [_candidate(text, 8, float(i)) for i, text in enumerate(texts)]
+    groups = []
+    real_build = bench_module.build_batches
+
+    def counting_build(sources, **kwargs):
+        groups.append(sum(map(len, sources)))
+        return real_build(sources, **kwargs)
+
+    monkeypatch.setattr(bench_module, "build_batches", counting_build)
+    settings = TuneSettings(budget_seconds=1000, batch_size=6, jobs=2, screen_calls=3,
+                            paper_calls=5, paper_drop=1, refine_top=2)
+    bench = LayerBench.make(spec, copy_bytes=1 << 16)
+
+    spent = LayerClock(0.0)
+    db = TuningDatabase(tmp_path / "spent", cpu_id="cpu-b")
+    best = tune_layer("tiny", spec, candidates, 1, db, bench, settings, clock=spent)
+    assert groups == [1]
+    assert best is not None and best.protocol is Protocol.PAPER
+    assert [r.protocol for r in db.records] == [Protocol.SCREEN, Protocol.PAPER]
+    assert spent.counts[Phase.BUILD] == 1 and spent.counts[Phase.CHECK] == 1
+    assert spent.counts[Phase.REFINE] == 1 and spent.seconds[Phase.BUILD] > 0
+    assert "of a 0 s budget" in spent.summary() and "1 built" in spent.summary()
+
+    groups.clear()
+    two = LayerClock(60.0)
+    two.build_rate = 60.0   # a compile per compiler takes the whole budget: two at once
+    tune_layer("tiny", spec, candidates, 1, TuningDatabase(tmp_path / "two", cpu_id="cpu-b"),
+               bench, settings, clock=two)
+    assert groups and groups[0] <= 2
+
+
+@requires_avx512
 def test_tuner_records_failures_as_values(tmp_path, monkeypatch):
     spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
     good = _candidate("[T6 h; T3 r; T3 s; T8 c; U6 w; V k]", 8, 1.0)

@@ -71,8 +71,8 @@ class SearchDepth(Enum):
 
 @dataclass(frozen=True)
 class SearchEffort:
-    """What one depth measures per layer: the seconds of screening at 1 thread (half at
-    N), the learned ranking's first picks screened, the sequential schemes whose parallel
+    """What one depth measures per layer: the wall seconds of its measurement at every
+    thread count (autotune.LayerClock), the learned ranking's first picks screened, the sequential schemes whose parallel
     variants are tuned, the finalists re-timed with the paper's protocol, and how many of
     the fastest microkernel classes the scheme space is built on, with how many
     completions per loop order the model ranks (the run-time tuner ranks 20 000)."""
@@ -501,7 +501,8 @@ def _search_depth(args: argparse.Namespace, table, cpu_id: Optional[str] = None
 
 
 def _cmd_network(args: argparse.Namespace) -> int:
-    from .generator.autotune import TuneSettings, compare_warm, measure_generic, tune_layer
+    from .generator.autotune import (LayerClock, Phase, TuneSettings, compare_warm,
+                                     measure_generic, tune_layer)
     from .generator.emit import databases_in, emit, registry_entries
     from .generator.machine import load_or_measure
     from .generator.microkernels import measure_peak_gflops
@@ -553,6 +554,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
         (lambda message: None)
     progress = _Progress("layers")
     rows = []
+    measured_seconds = fixed_seconds = 0.0   # the layers' budgets, and the work before them
     for done, layer in enumerate(layers):
         spec = layer.spec()
         progress(done, len(layers), layer.name)
@@ -560,6 +562,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
             rows.append((layer, None))
             continue
         if not args.from_records:
+            fixed_started = time.monotonic()
             classes = classes_for(spec, table)
             if effort.classes is not None:   # the fastest ones
                 classes = sorted(classes, key=lambda c: -c.best_percent)[:effort.classes]
@@ -570,23 +573,34 @@ def _cmd_network(args: argparse.Namespace) -> int:
             if ranking is not None:   # the learned ranking's first picks, and only those
                 candidates = rank_order(ranking, spec, candidates, 1, isa,
                                         context)[:rank_measure]
+            # The budget starts here: the scheme space above is the layer's fixed work.
+            clock = LayerClock(budget, fixed_seconds=time.monotonic() - fixed_started)
             bench = LayerBench.make(spec)
-            for threads in counts:
-                if search is not None and threads == 1:
-                    search.measure_generic(layer.name, spec, threads)
-                elif threads == 1 or threads <= spec.useful_threads():
-                    measure_generic(layer.name, spec, threads, database, bench)
+            parallel_counts = [t for t in counts[1:] if t <= spec.useful_threads()]
+            with clock.timing(Phase.GENERIC, 0):
+                for threads in counts:
+                    if search is not None and threads == 1:
+                        search.measure_generic(layer.name, spec, threads)
+                    elif threads == 1 or threads <= spec.useful_threads():
+                        measure_generic(layer.name, spec, threads, database, bench)
+                    else:
+                        continue
+                    clock.counts[Phase.GENERIC] += 1
+            # one thread two shares of what is left, each parallel count one (its search
+            # starts from the single-thread one's best schemes)
             if search is not None:
-                search.tune_layer(layer.name, spec, candidates, 1, settings, command)
+                search.tune_layer(layer.name, spec, candidates, 1, settings, command,
+                                  deadline=clock.share(2 / (2 + len(parallel_counts))))
             else:
                 tune_layer(layer.name, spec, candidates, 1, database, bench, settings,
-                           verbose, command)
+                           verbose, command, clock=clock,
+                           deadline=clock.share(2 / (2 + len(parallel_counts))))
             screened = sorted(database.for_layer(spec, 1, Protocol.SCREEN),
                               key=lambda r: r.seconds)
             by_text = {str(c.scheme): c for c in candidates}
-            for threads in counts[1:]:   # a kernel tuned at N threads serves N threads
-                if threads > spec.useful_threads():
-                    continue             # calls of this layer never run on N threads
+            # a kernel tuned at N threads serves N threads; calls of this layer never run
+            # on more than its useful threads
+            for i, threads in enumerate(parallel_counts):
                 parallel, sources = [], 0
                 for record in screened:  # the fastest that have a loop to parallelize
                     if sources == parallel_from:
@@ -596,10 +610,12 @@ def _cmd_network(args: argparse.Namespace) -> int:
                                                      isa)
                         parallel += variants
                         sources += bool(variants)
-                parallel_settings = TuneSettings(budget_seconds=budget / 2,
-                                                 refine_top=effort.refine_top)
-                tune_layer(layer.name, spec, parallel, threads, database, bench,
-                           parallel_settings, verbose, command)
+                tune_layer(layer.name, spec, parallel, threads, database, bench, settings,
+                           verbose, command, clock=clock,
+                           deadline=clock.share(1 / (len(parallel_counts) - i)))
+            verbose(f"{layer.name}: {clock.summary()}")
+            measured_seconds += time.monotonic() - clock.started
+            fixed_seconds += clock.fixed_seconds
             del bench
         rows.append((layer, {t: database.best(spec, t) for t in counts}))
     progress(len(layers), len(layers), "done")
@@ -655,6 +671,11 @@ def _cmd_network(args: argparse.Namespace) -> int:
           f"kernel ships only when its time is below {database.ship.max_time_ratio:g} of the "
           f"generic kernel's)")
     cpus = sorted({e.cpu for e in entries})
+    searched = sum(1 for _, best in rows if best is not None)
+    if searched and not args.from_records:
+        print(f"per layer: {measured_seconds / searched:.1f} s of measurement (budget "
+              f"{budget:g} s) and {fixed_seconds / searched:.1f} s building its scheme "
+              f"space, over {searched} searched layers (--verbose: each layer's)")
     print(f"search time: {elapsed:.0f} s; registry of {len(entries)} verdicts for "
           f"{len(cpus)} CPU(s) written to {args.kernels_dir}; this CPU ({database.cpu_id}), "
           f"{isa.value}: {len(shipped)} searched kernels")
@@ -710,9 +731,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "microkernel table is step 1's quick one or borrowed from "
                              "another VM of its microarchitecture, else full)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds of measurement per layer for the single-thread search "
-                             "(half as much for the parallel one; default 90 for the full "
-                             "search, 12 for the quick one)")
+                        help="wall seconds of measurement per layer, every thread count's: "
+                             "the generic kernel's timing, the candidates' compiles, checks "
+                             "and timings, the finalists' re-timing (at least one candidate "
+                             "is measured; the scheme space built before is reported apart; "
+                             "default 90 for the full search, 12 for the quick one)")
     parser.add_argument("--threads", type=int, nargs="+", default=[2],
                         help="thread counts of the parallel variants, e.g. 2 4 16 (each is "
                              "tuned, and served at exactly that count)")

@@ -10,11 +10,13 @@ answer, time-out) are recorded as values; they never stop the search.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator, Optional, Sequence
 
 from ..core.cbuild import build
 from ..core.codegen import GENERATOR_VERSION, generate
@@ -38,6 +40,69 @@ class TuneSettings:
     paper_drop: int = 5
     refine_top: int = 4
     call_timeout_seconds: float = 2.0    # a screened call slower than this is a time-out
+
+
+class Phase(Enum):
+    """Where a layer's measurement time goes (``ttile-generate --verbose`` prints it)."""
+    GENERIC = "generic kernel timed"
+    BUILD = "built"
+    CHECK = "checked and timed"
+    REFINE = "re-timed"
+
+
+#: Compile seconds per candidate and compiler assumed before a layer has built any (a
+#: scheme's kernel takes GCC 1-3 s at -O3).
+FIRST_BUILD_SECONDS = 1.5
+
+
+@dataclass
+class LayerClock:
+    """A layer's measurement budget as wall time, and where the time went.
+
+    ``--budget`` is what it says: the seconds one layer's measurement takes, the generic
+    kernel's reference timing, the candidates' compiles, checks and timings and the
+    finalists' re-timing all included. The screening compiles no more candidates at once
+    than the time left allows (at the compile rate seen so far), and stops when it is
+    spent; at least one candidate is always measured, so a layer ends with a result. The
+    work before it (the scheme space: the model and the pruning) is fixed per layer and
+    reported apart (``fixed_seconds``). What a spent budget still runs: one candidate's
+    compile, check and screening, and the fastest one's re-timing (twenty calls)."""
+    budget_seconds: float
+    started: float = field(default_factory=time.monotonic)
+    fixed_seconds: float = 0.0
+    seconds: dict = field(default_factory=lambda: {phase: 0.0 for phase in Phase})
+    counts: dict = field(default_factory=lambda: {phase: 0 for phase in Phase})
+    build_rate: float = FIRST_BUILD_SECONDS   # wall seconds per candidate and compiler
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.budget_seconds
+
+    def remaining(self, deadline: Optional[float] = None) -> float:
+        return (self.deadline if deadline is None else deadline) - time.monotonic()
+
+    def share(self, fraction: float) -> float:
+        """A deadline ``fraction`` of the time left from now (a thread count's part)."""
+        return time.monotonic() + max(0.0, self.remaining()) * fraction
+
+    @contextlib.contextmanager
+    def timing(self, phase: Phase, count: int = 1) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add(phase, time.monotonic() - started, count)
+
+    def add(self, phase: Phase, seconds: float, count: int = 1) -> None:
+        self.seconds[phase] += seconds
+        self.counts[phase] += count
+
+    def summary(self) -> str:
+        spent = time.monotonic() - self.started
+        parts = [f"{self.counts[phase]} {phase.value} {self.seconds[phase]:.1f} s"
+                 for phase in Phase if self.counts[phase]]
+        return (f"{spent:.1f} s of a {self.budget_seconds:g} s budget ("
+                + "; ".join(parts) + f"); scheme space {self.fixed_seconds:.1f} s before it")
 
 
 def _today() -> str:
@@ -91,11 +156,23 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
                database: TuningDatabase, bench: LayerBench,
                settings: TuneSettings = TuneSettings(),
                progress: Callable[[str], None] = lambda message: None,
-               command: str = "ttile-generate") -> Optional[TuningRecord]:
-    """Screen candidates in order within the budget, then re-time the best with the
-    paper's protocol, generating them in the database's vector family. Returns the best
-    record (None if nothing ran correctly)."""
-    started = time.monotonic()
+               command: str = "ttile-generate", clock: Optional[LayerClock] = None,
+               deadline: Optional[float] = None) -> Optional[TuningRecord]:
+    """Screen candidates in order until the deadline (``clock``'s, or ``deadline`` when
+    given, or ``settings.budget_seconds`` from now), compiling no more at once than the
+    time left allows, then re-time the fastest with the paper's protocol while time is
+    left, generating them in the database's vector family; the time spent is added to
+    ``clock``. Returns the best record (None if nothing ran correctly)."""
+    if clock is None:
+        clock = LayerClock(settings.budget_seconds)
+    if deadline is None:
+        deadline = clock.deadline
+
+    def group_size() -> int:   # as many as the time left compiles, at least one
+        return max(1, int(clock.remaining(deadline) * settings.jobs / clock.build_rate))
+
+    def next_group(attempted: int) -> bool:
+        return attempted == 0 or clock.remaining(deadline) > 0
 
     def record(candidate: Candidate, status: RecordStatus, seconds: float, calls: int,
                protocol: Protocol, detail: str = "") -> TuningRecord:
@@ -112,10 +189,12 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
     for measured in build_check_time(
             spec, [c.scheme for c in todo], bench, threads, calls=settings.screen_calls,
             batch_size=settings.batch_size, jobs=settings.jobs, command=command,
-            slow_seconds=settings.call_timeout_seconds,
-            next_group=lambda _: time.monotonic() - started <= settings.budget_seconds,
-            isa=database.isa):
+            slow_seconds=settings.call_timeout_seconds, next_group=next_group,
+            group_size=group_size, isa=database.isa):
         candidate = todo[measured.index]
+        clock.add(Phase.BUILD, measured.build_seconds)
+        clock.add(Phase.CHECK, measured.check_seconds, int(measured.library is not None))
+        clock.build_rate = max(0.1, measured.build_seconds * settings.jobs)
         record(candidate, measured.status, measured.seconds, settings.screen_calls,
                Protocol.SCREEN, measured.detail)
         if measured.library is not None:
@@ -134,17 +213,25 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
             if not database.has(spec, r.scheme, threads, Protocol.PAPER)]
     # The finalists screened in this call are timed in the libraries they were screened
     # in: compiling them again cost a quick ResNet-18 search a quarter of its time.
-    for candidate in [c for c in todo if str(c.scheme) in built]:
+    # The fastest always (twenty calls of a kernel already built), the others only while
+    # time is left: without a paper timing, the screening's stands.
+    for rank, candidate in enumerate([c for c in todo if str(c.scheme) in built]):
+        if rank and clock.remaining(deadline) <= 0:
+            break
         kernel, library = built[str(candidate.scheme)]
-        status, seconds, detail = check_and_time(library, kernel, bench, threads,
-                                                 settings.paper_calls, settings.paper_drop)
+        with clock.timing(Phase.REFINE):
+            status, seconds, detail = check_and_time(library, kernel, bench, threads,
+                                                     settings.paper_calls,
+                                                     settings.paper_drop)
         record(candidate, status, seconds, settings.paper_calls, Protocol.PAPER, detail)
     todo = [c for c in todo if str(c.scheme) not in built]
-    if todo:
+    if todo and clock.remaining(deadline) > 0:
         for measured in build_check_time(
                 spec, [c.scheme for c in todo], bench, threads, calls=settings.paper_calls,
                 drop=settings.paper_drop, batch_size=len(todo), jobs=1, command=command,
                 isa=database.isa):
+            clock.add(Phase.BUILD, measured.build_seconds)
+            clock.add(Phase.REFINE, measured.check_seconds)
             if measured.status is RecordStatus.BUILD_ERROR:
                 continue  # built fine when screened: nothing worth a record
             record(todo[measured.index], measured.status, measured.seconds,

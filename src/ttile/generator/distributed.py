@@ -205,18 +205,19 @@ class DistributedSearch:
                                drop, Protocol.PAPER, "ttile-generate --dask")])
 
     def tune_layer(self, name: str, spec: ConvSpec, candidates, threads: int, settings,
-                   command: str) -> Optional[TuningRecord]:
+                   command: str, deadline: Optional[float] = None) -> Optional[TuningRecord]:
         """The distributed :func:`ttile.generator.autotune.tune_layer`: candidates
-        screened in chunks across the workers within the budget, the fastest re-timed
-        with the paper's protocol."""
-        started = time.monotonic()
+        screened in chunks across the workers until ``deadline`` (default: the budget
+        from now), the fastest re-timed with the paper's protocol."""
+        if deadline is None:
+            deadline = time.monotonic() + settings.budget_seconds
         todo = [c for c in candidates
                 if not self.database.has(spec, str(c.scheme), threads, Protocol.SCREEN)]
         tasks = [self._task(name, spec, todo[i:i + self.chunk], threads,
                             settings.screen_calls, 0, Protocol.SCREEN, command)
                  for i in range(0, len(todo), self.chunk)]
         # the budget is per layer and worker: N workers measure N times as much
-        self._run(tasks, deadline=started + settings.budget_seconds)
+        self._run(tasks, deadline=deadline)
         screened = sorted(self.database.for_layer(spec, threads, Protocol.SCREEN),
                           key=lambda r: r.seconds)
         by_text = {str(c.scheme): c for c in candidates}

@@ -106,6 +106,8 @@ class Measured:
     status: RecordStatus
     seconds: float                  # median per call; 0 unless ok
     detail: str = ""
+    build_seconds: float = 0.0      # its share of its group's compile (wall time)
+    check_seconds: float = 0.0      # checking it against the reference and timing it
 
 
 def run_and_check(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
@@ -151,31 +153,39 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                      next_group: Callable[[int], bool] = lambda attempted: True,
                      next_kernel: Callable[[int], bool] = lambda timed: True,
                      isa: Isa = Isa.AVX512F,
-                     weight_prefetch: bool = False) -> Iterator[Measured]:
+                     weight_prefetch: bool = False,
+                     group_size: Optional[Callable[[], int]] = None) -> Iterator[Measured]:
     """Build, check and time ``schemes`` (generated in the vector family ``isa``, with
     ``weight_prefetch`` as :func:`~ttile.core.codegen.generate` takes it) in order; yields
     one :class:`Measured` each.
 
     Groups of ``batch_size * jobs`` schemes are compiled at once, split into at least as
     many batches as there are compilers (``jobs`` in parallel: the quick search's 6
-    candidates in one batch kept one core idle). Before each group
-    ``next_group(attempted so far)`` and before each kernel
+    candidates in one batch kept one core idle); ``group_size()``, where given, says how
+    many of them the next group may hold (a time budget: no more than it leaves time to
+    compile). Before each group ``next_group(attempted so far)`` and before each kernel
     ``next_kernel(correct kernels timed so far)`` may stop the run (a time budget). A
     kernel slower than ``slow_seconds`` per call is a time-out.
     """
     attempted = timed = 0
-    step = batch_size * jobs
-    for start in range(0, len(schemes), step):
+    start = 0
+    while start < len(schemes):
         if not next_group(attempted):
             return
+        step = batch_size * jobs
+        if group_size is not None:
+            step = max(1, min(step, group_size()))
         group = list(enumerate(schemes))[start:start + step]
+        start += step
         parts = max(-(-len(group) // batch_size), min(jobs, len(group)))
         batches = [group[len(group) * i // parts:len(group) * (i + 1) // parts]
                    for i in range(parts)]
         sources = [[generate(scheme, spec, command, isa, weight_prefetch)
                     for _, scheme in batch]
                    for batch in batches]
+        compile_started = time.monotonic()
         libraries = build_batches(sources, jobs=jobs, timers=True, timeout=compile_timeout)
+        build_share = (time.monotonic() - compile_started) / len(group)
         for batch, kernels, library in zip(batches, sources, libraries):
             for (index, _), kernel in zip(batch, kernels):
                 if not next_kernel(timed):
@@ -184,17 +194,21 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                 if isinstance(library, BuildError):
                     yield Measured(index=index, kernel=kernel, library=None,
                                    status=RecordStatus.BUILD_ERROR, seconds=0.0,
-                                   detail=library.log[-1500:] or str(library))
+                                   detail=library.log[-1500:] or str(library),
+                                   build_seconds=build_share)
                     continue
+                check_started = time.monotonic()
                 status, seconds, detail = check_and_time(library, kernel, bench, threads,
                                                          calls, drop)
+                check_seconds = time.monotonic() - check_started
                 if status is RecordStatus.OK and slow_seconds is not None \
                         and seconds > slow_seconds:
                     status, detail = RecordStatus.TIMEOUT, f"{seconds:.2f} s per call"
                 timed += status is RecordStatus.OK
                 yield Measured(index=index, kernel=kernel, library=library, status=status,
                                seconds=seconds if status is RecordStatus.OK else 0.0,
-                               detail=detail)
+                               detail=detail, build_seconds=build_share,
+                               check_seconds=check_seconds)
 
 
 def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F) -> Copies:
