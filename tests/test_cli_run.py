@@ -56,8 +56,8 @@ def test_run_times_the_installed_peers_beside_ttile(capsys):
 
 def test_a_new_cpus_search_is_quick_unless_asked_for_the_full_one():
     """--search auto is the quick search on a new CPU (its microkernel table step 1's quick
-    one, or borrowed from another VM of the same microarchitecture), the full search
-    otherwise; quick measures fewer of each layer's candidates on fewer classes, and an
+    one, or borrowed from another VM of the same microarchitecture) or with a --budget
+    below the quick search's, the full search otherwise; quick measures fewer of each layer's candidates on fewer classes, and an
     explicit --search wins."""
     import argparse
     from types import SimpleNamespace
@@ -77,6 +77,13 @@ def test_a_new_cpus_search_is_quick_unless_asked_for_the_full_one():
     assert _search_depth(auto, None) is SearchDepth.FULL     # from records: nothing measured
     assert _search_depth(argparse.Namespace(search="full"), quick_table) is SearchDepth.FULL
     assert _search_depth(argparse.Namespace(search="quick"), full_table) is SearchDepth.QUICK
+    # a budget too short for the full search's picks: its scheme space would be wasted
+    assert _search_depth(argparse.Namespace(search="auto", budget=2.0), full_table, here.id) \
+        is SearchDepth.QUICK
+    assert _search_depth(argparse.Namespace(search="auto", budget=90.0), full_table, here.id) \
+        is SearchDepth.FULL
+    assert _search_depth(argparse.Namespace(search="full", budget=2.0), full_table, here.id) \
+        is SearchDepth.FULL
     quick, full = EFFORTS[SearchDepth.QUICK], EFFORTS[SearchDepth.FULL]
     assert quick.rank_measure < full.rank_measure and quick.budget_seconds < full.budget_seconds
     assert quick.classes is not None and full.classes is None

@@ -493,12 +493,18 @@ def _search_depth(args: argparse.Namespace, table, cpu_id: Optional[str] = None
     1's quick one, or was measured on another VM of the same microarchitecture and
     borrowed (``cpu_id``: this CPU's): its first network in minutes (ResNet18 at 1 and 2
     threads on a Xeon model 167 with the shipped table: 70 s, against 7 min 22 s for the
-    full search) - and full otherwise."""
+    full search) -, and quick where ``--budget`` is below the quick search's own: the
+    full search's scheme space (its model ranking 200 000 completions per loop order)
+    took 1-105 s a layer, 41 s on average over Yolo9000's 11 on a Xeon model 207, to
+    pick 24 candidates that a 2 s budget has time to compile one or two of; the quick
+    one's took 0-2 s. Full otherwise."""
     if args.search != "auto":
         return SearchDepth(args.search)
     new_cpu = table is not None and (table.quick or (cpu_id is not None
                                                      and table.cpu.id != cpu_id))
-    return SearchDepth.QUICK if new_cpu else SearchDepth.FULL
+    budget = getattr(args, "budget", None)
+    short = budget is not None and budget < EFFORTS[SearchDepth.QUICK].budget_seconds
+    return SearchDepth.QUICK if new_cpu or short else SearchDepth.FULL
 
 
 def _cmd_network(args: argparse.Namespace) -> int:
@@ -730,7 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "shipped sets' search), quick (a few of the learned ranking's "
                              "picks: a network in minutes), auto (quick on a CPU whose "
                              "microkernel table is step 1's quick one or borrowed from "
-                             "another VM of its microarchitecture, else full)")
+                             "another VM of its microarchitecture, or where --budget is "
+                             "below the quick search's 12 s, else full)")
     parser.add_argument("--budget", type=float, default=None,
                         help="wall seconds of measurement per layer, every thread count's: "
                              "the generic kernel's timing, the candidates' compiles, checks "
