@@ -584,15 +584,12 @@ def _cmd_network(args: argparse.Namespace) -> int:
             clock = LayerClock(budget, fixed_seconds=time.monotonic() - fixed_started)
             bench = LayerBench.make(spec)
             parallel_counts = [t for t in counts[1:] if t <= spec.useful_threads()]
-            with clock.timing(Phase.GENERIC, 0):
-                for threads in counts:
+            for threads in [1, *parallel_counts]:
+                with clock.timing(Phase.GENERIC):
                     if search is not None and threads == 1:
                         search.measure_generic(layer.name, spec, threads)
-                    elif threads == 1 or threads <= spec.useful_threads():
-                        measure_generic(layer.name, spec, threads, database, bench)
                     else:
-                        continue
-                    clock.counts[Phase.GENERIC] += 1
+                        measure_generic(layer.name, spec, threads, database, bench)
             # one thread two shares of what is left, each parallel count one (its search
             # starts from the single-thread one's best schemes)
             if search is not None:
