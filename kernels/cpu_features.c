@@ -32,6 +32,38 @@ static int detect_avx512f(void)
     return (ebx >> 16) & 1u;
 }
 
+/* AVX512_BF16 (vdpbf16ps, vcvtne2ps2bf16): cpuid leaf 7 subleaf 1 EAX bit 5, on top of
+ * AVX-512F with its state enabled, and AVX512BW + VL (leaf 7 EBX bits 30, 31), which the
+ * bf16 kernels use for 16-bit masked loads and which every CPU with AVX512_BF16 has. */
+static int detect_avx512bf16(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    if (!detect_avx512f())
+        return 0;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    const unsigned bw_vl = (1u << 30) | (1u << 31);
+    if ((ebx & bw_vl) != bw_vl || eax < 1)
+        return 0;
+    __cpuid_count(7, 1, eax, ebx, ecx, edx);
+    return (eax >> 5) & 1u;
+}
+
+/* AMX-BF16 and AMX-TILE (leaf 7 EDX bits 22 and 24) with the OS enabling the tile
+ * configuration and tile data state (XCR0 bits 17 and 18). Linux still hands the tile
+ * data state to a process only when asked (ttile_amx_request). */
+static int detect_amx_bf16(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    if (!detect_avx512bf16())
+        return 0;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    const unsigned amx = (1u << 22) | (1u << 24);
+    if ((edx & amx) != amx)
+        return 0;
+    const uint64_t tile_state = (1ull << 17) | (1ull << 18);
+    return (read_xcr0() & tile_state) == tile_state;
+}
+
 static int detect_avx2(void)
 {
     unsigned eax, ebx, ecx, edx;
@@ -67,6 +99,44 @@ int ttile_cpu_has_avx2(void)
     return cached;
 }
 
+int ttile_cpu_has_avx512bf16(void)
+{
+    static volatile int cached = -1;
+    if (cached < 0)
+        cached = detect_avx512bf16();
+    return cached;
+}
+
+int ttile_cpu_has_amx_bf16(void)
+{
+    static volatile int cached = -1;
+    if (cached < 0)
+        cached = detect_amx_bf16();
+    return cached;
+}
+
+/* Linux (5.16 on) gives a process the AMX tile data state only after
+ * arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without it the first tile
+ * instruction faults. The permission is the whole process's, so it is asked once. */
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+int ttile_amx_request(void)
+{
+    static volatile int cached = -1;
+    if (cached < 0) {
+        int ok = 0;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+        if (ttile_cpu_has_amx_bf16())
+            ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                         18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+        cached = ok;
+    }
+    return cached;
+}
+
 static int64_t detect_l2_bytes(void)
 {
     unsigned eax, ebx, ecx, edx;
@@ -86,6 +156,9 @@ int64_t ttile_cpu_l2_bytes(void)
 #else
 int ttile_cpu_has_avx512f(void) { return 0; }
 int ttile_cpu_has_avx2(void) { return 0; }
+int ttile_cpu_has_avx512bf16(void) { return 0; }
+int ttile_cpu_has_amx_bf16(void) { return 0; }
+int ttile_amx_request(void) { return 0; }
 int64_t ttile_cpu_l2_bytes(void) { return 0; }
 #endif
 

@@ -43,6 +43,13 @@ typedef struct {
 int ttile_cpu_has_avx512f(void);
 /* 1 when the CPU has AVX2 and FMA and the OS saves the YMM state, else 0. */
 int ttile_cpu_has_avx2(void);
+/* 1 when the CPU has AVX512_BF16 (with AVX-512F, BW and VL, and their state), else 0. */
+int ttile_cpu_has_avx512bf16(void);
+/* 1 when the CPU has AMX-BF16 and AMX-TILE and the OS enables their state, else 0. */
+int ttile_cpu_has_amx_bf16(void);
+/* 1 when this process may execute AMX instructions: the CPU has them and Linux granted
+ * the tile data state (asked on the first call), else 0. */
+int ttile_amx_request(void);
 /* This core's L2 cache in bytes (cpuid leaf 0x80000006, which AMD and Intel both
  * report; 0 when unknown). */
 int64_t ttile_cpu_l2_bytes(void);

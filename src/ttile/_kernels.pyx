@@ -1369,3 +1369,202 @@ def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, in
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
         fn(xp, wp, yp, nthreads, ep)
+
+
+# ---------------------------------------------------------------------------------------
+# bf16 (kernels/ttile_bf16.h): rounding, packing, the AMX and AVX512_BF16 kernels.
+
+cdef extern from "ttile_bf16.h" nogil:
+    ctypedef struct ttile_bf16_problem:
+        int64_t n, ho, wo, k
+        int64_t hp, wp, cp
+        int64_t kc, kp
+        int64_t r, s
+        int64_t stride_h, stride_w, dil_h, dil_w
+    int64_t ttile_bf16_input_elems(const ttile_bf16_problem *p)
+    int64_t ttile_bf16_weight_elems(const ttile_bf16_problem *p)
+    void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16,
+                               int nchw, int64_t c, int64_t h, int64_t w, int64_t pad_top,
+                               int64_t pad_left, unsigned short *xb, int nthreads)
+    void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
+                                 int64_t c, unsigned short *wb, int nthreads)
+    void ttile_bf16_from_f32(const float *src, unsigned short *dst, int64_t n, int nthreads)
+    void ttile_bf16_to_f32(const unsigned short *src, float *dst, int64_t n, int nthreads)
+    int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const unsigned short *xb,
+                            const unsigned short *wb, void *y, int y_bf16, int nthreads,
+                            const ttile_epilogue *ep)
+    int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const unsigned short *xb,
+                               const unsigned short *wb, void *y, int y_bf16, int nthreads,
+                               const ttile_epilogue *ep)
+    int ttile_bf16_amx_built()
+
+cdef extern from "ttile_runtime.h" nogil:
+    int ttile_cpu_has_avx512bf16()
+    int ttile_cpu_has_amx_bf16()
+    int ttile_amx_request()
+
+cdef enum:
+    _BF16_KERNEL_AMX = 0
+    _BF16_KERNEL_AVX512 = 1
+
+BF16_KERNEL_AMX = _BF16_KERNEL_AMX
+BF16_KERNEL_AVX512 = _BF16_KERNEL_AVX512
+
+
+def cpu_has_avx512bf16():
+    """True when the CPU has AVX512_BF16 (with AVX-512F, BW and VL) and the OS saves it."""
+    return ttile_cpu_has_avx512bf16() == 1
+
+
+def cpu_has_amx_bf16():
+    """True when the CPU has AMX-BF16 and AMX-TILE and the OS enables the tile state."""
+    return ttile_cpu_has_amx_bf16() == 1
+
+
+def amx_usable():
+    """True when this process may run the AMX kernel: the CPU has it, this build has it,
+    and Linux granted the tile data state (asked once, on the first call)."""
+    return ttile_bf16_amx_built() == 1 and ttile_amx_request() == 1
+
+
+cdef int _bf16_problem(ttile_bf16_problem *p, tuple fields) except -1:
+    """Fill and check a packed problem from (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
+    stride_h, stride_w, dil_h, dil_w)."""
+    if len(fields) != 15:
+        raise ValueError("a bf16 problem has 15 fields")
+    (p.n, p.ho, p.wo, p.k, p.hp, p.wp, p.cp, p.kc, p.kp, p.r, p.s, p.stride_h, p.stride_w,
+     p.dil_h, p.dil_w) = fields
+    if min(p.n, p.ho, p.wo, p.k, p.r, p.s, p.stride_h, p.stride_w, p.dil_h, p.dil_w) < 1:
+        raise ValueError(f"bad bf16 problem {fields}")
+    if p.kc < 2 or p.kc > 32 or p.kc % 2 or p.cp < p.kc or p.cp % p.kc \
+            or p.kp < p.k or p.kp % 32:
+        raise ValueError(f"bad bf16 packing {fields}: kc even <= 32 dividing cp, "
+                         f"kp a multiple of 32 >= k")
+    if p.hp < (p.ho - 1) * p.stride_h + (p.r - 1) * p.dil_h + 1 \
+            or p.wp < (p.wo - 1) * p.stride_w + (p.s - 1) * p.dil_w + 1:
+        raise ValueError(f"bf16 problem {fields}: the packed input is too small for the "
+                         f"output")
+    return 0
+
+
+cdef int _check_bf16_array(cnp.ndarray a, str name, int64_t size, int allow_f32) except -1:
+    cdef int t = cnp.PyArray_TYPE(a)
+    if t != cnp.NPY_UINT16 and not (allow_f32 and t == cnp.NPY_FLOAT32):
+        raise TypeError(f"{name} must be bf16 bits (uint16)"
+                        + (" or float32" if allow_f32 else "") + f", got {a.dtype}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a):
+        raise ValueError(f"{name} must be C-contiguous and aligned")
+    if cnp.PyArray_SIZE(a) != size:
+        raise ValueError(f"{name} has {cnp.PyArray_SIZE(a)} elements, expected {size}")
+    return 0
+
+
+def bf16_round(cnp.ndarray src, int nthreads=1):
+    """float32 -> bf16 bits (uint16, same shape), rounded to nearest even."""
+    _check_f32_contiguous(src, "src")
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the bf16 conversions need AVX-512F")
+    cdef cnp.ndarray dst = np.empty((<object>src).shape, dtype=np.uint16)
+    with nogil:
+        ttile_bf16_from_f32(<const float *>cnp.PyArray_DATA(src),
+                            <unsigned short *>cnp.PyArray_DATA(dst), cnp.PyArray_SIZE(src),
+                            nthreads)
+    return dst
+
+
+def bf16_widen(cnp.ndarray src, int nthreads=1):
+    """bf16 bits (uint16) -> float32, exactly."""
+    _check_bf16_array(src, "src", cnp.PyArray_SIZE(src), 0)
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the bf16 conversions need AVX-512F")
+    cdef cnp.ndarray dst = np.empty((<object>src).shape, dtype=np.float32)
+    with nogil:
+        ttile_bf16_to_f32(<const unsigned short *>cnp.PyArray_DATA(src),
+                          <float *>cnp.PyArray_DATA(dst), cnp.PyArray_SIZE(src), nthreads)
+    return dst
+
+
+def bf16_pack_weights(cnp.ndarray w, bint rsck, tuple problem, int nthreads=1):
+    """fp32 weights, KCRS (K, C, R, S) or with ``rsck`` (R, S, C, K), of one group ->
+    the bf16 kernels' packed weights (ttile_bf16.h) for ``problem``."""
+    cdef ttile_bf16_problem p
+    _bf16_problem(&p, problem)
+    _check_f32_c4(w, "w")
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the bf16 packing needs AVX-512F")
+    shape = (<object>w).shape
+    k, c, r, s = (shape[3], shape[2], shape[0], shape[1]) if rsck else shape
+    if k != p.k or r != p.r or s != p.s or c > p.cp:
+        raise ValueError(f"weights {shape} do not match the bf16 problem {problem}")
+    cdef cnp.ndarray wb = np.empty(ttile_bf16_weight_elems(&p), dtype=np.uint16)
+    cdef int64_t channels = c
+    with nogil:
+        ttile_bf16_pack_weights(&p, <const float *>cnp.PyArray_DATA(w), rsck, channels,
+                                <unsigned short *>cnp.PyArray_DATA(wb), nthreads)
+    return wb
+
+
+def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple problem,
+                int64_t c, int64_t h, int64_t w, int64_t pad_top, int64_t pad_left,
+                int kernel, int nthreads, *, bias=None, residual=None, int activation=0,
+                float slope=0.01):
+    """A bf16 convolution: x (fp32 NHWC or NCHW, or bf16 bits NHWC) of c channels, h x w,
+    packed with pad_top/pad_left zeros, convolved with the packed weights ``wb`` by
+    ``kernel`` (BF16_KERNEL_AMX or BF16_KERNEL_AVX512) into y (N, Ho, Wo, K), fp32 or bf16
+    bits, the epilogue fused (a residual has y's type and shape)."""
+    cdef ttile_bf16_problem p
+    _bf16_problem(&p, problem)
+    if c < 1 or c > p.cp or h < 1 or w < 1 or pad_top < 0 or pad_left < 0 \
+            or pad_top + h > p.hp or pad_left + w > p.wp or nthreads < 1:
+        raise ValueError(f"input ({c}, {h}, {w}) padded ({pad_top}, {pad_left}) does not "
+                         f"fit the bf16 problem {problem}")
+    _check_bf16_array(x, "x", p.n * c * h * w, 1)
+    cdef int x_bf16 = cnp.PyArray_TYPE(x) == cnp.NPY_UINT16
+    if x_bf16 and nchw:
+        raise ValueError("bf16 inputs are taken in NHWC only")
+    _check_bf16_array(wb, "wb", ttile_bf16_weight_elems(&p), 0)
+    _check_bf16_array(y, "y", p.n * p.ho * p.wo * p.k, 1)
+    cdef int y_bf16 = cnp.PyArray_TYPE(y) == cnp.NPY_UINT16
+    cdef ttile_epilogue ep
+    ep.bias = NULL
+    ep.residual = NULL
+    ep.activation = activation
+    ep.negative_slope = slope
+    if activation < 0 or activation > 5:
+        raise ValueError(f"unknown activation code {activation}")
+    cdef cnp.ndarray b, res
+    if bias is not None:
+        b = bias
+        if cnp.PyArray_TYPE(b) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(b) != 1 \
+                or not cnp.PyArray_IS_C_CONTIGUOUS(b) or cnp.PyArray_DIMS(b)[0] != p.k:
+            raise ValueError(f"bias must be a contiguous float32 vector of {p.k}")
+        ep.bias = <const float *>cnp.PyArray_DATA(b)
+    if residual is not None:
+        res = residual
+        if cnp.PyArray_TYPE(res) != cnp.PyArray_TYPE(y):
+            raise TypeError("the residual must have the output's type")
+        _check_bf16_array(res, "residual", p.n * p.ho * p.wo * p.k, 1)
+        ep.residual = <const float *>cnp.PyArray_DATA(res)
+    if kernel == BF16_KERNEL_AMX:
+        if not amx_usable():
+            raise RuntimeError("the AMX kernel needs AMX-BF16 and the tile state granted")
+    elif kernel == BF16_KERNEL_AVX512:
+        if ttile_cpu_has_avx512bf16() != 1:
+            raise RuntimeError("the AVX512_BF16 kernel needs a CPU with AVX512_BF16")
+    else:
+        raise ValueError(f"unknown bf16 kernel {kernel}")
+    cdef cnp.ndarray xb = np.empty(ttile_bf16_input_elems(&p), dtype=np.uint16)
+    cdef unsigned short *xbp = <unsigned short *>cnp.PyArray_DATA(xb)
+    cdef const unsigned short *wbp = <const unsigned short *>cnp.PyArray_DATA(wb)
+    cdef const void *xp = cnp.PyArray_DATA(x)
+    cdef void *yp = cnp.PyArray_DATA(y)
+    cdef int status
+    with nogil:
+        ttile_bf16_pack_input(&p, xp, x_bf16, nchw, c, h, w, pad_top, pad_left, xbp,
+                              nthreads)
+        if kernel == _BF16_KERNEL_AMX:
+            status = ttile_conv_bf16_amx(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
+        else:
+            status = ttile_conv_bf16_avx512(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
+    if status != 0:
+        raise MemoryError("the bf16 kernel could not start (memory or CPU state)")

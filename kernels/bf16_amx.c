@@ -1,0 +1,149 @@
+/* The AMX bf16 convolution: an implicit matrix product on the tile unit, with no im2col.
+ *
+ * A tile of A is 16 output pixels by kc input channels of one filter tap: 16 rows of the
+ * packed input (ttile_bf16.h) at a fixed stride, which tileloadd reads directly. Two
+ * pixel tiles and two 16-channel weight tiles (B, channel pairs interleaved) feed four
+ * fp32 accumulator tiles: a 32-pixel by 32-channel block, the 2 x 2 arrangement that uses
+ * all eight tile registers, four loads per four tdpbf16ps.
+ * Which 16 pixels a tile holds: ttile_bf16_tiling (ttile_bf16.h).
+ *
+ * Work: (image, pair of pixel tiles) x (pair of 16-channel blocks), in groups of channel
+ * blocks whose weights fit half the L2, each thread taking consecutive pixel tiles so it
+ * reuses its input rows across the group's channel blocks. */
+#include "ttile_bf16.h"
+#include "ttile_runtime.h"
+
+#if defined(TTILE_NO_AMX)
+int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
+                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
+{
+    (void)p, (void)xb, (void)wb, (void)y, (void)y_bf16, (void)nthreads, (void)ep;
+    return -1;   /* built by a compiler without AMX */
+}
+int ttile_bf16_amx_built(void) { return 0; }
+#else
+#include <immintrin.h>
+#include <stdlib.h>
+
+int ttile_bf16_amx_built(void) { return 1; }
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3: accumulators (16 x 16 fp32); 4, 5: input (16 pixels x kc bf16); 6, 7:
+ * weights (kc/2 channel pairs x 16 output channels x 2). */
+static void configure(int64_t kc)
+{
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 4; t < 6; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = (uint16_t)(kc * 2);
+    }
+    for (int t = 6; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(kc / 2);
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Stores a pixel tile's 16 x 32 accumulators (two 16 x 16 blocks in acc, 256 floats
+ * apart) for output channel blocks kb and kb + 1. */
+static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
+                       int64_t tile, int64_t kb, const float *acc, void *y, int y_bf16,
+                       const ttile_epilogue *ep)
+{
+    for (int i = 0; i < 16; i++) {
+        int64_t oh, ow;
+        if (!ttile_bf16_pixel(p, t, tile, i, &oh, &ow))
+            continue;
+        const int64_t at = ((n * p->ho + oh) * p->wo + ow) * p->k;
+        for (int b = 0; b < 2; b++) {
+            const int64_t k0 = (kb + b) * 16;
+            if (k0 >= p->k)
+                break;
+            ttile_bf16_store16(ep, y, y_bf16, at + k0, k0, ttile_bf16_kmask(k0, p->k),
+                               _mm512_loadu_ps(acc + b * 256 + i * 16));
+        }
+    }
+}
+
+int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
+                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
+{
+    if (!ttile_amx_request())
+        return -1;
+    const ttile_epilogue none = {0, 0, TTILE_ACT_NONE, 0.0f};
+    if (ep == 0)
+        ep = &none;
+    const ttile_bf16_tiling t = ttile_bf16_tiling_of(p, 16);
+    const int64_t a_stride = t.pixel_stride * (int64_t)sizeof(uint16_t);
+    const int64_t taps = p->r * p->s, nq = p->cp / p->kc, kc = p->kc;
+    const int64_t chunk = kc * 16, block = taps * p->cp * 16;   /* weight elements */
+    int64_t *off = malloc((size_t)taps * sizeof(int64_t));
+    if (off == 0)
+        return -1;
+    ttile_bf16_tap_offsets(p, off);
+    const int64_t image = p->hp * p->wp * p->cp;
+    const int64_t pairs = (t.blocks + 1) / 2, kpairs = p->kp / 32;
+    const int64_t pair_bytes = block * 2 * (int64_t)sizeof(uint16_t);
+    int64_t group = ttile_generic_cache_bytes() / pair_bytes;
+    if (group < 1)
+        group = 1;
+
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float acc[4 * 256] __attribute__((aligned(64)));
+        configure(kc);
+        for (int64_t g0 = 0; g0 < kpairs; g0 += group) {
+            const int64_t g1 = g0 + group < kpairs ? g0 + group : kpairs;
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t mi = 0; mi < p->n * pairs; mi++)
+                for (int64_t kq = g0; kq < g1; kq++) {
+                    const int64_t n = mi / pairs, t0 = (mi % pairs) * 2;
+                    const int64_t t1 = t0 + 1 < t.blocks ? t0 + 1 : t0;
+                    const uint16_t *a0 = xb + n * image + ttile_bf16_block_base(p, &t, t0);
+                    const uint16_t *a1 = xb + n * image + ttile_bf16_block_base(p, &t, t1);
+                    const uint16_t *b0 = wb + 2 * kq * block, *b1 = b0 + block;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t tap = 0; tap < taps; tap++) {
+                        const uint16_t *x0 = a0 + off[tap], *x1 = a1 + off[tap];
+                        const uint16_t *w0 = b0 + tap * nq * chunk, *w1 = b1 + tap * nq * chunk;
+                        for (int64_t q = 0; q < nq; q++) {
+                            _tile_loadd(4, x0 + q * kc, a_stride);
+                            _tile_loadd(6, w0 + q * chunk, 64);
+                            _tile_loadd(7, w1 + q * chunk, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_loadd(5, x1 + q * kc, a_stride);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, acc, 64);
+                    _tile_stored(1, acc + 256, 64);
+                    _tile_stored(2, acc + 512, 64);
+                    _tile_stored(3, acc + 768, 64);
+                    store_tile(p, &t, n, t0, 2 * kq, acc, y, y_bf16, ep);
+                    if (t1 != t0)
+                        store_tile(p, &t, n, t1, 2 * kq, acc + 512, y, y_bf16, ep);
+                }
+        }
+        _tile_release();
+    }
+    free(off);
+    return 0;
+}
+#endif

@@ -1,0 +1,124 @@
+/* The bf16 kernels' packing (formats in ttile_bf16.h): the input rounded to bf16 into
+ * padded NHWC with its zeros written out, the weights into 16-channel blocks of channel
+ * pairs. One pass each, in parallel over rows or blocks. AVX-512F + BW + VL. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "ttile_bf16.h"
+
+void ttile_bf16_from_f32(const float *src, uint16_t *dst, int64_t n, int nthreads)
+{
+    const int64_t blocks = (n + 4095) / 4096;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n > 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * 4096 < n ? (b + 1) * 4096 : n;
+        for (int64_t i = b * 4096; i < end; i += 16) {
+            const __mmask16 m = ttile_bf16_kmask(i, end);
+            _mm256_mask_storeu_epi16(dst + i, m,
+                                     ttile_bf16_round512(_mm512_maskz_loadu_ps(m, src + i)));
+        }
+    }
+}
+
+void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads)
+{
+    const int64_t blocks = (n + 4095) / 4096;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n > 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * 4096 < n ? (b + 1) * 4096 : n;
+        for (int64_t i = b * 4096; i < end; i += 16) {
+            const __mmask16 m = ttile_bf16_kmask(i, end);
+            _mm512_mask_storeu_ps(dst + i, m,
+                                  ttile_bf16_widen512(_mm256_maskz_loadu_epi16(m, src + i)));
+        }
+    }
+}
+
+/* One packed row (wp pixels of cp channels) from an NHWC row of w pixels of c channels
+ * (fp32 or bf16), pad_left zero pixels before it. */
+static void pack_row_nhwc(const ttile_bf16_problem *p, const void *row, int x_bf16,
+                          int64_t c, int64_t w, int64_t pad_left, uint16_t *out)
+{
+    const int64_t cp = p->cp;
+    memset(out, 0, (size_t)(pad_left * cp) * sizeof(uint16_t));
+    for (int64_t j = 0; j < w; j++) {
+        uint16_t *o = out + (pad_left + j) * cp;
+        for (int64_t ch = 0; ch < cp; ch += 16) {
+            const __mmask16 m = ttile_bf16_kmask(ch, c);
+            __m256i v;
+            if (x_bf16)
+                v = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j * c + ch);
+            else
+                v = ttile_bf16_round512(_mm512_maskz_loadu_ps(m, (const float *)row + j * c + ch));
+            _mm256_mask_storeu_epi16(o + ch, ttile_bf16_kmask(ch, cp), v);
+        }
+    }
+    const int64_t right = p->wp - pad_left - w;
+    if (right > 0)
+        memset(out + (pad_left + w) * cp, 0, (size_t)(right * cp) * sizeof(uint16_t));
+}
+
+/* One packed row from an NCHW image (fp32): channel planes of h x w, row `y`. */
+static void pack_row_nchw(const ttile_bf16_problem *p, const float *image, int64_t c,
+                          int64_t h, int64_t w, int64_t y, int64_t pad_left, uint16_t *out)
+{
+    const int64_t cp = p->cp;
+    memset(out, 0, (size_t)(p->wp * cp) * sizeof(uint16_t));
+    for (int64_t j0 = 0; j0 < w; j0 += 16) {
+        const __mmask16 m = ttile_bf16_kmask(j0, w);
+        const int64_t n = w - j0 < 16 ? w - j0 : 16;
+        for (int64_t ch = 0; ch < c; ch++) {
+            uint16_t lanes[16];
+            _mm256_storeu_si256((__m256i *)lanes, ttile_bf16_round512(_mm512_maskz_loadu_ps(
+                                                      m, image + (ch * h + y) * w + j0)));
+            uint16_t *o = out + (pad_left + j0) * cp + ch;
+            for (int64_t j = 0; j < n; j++)
+                o[j * cp] = lanes[j];
+        }
+    }
+}
+
+void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16, int nchw,
+                           int64_t c, int64_t h, int64_t w, int64_t pad_top,
+                           int64_t pad_left, uint16_t *xb, int nthreads)
+{
+    const int64_t row = p->wp * p->cp, rows = p->n * p->hp;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t n = i / p->hp, y = i % p->hp - pad_top;
+        uint16_t *out = xb + i * row;
+        if (y < 0 || y >= h)
+            memset(out, 0, (size_t)row * sizeof(uint16_t));
+        else if (nchw)
+            pack_row_nchw(p, (const float *)x + n * c * h * w, c, h, w, y, pad_left, out);
+        else
+            pack_row_nhwc(p, (const char *)x + ((n * h + y) * w * c) * elem, x_bf16, c, w,
+                          pad_left, out);
+    }
+    memset(xb + rows * row, 0, (size_t)ttile_bf16_input_slack(p) * sizeof(uint16_t));
+}
+
+void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
+                             int64_t c, uint16_t *wb, int nthreads)
+{
+    const int64_t kc = p->kc, nq = p->cp / kc, r = p->r, s = p->s, k = p->k;
+    const int64_t block = r * s * p->cp * 16;   /* one block of 16 output channels */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t kb = 0; kb < p->kp / 16; kb++) {
+        uint16_t *out = wb + kb * block;
+        for (int64_t rr = 0; rr < r; rr++)
+            for (int64_t ss = 0; ss < s; ss++)
+                for (int64_t q = 0; q < nq; q++)
+                    for (int64_t j = 0; j < kc / 2; j++)
+                        for (int64_t l = 0; l < 16; l++)
+                            for (int64_t e = 0; e < 2; e++) {
+                                const int64_t kk = kb * 16 + l, ch = q * kc + 2 * j + e;
+                                float v = 0.0f;
+                                if (kk < k && ch < c)
+                                    v = rsck ? w[((rr * s + ss) * c + ch) * k + kk]
+                                             : w[((kk * c + ch) * r + rr) * s + ss];
+                                *out++ = ttile_bf16_round(v);
+                            }
+    }
+}

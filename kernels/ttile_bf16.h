@@ -1,0 +1,205 @@
+/* The bf16 kernels' formats: what `precision="bf16"` computes, and the packed input and
+ * weights every bf16 kernel (AMX tiles, AVX512_BF16 dot products) reads.
+ *
+ * Semantics (OpenVINO's and torch autocast's): inputs and weights rounded to bf16
+ * (round to nearest even, as ml_dtypes and torch round), products accumulated in fp32,
+ * the epilogue (bias, residual, activation) applied in fp32 before the store; the output
+ * is stored as fp32, or rounded to bf16 for a network that keeps its activations in bf16.
+ *
+ * Packed input: the images in NHWC with their zero padding written out, so that a kernel
+ * reads every tap of every output with one address formula and no bounds test:
+ *     xb[n][hp][wp][cp]   (bf16; channels c..cp-1 zero)
+ * followed by `ttile_bf16_input_slack` zero elements that the last rows of a tile may
+ * read (their results are discarded). cp is a multiple of the reduction chunk kc.
+ *
+ * Packed weights: output channels in blocks of 16 (kp a multiple of 32, padded with
+ * zeros), pairs of input channels interleaved, as AMX's B tiles and vdpbf16ps read them:
+ *     wb[kp/16][r][s][cp/kc][kc/2][16][2]
+ * element (kb, r, s, q, j, l, e) is w[k = 16 kb + l][c = q kc + 2 j + e][r][s]. */
+#ifndef TTILE_BF16_H
+#define TTILE_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "ttile_epilogue.h"
+
+typedef struct {
+    int64_t n, ho, wo, k;        /* output extents; k real output channels (one group) */
+    int64_t hp, wp, cp;          /* packed input: rows and columns with padding, channels */
+    int64_t kc;                  /* the reduction chunk: input channels per step (even, <= 32) */
+    int64_t kp;                  /* packed output channels: k rounded up to 32 */
+    int64_t r, s;                /* filter */
+    int64_t stride_h, stride_w, dil_h, dil_w;
+} ttile_bf16_problem;
+
+/* Round to nearest even, NaN kept quiet (the bit pattern ml_dtypes gives). */
+static inline uint16_t ttile_bf16_round(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float ttile_bf16_widen(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The zero elements after the packed images that a kernel's tiles may read past the last
+ * row: a tile's rows beyond the output (up to 16 pixels at the column stride) plus the
+ * widest tap offset. */
+static inline int64_t ttile_bf16_input_slack(const ttile_bf16_problem *p)
+{
+    return (32 * p->stride_w + p->s * p->dil_w + 32) * p->cp + 64;
+}
+
+static inline int64_t ttile_bf16_input_elems(const ttile_bf16_problem *p)
+{
+    return p->n * p->hp * p->wp * p->cp + ttile_bf16_input_slack(p);
+}
+
+static inline int64_t ttile_bf16_weight_elems(const ttile_bf16_problem *p)
+{
+    return p->kp * p->r * p->s * p->cp;
+}
+
+/* Which output pixels a kernel's block of `width` pixels computes (AMX tiles: 16; the
+ * AVX512_BF16 kernel's register blocks: fewer):
+ *  - stride 1: the output taken over the packed width wp (a "virtual" row of wp pixels,
+ *    of which the first wo are real), so that consecutive pixels are consecutive packed
+ *    pixels even across rows: blocks run over the whole image and only wp / wo of the
+ *    work is thrown away (7x7 maps: 9/7, where blocks per row of 16 would throw away 16/7);
+ *  - other strides: blocks run along one output row, at the column stride.
+ * Pixels of a block past the output read the slack after the packed input; their results
+ * are never stored (an output pixel's sums read its own input rows only). */
+typedef struct {
+    int virtual_rows;         /* stride 1: blocks over the packed width */
+    int64_t width;            /* pixels per block */
+    int64_t blocks;           /* blocks per image */
+    int64_t blocks_per_row;   /* strided: blocks along an output row */
+    int64_t pixel_stride;     /* elements between a block's consecutive pixels */
+} ttile_bf16_tiling;
+
+static inline ttile_bf16_tiling ttile_bf16_tiling_of(const ttile_bf16_problem *p, int64_t width)
+{
+    ttile_bf16_tiling t;
+    t.virtual_rows = p->stride_h == 1 && p->stride_w == 1;
+    t.width = width;
+    t.blocks_per_row = (p->wo + width - 1) / width;
+    t.blocks = t.virtual_rows ? ((p->ho - 1) * p->wp + p->wo + width - 1) / width
+                              : p->ho * t.blocks_per_row;
+    t.pixel_stride = p->stride_w * p->cp;
+    return t;
+}
+
+/* Element offset, in an image's packed input, of block b's first pixel at tap (0, 0). */
+static inline int64_t ttile_bf16_block_base(const ttile_bf16_problem *p,
+                                            const ttile_bf16_tiling *t, int64_t b)
+{
+    if (t->virtual_rows)
+        return b * t->width * p->cp;
+    const int64_t oh = b / t->blocks_per_row, ow0 = (b % t->blocks_per_row) * t->width;
+    return (oh * p->stride_h * p->wp + ow0 * p->stride_w) * p->cp;
+}
+
+/* The output pixel of block b's i-th row, and whether it is one (else: discarded). */
+static inline int ttile_bf16_pixel(const ttile_bf16_problem *p, const ttile_bf16_tiling *t,
+                                   int64_t b, int64_t i, int64_t *oh, int64_t *ow)
+{
+    if (t->virtual_rows) {
+        const int64_t px = b * t->width + i;
+        *oh = px / p->wp;
+        *ow = px % p->wp;
+    } else {
+        *oh = b / t->blocks_per_row;
+        *ow = (b % t->blocks_per_row) * t->width + i;
+    }
+    return *oh < p->ho && *ow < p->wo;
+}
+
+/* The tap offsets of the packed input, r-major: (r dil_h wp + s dil_w) cp. */
+static inline void ttile_bf16_tap_offsets(const ttile_bf16_problem *p, int64_t *off)
+{
+    for (int64_t r = 0; r < p->r; r++)
+        for (int64_t s = 0; s < p->s; s++)
+            off[r * p->s + s] = (r * p->dil_h * p->wp + s * p->dil_w) * p->cp;
+}
+
+/* Packing (kernels/bf16_layout.c, AVX-512F). The input: x NHWC (or NCHW when `nchw`),
+ * fp32 or, with `x_bf16`, bf16 bits (NHWC only), of c channels, h x w, with pad_top rows
+ * and pad_left columns of zeros before it. The weights: fp32 KCRS (torch's) or, with
+ * `rsck`, RSCK (k contiguous), c input channels per group. */
+void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16, int nchw,
+                           int64_t c, int64_t h, int64_t w, int64_t pad_top,
+                           int64_t pad_left, uint16_t *xb, int nthreads);
+void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
+                             int64_t c, uint16_t *wb, int nthreads);
+/* fp32 -> bf16 (round to nearest even) and back, n elements. */
+void ttile_bf16_from_f32(const float *src, uint16_t *dst, int64_t n, int nthreads);
+void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads);
+
+/* The kernels: y NHWC (n, ho, wo, k), fp32 or, with `y_bf16`, bf16 (the residual then
+ * bf16 too). Return 0, or -1 when the CPU (or, for AMX, the OS) refuses them: nothing
+ * is written then. */
+int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
+                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep);
+/* 1 when this build has the AMX kernel (its compiler knew AMX), else 0. */
+int ttile_bf16_amx_built(void);
+int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,
+                           const uint16_t *wb, void *y, int y_bf16, int nthreads,
+                           const ttile_epilogue *ep);
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* 16 floats rounded to bf16 as ttile_bf16_round does (AVX-512F integer arithmetic: no
+ * AVX512_BF16 instruction, whose conversion flushes denormals). */
+static inline __m256i ttile_bf16_round512(__m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 ttile_bf16_widen512(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The lanes of 16 output channels from k on, of kreal. */
+static inline __mmask16 ttile_bf16_kmask(int64_t k, int64_t kreal)
+{
+    const int64_t left = kreal - k;
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* 16 accumulated outputs stored through the epilogue, at element i of y (fp32 or bf16;
+ * the residual has y's type), output channels k..k+15 in `mask`. */
+static inline void ttile_bf16_store16(const ttile_epilogue *ep, void *y, int y_bf16,
+                                      int64_t i, int64_t k, __mmask16 mask, __m512 v)
+{
+    if (ep->bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, ep->bias + k));
+    if (ep->residual)
+        v = _mm512_add_ps(v, y_bf16 ? ttile_bf16_widen512(_mm256_maskz_loadu_epi16(
+                                          mask, (const uint16_t *)ep->residual + i))
+                                    : _mm512_maskz_loadu_ps(mask, ep->residual + i));
+    v = ttile_activate512(ep->activation, ep->negative_slope, v);
+    if (y_bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)y + i, mask, ttile_bf16_round512(v));
+    else
+        _mm512_mask_storeu_ps((float *)y + i, mask, v);
+}
+#endif
+
+#endif
