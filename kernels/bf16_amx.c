@@ -56,25 +56,54 @@ static void configure(int64_t kc)
     _tile_loadconfig(&cfg);
 }
 
+/* Where a pixel tile's 16 rows land in an fp32 output: the element of its first row when
+ * all 16 are output pixels one after another in y (within an output row, or across rows
+ * where the packed rows have no padding columns), else -1. */
+static int64_t tile_run(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
+                        int64_t tile)
+{
+    int64_t oh, ow, oh_last, ow_last;
+    if (!ttile_bf16_pixel(p, t, tile, 0, &oh, &ow) || !ttile_bf16_pixel(p, t, tile, 15, &oh_last, &ow_last))
+        return -1;
+    if (oh_last != oh && !(t->virtual_rows && p->wp == p->wo))
+        return -1;
+    return ((n * p->ho + oh) * p->wo + ow) * p->k;
+}
+
 /* Stores a pixel tile's 16 x 32 accumulators (two 16 x 16 blocks in acc, 256 floats
- * apart) for output channel blocks kb and kb + 1. */
+ * apart) for output channel blocks kb and kb + 1, through the epilogue. */
 static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
                        int64_t tile, int64_t kb, const float *acc, void *y, int y_bf16,
                        const ttile_epilogue *ep)
 {
+    int64_t oh, ow;
+    ttile_bf16_pixel(p, t, tile, 0, &oh, &ow);
+    const int blocks = (kb + 1) * 16 < p->k ? 2 : 1;
     for (int i = 0; i < 16; i++) {
-        int64_t oh, ow;
-        if (!ttile_bf16_pixel(p, t, tile, i, &oh, &ow))
-            continue;
-        const int64_t at = ((n * p->ho + oh) * p->wo + ow) * p->k;
-        for (int b = 0; b < 2; b++) {
-            const int64_t k0 = (kb + b) * 16;
-            if (k0 >= p->k)
-                break;
-            ttile_bf16_store16(ep, y, y_bf16, at + k0, k0, ttile_bf16_kmask(k0, p->k),
-                               _mm512_loadu_ps(acc + b * 256 + i * 16));
+        if (oh < p->ho && ow < p->wo) {
+            const int64_t at = ((n * p->ho + oh) * p->wo + ow) * p->k;
+            for (int b = 0; b < blocks; b++) {
+                const int64_t k0 = (kb + b) * 16;
+                ttile_bf16_store16(ep, y, y_bf16, at + k0, k0, ttile_bf16_kmask(k0, p->k),
+                                   _mm512_load_ps(acc + b * 256 + i * 16));
+            }
+        }
+        if (++ow == p->wp && t->virtual_rows) {
+            ow = 0;
+            oh++;
         }
     }
+}
+
+/* The epilogue in place on 16 rows of 32 channels just stored by the tile unit (in L1). */
+static void apply_tile(const ttile_bf16_problem *p, int64_t at, int64_t kb, float *y,
+                       const ttile_epilogue *ep)
+{
+    for (int i = 0; i < 16; i++)
+        for (int b = 0; b < 2; b++) {
+            const int64_t k0 = (kb + b) * 16;
+            ttile_epilogue_apply512(ep, y, at + i * p->k + k0, k0, 0xFFFF);
+        }
 }
 
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
@@ -85,6 +114,7 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
     const ttile_epilogue none = {0, 0, TTILE_ACT_NONE, 0.0f};
     if (ep == 0)
         ep = &none;
+    const int empty = ttile_epilogue_is_empty(ep);
     const ttile_bf16_tiling t = ttile_bf16_tiling_of(p, 16);
     const int64_t a_stride = t.pixel_stride * (int64_t)sizeof(uint16_t);
     const int64_t taps = p->r * p->s, nq = p->cp / p->kc, kc = p->kc;
@@ -132,13 +162,40 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
                             _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    _tile_stored(0, acc, 64);
-                    _tile_stored(1, acc + 256, 64);
-                    _tile_stored(2, acc + 512, 64);
-                    _tile_stored(3, acc + 768, 64);
-                    store_tile(p, &t, n, t0, 2 * kq, acc, y, y_bf16, ep);
-                    if (t1 != t0)
+                    /* Tiles whose rows are consecutive outputs, all 32 channels real, go
+                     * straight to an fp32 y (the epilogue then from L1); the others
+                     * through acc, row by row. */
+                    const int full = !y_bf16 && (2 * kq + 2) * 16 <= p->k;
+                    const int64_t run0 = full ? tile_run(p, &t, n, t0) : -1;
+                    const int64_t run1 = full && t1 != t0 ? tile_run(p, &t, n, t1) : -1;
+                    const int64_t ystride = p->k * (int64_t)sizeof(float);
+                    float *yf = (float *)y;
+                    if (run0 >= 0) {
+                        _tile_stored(0, yf + run0 + 32 * kq, ystride);
+                        _tile_stored(1, yf + run0 + 32 * kq + 16, ystride);
+                    } else {
+                        _tile_stored(0, acc, 64);
+                        _tile_stored(1, acc + 256, 64);
+                    }
+                    if (run1 >= 0) {
+                        _tile_stored(2, yf + run1 + 32 * kq, ystride);
+                        _tile_stored(3, yf + run1 + 32 * kq + 16, ystride);
+                    } else {
+                        _tile_stored(2, acc + 512, 64);
+                        _tile_stored(3, acc + 768, 64);
+                    }
+                    if (run0 >= 0) {
+                        if (!empty)
+                            apply_tile(p, run0, 2 * kq, yf, ep);
+                    } else {
+                        store_tile(p, &t, n, t0, 2 * kq, acc, y, y_bf16, ep);
+                    }
+                    if (run1 >= 0) {
+                        if (!empty)
+                            apply_tile(p, run1, 2 * kq, yf, ep);
+                    } else if (t1 != t0) {
                         store_tile(p, &t, n, t1, 2 * kq, acc + 512, y, y_bf16, ep);
+                    }
                 }
         }
         _tile_release();

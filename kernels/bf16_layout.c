@@ -2,6 +2,7 @@
  * padded NHWC with its zeros written out, the weights into 16-channel blocks of channel
  * pairs. One pass each, in parallel over rows or blocks. AVX-512F + BW + VL. */
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ttile_bf16.h"
@@ -121,4 +122,57 @@ void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rs
                                 *out++ = ttile_bf16_round(v);
                             }
     }
+}
+
+int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int x_bf16,
+                                 int nchw, int64_t c, int64_t h, int64_t w, int64_t pad_top,
+                                 int64_t pad_left, int64_t s, int64_t stride_w,
+                                 int64_t dil_w, uint16_t *xb, int nthreads)
+{
+    int failed = 0;
+    const int64_t cp = p->cp, row = p->wp * cp, rows = p->n * p->hp;
+    /* the padded input row, rounded: the columns every output column reads */
+    const int64_t span = (p->wo - 1) * stride_w + (s - 1) * dil_w + 1;
+    const int64_t cols = span > pad_left + w ? span : pad_left + w;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        uint16_t *padded = calloc((size_t)(cols * c), sizeof(uint16_t));
+        if (padded == 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t n = i / p->hp, y = i % p->hp - pad_top;
+            uint16_t *out = xb + i * row;
+            memset(out, 0, (size_t)row * sizeof(uint16_t));
+            if (y < 0 || y >= h || padded == 0)
+                continue;
+            uint16_t *in = padded + pad_left * c;
+            if (x_bf16)
+                memcpy(in, (const uint16_t *)x + (n * h + y) * w * c,
+                       (size_t)(w * c) * sizeof(uint16_t));
+            else if (nchw)
+                for (int64_t ch = 0; ch < c; ch++)
+                    for (int64_t j = 0; j < w; j++)
+                        in[j * c + ch] = ttile_bf16_round(
+                            ((const float *)x)[((n * c + ch) * h + y) * w + j]);
+            else
+                ttile_bf16_from_f32((const float *)x + (n * h + y) * w * c, in, w * c, 1);
+            for (int64_t ow = 0; ow < p->wo; ow++) {
+                if (dil_w == 1) {
+                    memcpy(out + ow * cp, padded + ow * stride_w * c,
+                           (size_t)(s * c) * sizeof(uint16_t));
+                } else {
+                    for (int64_t ss = 0; ss < s; ss++)
+                        memcpy(out + ow * cp + ss * c,
+                               padded + (ow * stride_w + ss * dil_w) * c,
+                               (size_t)c * sizeof(uint16_t));
+                }
+            }
+        }
+        free(padded);
+    }
+    memset(xb + rows * row, 0, (size_t)ttile_bf16_input_slack(p) * sizeof(uint16_t));
+    return failed ? -1 : 0;
 }

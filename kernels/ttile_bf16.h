@@ -139,6 +139,16 @@ static inline void ttile_bf16_tap_offsets(const ttile_bf16_problem *p, int64_t *
 void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16, int nchw,
                            int64_t c, int64_t h, int64_t w, int64_t pad_top,
                            int64_t pad_left, uint16_t *xb, int nthreads);
+/* The input of a layer with few channels folded: the filter's s columns of c channels
+ * side by side, as the channels of one pixel per output column (cp >= s c), so that an
+ * r x s filter on c channels becomes an r x 1 filter on s c channels at column stride 1
+ * and the reduction chunks are full (3 channels of a 7x7 filter: 21 of 32 lanes busy, not
+ * 3). `p` is the folded problem (s 1, stride_w 1, dil_w 1, wp = wo); `s`, `stride_w`
+ * and `dil_w` are the layer's. Its weights are the layer's reshaped (RSCK: R, 1, S C, K). */
+int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int x_bf16,
+                                 int nchw, int64_t c, int64_t h, int64_t w, int64_t pad_top,
+                                 int64_t pad_left, int64_t s, int64_t stride_w,
+                                 int64_t dil_w, uint16_t *xb, int nthreads);
 void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
                              int64_t c, uint16_t *wb, int nthreads);
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */

@@ -1386,6 +1386,11 @@ cdef extern from "ttile_bf16.h" nogil:
     void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16,
                                int nchw, int64_t c, int64_t h, int64_t w, int64_t pad_top,
                                int64_t pad_left, unsigned short *xb, int nthreads)
+    int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int x_bf16,
+                                      int nchw, int64_t c, int64_t h, int64_t w,
+                                      int64_t pad_top, int64_t pad_left, int64_t s,
+                                      int64_t stride_w, int64_t dil_w, unsigned short *xb,
+                                      int nthreads)
     void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
                                  int64_t c, unsigned short *wb, int nthreads)
     void ttile_bf16_from_f32(const float *src, unsigned short *dst, int64_t n, int nthreads)
@@ -1507,15 +1512,25 @@ def bf16_pack_weights(cnp.ndarray w, bint rsck, tuple problem, int nthreads=1):
 def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple problem,
                 int64_t c, int64_t h, int64_t w, int64_t pad_top, int64_t pad_left,
                 int kernel, int nthreads, *, bias=None, residual=None, int activation=0,
-                float slope=0.01):
+                float slope=0.01, tuple folded=None):
     """A bf16 convolution: x (fp32 NHWC or NCHW, or bf16 bits NHWC) of c channels, h x w,
     packed with pad_top/pad_left zeros, convolved with the packed weights ``wb`` by
     ``kernel`` (BF16_KERNEL_AMX or BF16_KERNEL_AVX512) into y (N, Ho, Wo, K), fp32 or bf16
-    bits, the epilogue fused (a residual has y's type and shape)."""
+    bits, the epilogue fused (a residual has y's type and shape).
+
+    ``folded``: None, or the layer's (s, stride_w, dil_w) when ``problem`` is its folded
+    form (ttile_bf16_pack_input_folded: the columns of the filter as channels)."""
     cdef ttile_bf16_problem p
     _bf16_problem(&p, problem)
-    if c < 1 or c > p.cp or h < 1 or w < 1 or pad_top < 0 or pad_left < 0 \
-            or pad_top + h > p.hp or pad_left + w > p.wp or nthreads < 1:
+    cdef int64_t fs = 0, fstride = 1, fdil = 1
+    if folded is not None:
+        fs, fstride, fdil = folded
+        if p.s != 1 or p.stride_w != 1 or p.dil_w != 1 or fs < 1 or fstride < 1 or fdil < 1 \
+                or fs * c > p.cp or p.wp != p.wo:
+            raise ValueError(f"bad folded bf16 problem {problem} for {folded}")
+    if c < 1 or (folded is None and c > p.cp) or h < 1 or w < 1 or pad_top < 0 \
+            or pad_left < 0 or pad_top + h > p.hp \
+            or (folded is None and pad_left + w > p.wp) or nthreads < 1:
         raise ValueError(f"input ({c}, {h}, {w}) padded ({pad_top}, {pad_left}) does not "
                          f"fit the bf16 problem {problem}")
     _check_bf16_array(x, "x", p.n * c * h * w, 1)
@@ -1558,11 +1573,17 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     cdef const unsigned short *wbp = <const unsigned short *>cnp.PyArray_DATA(wb)
     cdef const void *xp = cnp.PyArray_DATA(x)
     cdef void *yp = cnp.PyArray_DATA(y)
-    cdef int status
+    cdef int status = 0
     with nogil:
-        ttile_bf16_pack_input(&p, xp, x_bf16, nchw, c, h, w, pad_top, pad_left, xbp,
-                              nthreads)
-        if kernel == _BF16_KERNEL_AMX:
+        if fs:
+            status = ttile_bf16_pack_input_folded(&p, xp, x_bf16, nchw, c, h, w, pad_top,
+                                                  pad_left, fs, fstride, fdil, xbp, nthreads)
+        else:
+            ttile_bf16_pack_input(&p, xp, x_bf16, nchw, c, h, w, pad_top, pad_left, xbp,
+                                  nthreads)
+        if status != 0:
+            pass
+        elif kernel == _BF16_KERNEL_AMX:
             status = ttile_conv_bf16_amx(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
         else:
             status = ttile_conv_bf16_avx512(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
