@@ -16,7 +16,7 @@ The package is layered, each layer importing only those before it:
 * ``ttile.runtime``: ``conv2d``, ``Conv2d``, dispatch, the kernel cache, run-time tuning.
 """
 from ._version import __version__
-from .core.kinds import Isa, KernelKind, SetMatch
+from .core.kinds import Isa, KernelKind, Precision, SetMatch
 from .core.spec import ConvSpec
 from .runtime.api import KernelPlan, conv2d, plan, tuned_kernels
 from .runtime.packing import set_weight_cache
@@ -43,4 +43,4 @@ def cache_clear() -> int:
 __all__ = ["conv2d", "Conv2d", "plan", "KernelPlan", "ConvSpec", "has_avx512f", "has_avx2",
            "get_isa", "set_isa", "tuned_kernels", "use_tuned_kernels", "use_winograd",
            "set_tuning", "restore_tuning", "tuning_policy", "TuningPolicy", "ShipPolicy", "KernelKind",
-           "Isa", "Route", "SetMatch", "cache_clear", "set_weight_cache", "__version__"]
+           "Isa", "Precision", "Route", "SetMatch", "cache_clear", "set_weight_cache", "__version__"]

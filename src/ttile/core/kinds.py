@@ -42,6 +42,23 @@ class KernelKind(str, Enum):
     #: group: 4x or 2.25x fewer multiplications than the direct kernels, on weights
     #: transformed once)
     WINOGRAD = "winograd"
+    #: the AMX bf16 kernel (``precision="bf16"`` on a CPU with AMX-BF16)
+    AMX = "amx"
+    #: the AVX512_BF16 kernel (vdpbf16ps: ``precision="bf16"`` on a CPU without AMX)
+    DOT_BF16 = "avx512_bf16"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Precision(str, Enum):
+    """What a convolution multiplies: fp32 values, or bf16 values (inputs and weights
+    rounded to nearest even) with products accumulated in fp32 and the epilogue in fp32.
+    The element type is a parameter of the pipeline, not a fork of it: the packed formats
+    and kernels it selects are in ``ttile.runtime.bf16``."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
 
     def __str__(self) -> str:
         return self.value

@@ -22,9 +22,9 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..core.kinds import Isa, KernelKind, SetMatch
+from ..core.kinds import Isa, KernelKind, Precision, SetMatch
 from ..core.spec import ConvSpec
-from . import epilogue, registry
+from . import bf16, epilogue, registry
 from .arguments import IntPair, MAX_THREADS, as_float32, shape_tuple, thread_count
 from .call_plan import call_plan
 from .execute import execute
@@ -53,7 +53,8 @@ def tuned_kernels() -> list[dict]:
 def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
            dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
            threads: int | None = None, activation: Optional[str] = None,
-           negative_slope: float = 0.01, residual=None, out=None) -> np.ndarray:
+           negative_slope: float = 0.01, residual=None, out=None,
+           precision: Union[str, Precision] = Precision.FP32) -> np.ndarray:
     """2D convolution with the semantics of ``torch.nn.functional.conv2d``, and an
     epilogue fused into the kernel's output store: ``act(conv(x, w) + bias + residual)``.
 
@@ -77,7 +78,15 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
         residual: None or an array of the output's shape (in ``layout``) added before
             the activation (a ResNet shortcut).
         out: None, or a C-contiguous float32 array of the output's shape written in
-            place and returned (it must not overlap x, w, bias or residual).
+            place and returned (it must not overlap x, w, bias or residual); bfloat16 for
+            a bf16 input with ``precision="bf16"``.
+        precision: "fp32" (default), or "bf16": the input and weights rounded to bf16
+            (to nearest even), products accumulated in fp32, the epilogue in fp32 (what
+            OpenVINO runs by default on CPUs with AVX512_BF16 or AMX, and torch
+            autocast). Served by AMX or AVX512_BF16 kernels where the CPU has them, else
+            by the fp32 kernels on the rounded values (one warning). fp32 arrays give an
+            fp32 output; bf16 arrays (``ml_dtypes.bfloat16``) a bf16 output. A bf16
+            call packs its weights on every call: :class:`ttile.Conv2d` packs them once.
 
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
@@ -101,6 +110,9 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
         TypeError: non-numeric, bool or complex data; non-integer stride or padding;
             ``out`` not a float32 numpy array.
     """
+    if precision is not Precision.FP32 and precision != "fp32":
+        return _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads,
+                            activation, negative_slope, residual, out, precision)
     x_arr = as_float32(x, "input")
     w_arr = as_float32(w, "weights")
     call = call_plan(x_arr.shape, w_arr.shape, stride, padding, layout, dilation, groups)
@@ -111,6 +123,22 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
                         else thread_count(threads))
     weights, selection = call_weights(w_arr, w_arr is w, call, nthreads)
     return execute(call, selection, x_arr, weights, nthreads, fused, y)
+
+
+def _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads, activation,
+                 negative_slope, residual, out, precision) -> np.ndarray:
+    """conv2d with a precision other than fp32 (``ttile.runtime.bf16``)."""
+    if bf16.precision_of(precision) is Precision.FP32:
+        return conv2d(x, w, bias, stride, padding, dilation, groups, layout=layout,
+                      threads=threads, activation=activation, negative_slope=negative_slope,
+                      residual=residual, out=out)
+    x_shape = np.shape(x) if bf16.is_bfloat16(x) else as_float32(x, "input").shape
+    w_arr = as_float32(w, "weights")
+    call = call_plan(x_shape, w_arr.shape, stride, padding, layout, dilation, groups)
+    nthreads = call.fit(thread_count(threads))
+    choice = bf16.choose(call.spec, call.groups, get_isa())
+    return bf16.run_call(call, choice, x, None, w_arr, layout, nthreads, bias, residual,
+                         activation, negative_slope, out)
 
 
 @dataclass(frozen=True)
@@ -131,7 +159,9 @@ class KernelPlan:
     as they are, through an NCHW entry point, or converted (see :class:`Route`).
     ``kernel_set`` is the shipped set serving this CPU in the call's vector family (its CPU
     id, None when none does) and ``set_match`` how it matched: measured on this exact
-    fingerprint, or on the same microarchitecture in another VM.
+    fingerprint, or on the same microarchitecture in another VM. ``precision`` is what
+    the call multiplies: a bf16 call is served by a bf16 kernel (kind "amx" or
+    "avx512_bf16"), or by an fp32 kernel on bf16-rounded values, as ``note`` says.
     """
 
     kind: KernelKind
@@ -150,12 +180,14 @@ class KernelPlan:
     route: Route = Route.NHWC
     kernel_set: Optional[str] = None
     set_match: SetMatch = SetMatch.NONE
+    precision: Precision = Precision.FP32
 
 
 def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
          dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
          threads: int | None = None, activation: Optional[str] = None,
-         negative_slope: float = 0.01, residual=None, prepacked: bool = False) -> KernelPlan:
+         negative_slope: float = 0.01, residual=None, prepacked: bool = False,
+         precision: Union[str, Precision] = Precision.FP32) -> KernelPlan:
     """Which kernel ``conv2d`` would use for these shapes and options - or, with
     ``prepacked``, a ``Conv2d`` with these weights (a searched kernel that a per-call
     call would have to pack weights for may lose to the generic kernel there, see
@@ -169,8 +201,9 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
 
     ``x_shape`` and ``w_shape`` are the shapes of the input and weights in ``layout``
     (sequences of ints); ``bias`` and ``residual`` may be arrays or their shapes. Raises
-    what ``conv2d`` would raise for them.
+    what ``conv2d`` would raise for them, and ``precision`` as ``conv2d`` takes it.
     """
+    prec = bf16.precision_of(precision)
     x_dims = shape_tuple(x_shape, "x_shape")
     w_dims = shape_tuple(w_shape, "w_shape")
     call = call_plan(x_dims, w_dims, stride, padding, layout, dilation, groups)
@@ -183,13 +216,25 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
     act = epilogue.activation_of(activation)
     epilogue.slope_of(negative_slope)
     nthreads = call.fit(thread_count(threads))
-    selection = select(call, nthreads, per_call=not prepacked, tune=False)
-    choice = selection.choice
     isa = get_isa()
     serving = (registry.serving_set(isa) if isa.vector
                else registry.KernelSet(None, SetMatch.NONE))
+    fused = epilogue.describe(has_bias, has_residual, act)
+    if prec is Precision.BF16:
+        low = bf16.choose(call.spec, call.groups, isa)
+        if low.pack is not None:
+            route = Route.NHWC if layout == "NHWC" else Route.NCHW_CONVERTED
+            return KernelPlan(low.kind, "", "", None, nthreads, isa, call.spec, low.note,
+                              groups=call.groups, epilogue=fused, route=route,
+                              kernel_set=serving.cpu, set_match=serving.match,
+                              precision=prec)
+    selection = select(call, nthreads, per_call=not prepacked, tune=False)
+    choice = selection.choice
+    note, degraded = choice.note, choice.degraded
+    if prec is Precision.BF16:
+        note = f"{low.note}; {note}"
+        degraded = "; ".join(d for d in (low.degraded, degraded) if d)
     return KernelPlan(choice.kind, choice.scheme, choice.microkernels, choice.gflops,
-                      nthreads, isa, call.spec, choice.note, choice.tuned_cpu,
-                      choice.tuned_threads, call.groups,
-                      epilogue.describe(has_bias, has_residual, act), choice.degraded,
-                      selection.route, serving.cpu, serving.match)
+                      nthreads, isa, call.spec, note, choice.tuned_cpu,
+                      choice.tuned_threads, call.groups, fused, degraded,
+                      selection.route, serving.cpu, serving.match, prec)

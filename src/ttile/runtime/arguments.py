@@ -83,13 +83,15 @@ def as_float32(array, name: str) -> np.ndarray:
         except Exception as exc:  # e.g. ragged nested lists
             raise TypeError(f"{name} cannot be read as an array: {exc}") from None
     kind = array.dtype.kind
+    if array.dtype.name == "bfloat16" and array.dtype.itemsize == 2:   # ml_dtypes: exact
+        return np.require(array.astype(np.float32), requirements=("C", "A"))
     if kind == "b":
         raise TypeError(f"{name} has dtype bool; convolution needs a real numeric dtype")
     if kind == "c":
         raise TypeError(f"{name} has complex dtype {array.dtype}; only real inputs are supported")
     if kind not in "fiu":
-        raise TypeError(f"{name} has dtype {array.dtype}; expected float32 (float16, float64 "
-                        f"and integer arrays are converted to float32)")
+        raise TypeError(f"{name} has dtype {array.dtype}; expected float32 (float16, bfloat16, "
+                        f"float64 and integer arrays are converted to float32)")
     return np.require(array, dtype=np.float32, requirements=("C", "A"))
 
 

@@ -15,8 +15,8 @@ from typing import Optional, Union
 import numpy as np
 
 from .. import _kernels
-from ..core.kinds import KernelKind
-from . import epilogue, winograd
+from ..core.kinds import KernelKind, Precision
+from . import bf16, epilogue, winograd
 from .arguments import (FLOAT32, IntPair, as_float32, as_pair, default_threads,
                         thread_count)
 from .call_plan import CallPlan, Family, call_plan
@@ -111,8 +111,9 @@ class Conv2d:
     Args:
         w: weights, (K, C/groups, R, S) for layout "NCHW" or (R, S, C/groups, K) for
             "NHWC".
-        bias, stride, padding, dilation, groups, layout, activation, negative_slope: as
-            for :func:`ttile.conv2d`.
+        bias, stride, padding, dilation, groups, layout, activation, negative_slope,
+            precision: as for :func:`ttile.conv2d` (bf16: the weights are rounded and
+            packed for the bf16 kernel once, see ``ttile.runtime.bf16.Bf16Layer``).
         threads: default thread count of calls (None: all CPUs this process may use).
 
     ``layer(x)`` (or ``layer(x, threads=n, residual=r, out=y)``) returns
@@ -127,7 +128,9 @@ class Conv2d:
     def __init__(self, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 0,
                  dilation: IntPair = 1, groups: int = 1, *, layout: str = "NCHW",
                  threads: Optional[int] = None, activation: Optional[str] = None,
-                 negative_slope: float = 0.01):
+                 negative_slope: float = 0.01,
+                 precision: Union[str, Precision] = Precision.FP32):
+        self.precision = bf16.precision_of(precision)
         weights = as_float32(w, "weights")
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
@@ -174,6 +177,8 @@ class Conv2d:
         self._bound: dict = {}
         # (input shape, threads): (select's selection, the one serving in its place)
         self._pinned: dict = {}
+        self._bf16 = (bf16.Bf16Layer(weights, self) if self.precision is Precision.BF16
+                      else None)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -208,6 +213,8 @@ class Conv2d:
         wakes its sleeping threads each time, which cost more than the idle threads
         (MobileNetV2 at 16 threads on a Xeon model 207: 3.5 ms with teams fitted to each
         layer, 2.0 ms with all 16 in every layer)."""
+        if self._bf16 is not None:
+            return self._bf16(x, threads, residual, out, whole_team)
         if threads is None:
             threads = self.threads
         if out is None and type(x) is np.ndarray:
@@ -254,8 +261,9 @@ class Conv2d:
         (``ttile.runtime.program``). None before such a call has made a final choice,
         for other layouts, and once a pin or the settings changed the choice; a binding
         stays right while :meth:`bound_nhwc` returns it, or while neither
-        :func:`bindings_revision` nor the settings generation has changed since."""
-        if self.layout != "NHWC":
+        :func:`bindings_revision` nor the settings generation has changed since. None
+        for a bf16 layer (its kernels are not bound into programs)."""
+        if self.layout != "NHWC" or self._bf16 is not None:
             return None
         bound = self._bound.get((tuple(x_shape), threads, not residual, True))
         if bound is None or not bound.bound_kernel or not bound.holds():
@@ -269,7 +277,10 @@ class Conv2d:
     def alternatives(self, x_shape, threads: int) -> tuple:
         """The selections that could serve a call on an input of ``x_shape`` on
         ``threads`` threads (``whole_team``): the one chosen by default first, then the
-        others a context verdict weighs against it (``routes.alternatives``)."""
+        others a context verdict weighs against it (``routes.alternatives``). A bf16
+        layer has none to weigh: its kernel is the one bf16 kernel that serves."""
+        if self._bf16 is not None:
+            return ()
         return alternatives(self._plan_of(x_shape), thread_count(threads))
 
     def pin(self, x_shape, threads: int, selection=None) -> None:
@@ -317,5 +328,6 @@ class Conv2d:
                                                ("activation", None))
                          if getattr(self, name) != default)
         bias = "" if self._fused.bias is None else ", bias"
+        precision = "" if self.precision is Precision.FP32 else f", precision='{self.precision}'"
         return (f"ttile.Conv2d(weights {self._w_shape}{bias}, stride={self.stride!r}, "
-                f"padding={self.padding!r}{extras}, layout={self.layout!r})")
+                f"padding={self.padding!r}{extras}, layout={self.layout!r}{precision})")

@@ -1,0 +1,397 @@
+"""``precision="bf16"``: the call's inputs and weights rounded to bf16, products
+accumulated in fp32, the epilogue applied in fp32 before the store (OpenVINO's default
+on CPUs with AVX512_BF16 or AMX, and torch autocast's meaning).
+
+Which kernel serves (``kernel_kind``):
+
+* AMX (``KernelKind.AMX``) where the CPU has AMX-BF16 and Linux grants the tile state;
+* AVX512_BF16 (``KernelKind.DOT_BF16``, vdpbf16ps) where the CPU has that and no AMX;
+* elsewhere, and for grouped and depthwise layers, the fp32 kernels on the bf16-rounded
+  input and weights: the same numbers (a product of two bf16 values is exact in fp32, the
+  sums are fp32 sums), at fp32 speed. A CPU without bf16 instructions says so once.
+
+Both bf16 kernels read one packed format (``kernels/ttile_bf16.h``): the input rounded
+into padded NHWC, the weights in 16-channel blocks of channel pairs. A layer of few input
+channels (the first layer's 3) is folded: the filter's columns become channels, so that
+the reduction steps are full. ``Bf16Packing`` is that decision for one problem.
+
+Arrays: fp32 in, fp32 out; bf16 arrays (numpy's ``ml_dtypes.bfloat16``) in, bf16 out,
+so that a network can keep its activations in bf16 from layer to layer (half the bytes).
+The reference a kernel is checked against is the float64 convolution of the
+bf16-rounded inputs (``round_to_bf16``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .. import _kernels
+from ..core.kinds import Isa, KernelKind, Precision
+from ..core.spec import ConvSpec
+from .arguments import FLOAT32
+
+#: The kernels of this module, and their codes in the extension.
+BF16_KINDS = (KernelKind.AMX, KernelKind.DOT_BF16)
+_KERNEL_CODES = {KernelKind.AMX: _kernels.BF16_KERNEL_AMX,
+                 KernelKind.DOT_BF16: _kernels.BF16_KERNEL_AVX512}
+
+#: Layers with fewer input channels than this and a filter wider than one column are
+#: folded (ttile_bf16_pack_input_folded): ResNet's first layer, 3 channels of a 7x7
+#: filter, ran at 53 GFLOP/s on AMX with its 3 channels padded to a 32-channel step and
+#: at 240 folded (21 of 32), one thread of a Xeon model 207.
+FOLD_BELOW_CHANNELS = 16
+
+
+def is_bfloat16(array) -> bool:
+    """Whether ``array`` is a numpy array of bf16 (ml_dtypes.bfloat16) values."""
+    dtype = getattr(array, "dtype", None)
+    return (isinstance(dtype, np.dtype) and dtype.name == "bfloat16"
+            and dtype.itemsize == 2)
+
+
+def round_to_bf16(a) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even; NaN stays NaN), as
+    float32: what the bf16 kernels multiply. Exact for bf16 arrays."""
+    if is_bfloat16(a):
+        return (bf16_bits(a).astype(np.uint32) << 16).view(FLOAT32)
+    a = np.ascontiguousarray(a, dtype=FLOAT32)
+    u = a.view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) & np.uint32(0xFFFF0000)
+    return np.where(np.isnan(a), a, rounded.view(FLOAT32)).astype(FLOAT32, copy=False)
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """A bf16 array's bits as uint16 (a view), C-contiguous."""
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+def kernel_kind(isa: Isa) -> Optional[KernelKind]:
+    """The bf16 kernel this CPU runs for a call of vector family ``isa`` (None: the
+    fp32 kernels on rounded values serve). ``ttile.set_isa`` to AVX2 or portable C
+    turns the bf16 kernels off too: they are AVX-512 code."""
+    if isa is not Isa.AVX512F:
+        return None
+    if _kernels.amx_usable():
+        return KernelKind.AMX
+    if _kernels.cpu_has_avx512bf16():
+        return KernelKind.DOT_BF16
+    return None
+
+
+def missing_instructions() -> str:
+    """Why this CPU has no bf16 kernel ("" when it has one)."""
+    if not _kernels.cpu_has_avx512f():
+        return "this CPU has no AVX-512"
+    if _kernels.cpu_has_amx_bf16() and not _kernels.cpu_has_avx512bf16():
+        return "this CPU has AMX but not AVX512_BF16"
+    if not _kernels.cpu_has_avx512bf16():
+        return "this CPU has no AVX512_BF16 and no AMX"
+    return ""
+
+
+@dataclass(frozen=True)
+class Bf16Packing:
+    """How one dense problem is packed for a bf16 kernel (``kernels/ttile_bf16.h``).
+
+    ``problem`` is the extension's 15 fields (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
+    stride_h, stride_w, dil_h, dil_w) of the problem as the kernel computes it; a folded
+    layer's (``folded``: the layer's s, stride_w and dil_w) has s, stride_w and dil_w 1.
+    ``weights_key`` is what the packed weights depend on (not the input's size)."""
+
+    kind: KernelKind
+    spec: ConvSpec
+    problem: tuple
+    folded: Optional[tuple]
+
+    @property
+    def weights_key(self) -> tuple:
+        p = self.problem
+        return (self.kind, p[6], p[7], p[8], p[9], p[10], self.folded is not None)
+
+
+def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
+    """The packing of ``spec`` (one group, groups 1) for bf16 kernel ``kind``.
+
+    The reduction step kc: AMX takes up to 32 channels a step (a tile row is 64 bytes);
+    the channels are split into equal even steps, so that few are padding (144 channels:
+    5 steps of 30, not 160 in steps of 32). The dot-product kernel steps by pairs."""
+    fold = spec.c < FOLD_BELOW_CHANNELS and spec.s > 1
+    reduced = spec.c * spec.s if fold else spec.c
+    even = reduced + (reduced & 1)
+    if kind is KernelKind.AMX:
+        steps = -(-even // 32)
+        kc = -(-even // steps)
+        kc += kc & 1
+        cp = kc * steps
+    else:
+        kc, cp = 2, even
+    kp = -(-spec.k // 32) * 32
+    ho, wo = spec.ho, spec.wo
+    hp = max(spec.pad_top + spec.h, (ho - 1) * spec.stride_h + (spec.r - 1) * spec.dilation_h + 1)
+    if fold:
+        problem = (spec.n, ho, wo, spec.k, hp, wo, cp, kc, kp, spec.r, 1, spec.stride_h, 1,
+                   spec.dilation_h, 1)
+        return Bf16Packing(kind, spec, problem, (spec.s, spec.stride_w, spec.dilation_w))
+    wp = max(spec.pad_left + spec.w, (wo - 1) * spec.stride_w + (spec.s - 1) * spec.dilation_w + 1)
+    problem = (spec.n, ho, wo, spec.k, hp, wp, cp, kc, kp, spec.r, spec.s, spec.stride_h,
+               spec.stride_w, spec.dilation_h, spec.dilation_w)
+    return Bf16Packing(kind, spec, problem, None)
+
+
+def pack_weights(weights: np.ndarray, layout: str, pack: Bf16Packing,
+                 threads: int) -> np.ndarray:
+    """fp32 weights of one group, KCRS for ``layout`` "NCHW", RSCK for "NHWC", in the
+    bf16 kernels' format for ``pack`` (read-only)."""
+    w = np.ascontiguousarray(weights, dtype=FLOAT32)
+    rsck = layout == "NHWC"
+    if pack.folded is not None:   # the filter's columns as channels: c' = s c + c
+        if rsck:
+            r, s, c, k = w.shape
+            w = w.reshape(r, 1, s * c, k)
+        else:
+            k, c, r, s = w.shape
+            w = np.ascontiguousarray(w.transpose(0, 3, 1, 2)).reshape(k, s * c, r, 1)
+    packed = _kernels.bf16_pack_weights(w, rsck, pack.problem, threads)
+    packed.flags.writeable = False
+    return packed
+
+
+def run(pack: Bf16Packing, x: np.ndarray, nchw: bool, wb: np.ndarray, y: np.ndarray,
+        threads: int, bias: Optional[np.ndarray], residual: Optional[np.ndarray],
+        activation: int, slope: float) -> None:
+    """The bf16 kernel of ``pack`` on x (fp32 NHWC, fp32 NCHW with ``nchw``, or bf16 bits
+    NHWC) into y (NHWC, fp32 or bf16 bits; ``residual`` of y's type and shape)."""
+    spec = pack.spec
+    _kernels.conv2d_bf16(x, nchw, wb, y, pack.problem, spec.c, spec.h, spec.w,
+                         spec.pad_top, spec.pad_left, _KERNEL_CODES[pack.kind], threads,
+                         bias=bias, residual=residual, activation=activation, slope=slope,
+                         folded=pack.folded)
+
+
+def precision_of(value) -> Precision:
+    """``precision`` as given to conv2d, Conv2d, plan and convert: "fp32" or "bf16"."""
+    if isinstance(value, Precision):
+        return value
+    try:
+        return Precision(value)
+    except ValueError:
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# A call: conv2d(..., precision="bf16"), and the layer that packs its weights once.
+
+@dataclass(frozen=True)
+class Bf16Choice:
+    """What serves a bf16 call: a bf16 kernel with its packing, or (``pack`` None) the
+    fp32 kernels on the bf16-rounded input and weights, for the reason in ``note``."""
+
+    kind: Optional[KernelKind]
+    pack: Optional[Bf16Packing]
+    note: str
+    degraded: str = ""
+
+
+def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
+    """The bf16 kernel for one group's problem ``spec`` of ``groups`` on family ``isa``."""
+    kind = kernel_kind(isa)
+    if kind is None:
+        missing = missing_instructions() if isa is Isa.AVX512F else \
+            f"the {isa.value} family was asked for (ttile.set_isa)"
+        return Bf16Choice(None, None, f"bf16 requested: fp32 kernels on bf16-rounded input "
+                                      f"and weights ({missing})",
+                          degraded=f"no bf16 kernel: {missing}" if isa is Isa.AVX512F
+                          else "")
+    if groups != 1:
+        return Bf16Choice(None, None, "bf16 requested: fp32 kernels on bf16-rounded input "
+                                      "and weights (no bf16 kernel for grouped and "
+                                      "depthwise convolutions)")
+    pack = packing(spec, kind)
+    how = "AMX tiles" if kind is KernelKind.AMX else "AVX512_BF16 dot products"
+    folded = ", the filter's columns folded into channels" if pack.folded else ""
+    return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation{folded}")
+
+
+def _warn_missing(choice: Bf16Choice) -> None:
+    if choice.degraded:
+        from .dispatch import warn_once
+        warn_once("bf16-instructions", f"{choice.degraded}; precision='bf16' is computed "
+                                       f"by fp32 kernels on bf16-rounded values (same "
+                                       f"results, fp32 speed)")
+
+
+def _input_arrays(x, layout: str, threads: int):
+    """(array for the kernel, nchw?, bf16 in/out?): fp32 as it is (NCHW packed from its
+    layout), bf16 as its bits in NHWC."""
+    if is_bfloat16(x):
+        bits = bf16_bits(x)
+        if layout == "NCHW":
+            bits = np.ascontiguousarray(bits.transpose(0, 2, 3, 1))
+        return bits, False, True
+    from .arguments import as_float32
+    return as_float32(x, "input"), layout == "NCHW", False
+
+
+def _residual_nhwc(residual, layout: str, bf16_out: bool, threads: int):
+    """The residual in NHWC and in the output's type (bf16 bits, or fp32)."""
+    if residual is None:
+        return None
+    if is_bfloat16(residual):
+        r = bf16_bits(residual) if bf16_out else round_to_bf16(residual)
+    else:
+        from .arguments import as_float32
+        r = as_float32(residual, "residual")
+        if bf16_out:
+            r = _kernels.bf16_round(r, threads)
+    if layout == "NCHW":
+        r = np.ascontiguousarray(r.transpose(0, 2, 3, 1))
+    return r
+
+
+def run_call(call, choice: Bf16Choice, x, weights_packed: Optional[np.ndarray],
+             weights_fp32, layout: str, nthreads: int, bias, residual, activation,
+             negative_slope: float, out):
+    """One bf16 call on its chosen kernel. ``weights_packed``: the kernel's packed
+    weights (or None, packed here); ``weights_fp32``: the layer's fp32 weights in
+    ``layout`` (the emulation rounds them)."""
+    from . import epilogue
+    from .arguments import as_float32
+    fused = epilogue.fused(call, bias, None, activation, negative_slope)
+    if residual is not None:
+        epilogue.check_residual_shape(call, tuple(np.shape(residual)))
+    bf16_io = is_bfloat16(x)
+    if out is not None:
+        _check_out(out, call, bf16_io, ("input", x), ("residual", residual),
+                   ("bias", fused.bias))
+    if choice.pack is None:
+        _warn_missing(choice)
+        from .api import conv2d
+        xr = round_to_bf16(x if bf16_io else as_float32(x, "input"))
+        wr = round_to_bf16(weights_fp32)
+        res = None if residual is None else (
+            round_to_bf16(residual) if is_bfloat16(residual)
+            else as_float32(residual, "residual"))
+        spec = call.spec
+        y = conv2d(xr, wr, fused.bias, (spec.stride_h, spec.stride_w),
+                   ((spec.pad_top, spec.pad_bottom), (spec.pad_left, spec.pad_right)),
+                   (spec.dilation_h, spec.dilation_w), call.groups, layout=layout,
+                   threads=nthreads,
+                   activation=fused.activation.value if fused.activation.code else None,
+                   negative_slope=fused.negative_slope, residual=res,
+                   out=None if bf16_io else out)
+        if bf16_io:
+            y = y.astype(x.dtype)
+            if out is not None:
+                out[...] = y
+                return out
+        return y
+    xa, nchw, bf16_io = _input_arrays(x, layout, nthreads)
+    wb = weights_packed if weights_packed is not None else pack_weights(
+        weights_fp32, layout, choice.pack, nthreads)
+    shape = call.nhwc_out_shape
+    direct = out is not None and layout == "NHWC"
+    if direct:
+        y = bf16_bits(out) if bf16_io else out
+    else:
+        y = np.empty(shape, dtype=np.uint16 if bf16_io else FLOAT32)
+    res = _residual_nhwc(residual, layout, bf16_io, nthreads)
+    run(choice.pack, xa, nchw, wb, y, nthreads, fused.bias, res, fused.activation.code,
+        fused.negative_slope)
+    if direct:
+        return out
+    if layout == "NCHW":
+        y = np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if bf16_io else \
+            _kernels.nhwc_to_nchw(y, nthreads)
+    if bf16_io:
+        y = y.view(x.dtype)
+    if out is not None:
+        out[...] = y
+        return out
+    return y
+
+
+def _check_out(out, call, bf16_io: bool, *inputs) -> None:
+    if type(out) is not np.ndarray:
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    if (not is_bfloat16(out)) if bf16_io else out.dtype != FLOAT32:
+        raise TypeError(f"out must be {'bfloat16' if bf16_io else 'float32'} (the input's "
+                        f"type), got {out.dtype}")
+    if out.shape != call.out_shape:
+        raise ValueError(f"out must have the output's shape {call.out_shape} "
+                         f"({call.layout}), got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.aligned or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous, aligned and writeable")
+    for name, array in inputs:
+        if array is not None and np.may_share_memory(out, array):
+            raise ValueError(f"out overlaps the {name}: the kernels would read what they "
+                             f"have already written")
+
+
+class Bf16Layer:
+    """The bf16 side of a :class:`ttile.Conv2d` made with ``precision="bf16"``: its
+    weights packed once per packing (a packing depends on the kernel, the channels and
+    the filter, not on the input's size), or, where no bf16 kernel serves, an fp32
+    ``Conv2d`` of the bf16-rounded weights called on the rounded input."""
+
+    def __init__(self, weights: np.ndarray, layer) -> None:
+        import threading
+        self._w = np.array(weights, dtype=FLOAT32, order="C")   # the layer's layout
+        self._w.flags.writeable = False
+        self._layer = layer
+        self._packed: dict = {}
+        self._emulated = None
+        self._lock = threading.Lock()
+
+    def _weights(self, pack: Bf16Packing, threads: int) -> np.ndarray:
+        key = pack.weights_key
+        packed = self._packed.get(key)
+        if packed is None:
+            with self._lock:
+                packed = self._packed.get(key)
+                if packed is None:
+                    packed = pack_weights(self._w, self._layer.layout, pack, threads)
+                    self._packed[key] = packed
+        return packed
+
+    def _fp32_layer(self):
+        if self._emulated is None:
+            from .conv_layer import Conv2d
+            layer = self._layer
+            self._emulated = Conv2d(round_to_bf16(self._w), layer._fused.bias, layer.stride,
+                                    layer.padding, layer.dilation, layer.groups,
+                                    layout=layer.layout, threads=layer.threads,
+                                    activation=layer.activation,
+                                    negative_slope=layer.negative_slope)
+        return self._emulated
+
+    def __call__(self, x, threads: Optional[int], residual, out, whole_team: bool):
+        from .arguments import as_float32, thread_count
+        from .call_plan import call_plan
+        from .settings import get_isa
+        layer = self._layer
+        bf16_io = is_bfloat16(x)
+        x_shape = np.shape(x) if bf16_io else as_float32(x, "input").shape
+        call = call_plan(x_shape, self._w.shape, layer.stride, layer.padding, layer.layout,
+                         layer.dilation, layer.groups)
+        asked = thread_count(threads if threads is not None else layer.threads)
+        nthreads = asked if whole_team else call.fit(asked)
+        choice = choose(call.spec, call.groups, get_isa())
+        if choice.pack is None:
+            _warn_missing(choice)
+            res = None if residual is None else round_to_bf16(residual) \
+                if is_bfloat16(residual) else as_float32(residual, "residual")
+            xr = round_to_bf16(x if bf16_io else as_float32(x, "input"))
+            if not bf16_io:
+                return self._fp32_layer()(xr, nthreads, residual=res, out=out,
+                                          whole_team=True)
+            y = self._fp32_layer()(xr, nthreads, residual=res, whole_team=True).astype(x.dtype)
+            if out is not None:
+                _check_out(out, call, True, ("input", x), ("residual", residual))
+                out[...] = y
+                return out
+            return y
+        return run_call(call, choice, x, self._weights(choice.pack, nthreads), self._w,
+                        layer.layout, nthreads, layer._fused.bias, residual, layer.activation,
+                        layer.negative_slope, out)
