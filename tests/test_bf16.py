@@ -1,0 +1,271 @@
+"""precision="bf16": every bf16 kernel this CPU runs (AMX, AVX512_BF16) and the fp32
+kernels on rounded values checked against the float64 reference on the bf16-rounded
+input and weights; the rounding against ml_dtypes; the API's choices and refusals."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import ttile
+from ttile import _kernels
+from ttile.core.kinds import Isa, KernelKind, Precision
+from ttile.core.reference import activate_f64, conv2d_nhwc_f64
+from ttile.core.spec import ConvSpec
+from ttile.runtime import bf16
+
+from guarded import guarded_copy
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+HAS_AMX = _kernels.amx_usable()
+HAS_DOT = _kernels.cpu_has_avx512bf16()
+KINDS = [pytest.param(KernelKind.AMX, marks=pytest.mark.skipif(
+             not HAS_AMX, reason="no AMX-BF16 on this CPU (or Linux refused the tile state)")),
+         pytest.param(KernelKind.DOT_BF16, marks=pytest.mark.skipif(
+             not HAS_DOT, reason="no AVX512_BF16 on this CPU"))]
+
+
+def expected(x, w, stride, pads, dilation=(1, 1), bias=None, residual=None,
+             activation=None, groups=1, slope=0.01):
+    """float64 reference of the bf16 semantics, NHWC: the rounded input and weights
+    convolved, then bias, residual and activation; and the tolerance of an fp32 sum."""
+    xr, wr = bf16.round_to_bf16(x), bf16.round_to_bf16(w)
+    y = conv2d_nhwc_f64(xr, wr, stride, pads, dilation, groups)
+    magnitude = conv2d_nhwc_f64(np.abs(xr), np.abs(wr), stride, pads, dilation, groups)
+    if bias is not None:
+        y = y + bias
+        magnitude = magnitude + np.abs(bias)
+    if residual is not None:
+        y = y + residual
+        magnitude = magnitude + np.abs(residual)
+    terms = w.shape[0] * w.shape[1] * w.shape[2]
+    tol = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
+    return activate_f64(y, activation, slope), tol
+
+
+def assert_close(actual, want, tol):
+    actual = np.asarray(actual, dtype=np.float64)
+    assert actual.shape == want.shape
+    bad = ~(np.abs(actual - want) <= tol)
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} off; first at "
+                           f"{tuple(np.argwhere(bad)[0])}")
+
+
+# (n, h, w, c, k, r, s, stride, pad, dilation)
+SHAPES = [
+    (1, 7, 7, 64, 64, 3, 3, 1, 1, 1),       # 7x7 map: virtual rows across the padding
+    (2, 14, 13, 48, 40, 3, 3, 1, 1, 1),     # K tail, odd width, batch 2, steps of 24
+    (1, 15, 15, 32, 96, 3, 3, 2, 1, 1),     # stride 2
+    (1, 16, 16, 64, 16, 1, 1, 2, 0, 1),     # 1x1 stride 2, a K of 16 (half a pair)
+    (1, 9, 11, 64, 33, 3, 3, 1, 2, 2),      # dilation 2
+    (1, 20, 20, 3, 64, 7, 7, 2, 3, 1),      # the first layer: folded
+    (2, 21, 19, 3, 40, 3, 3, 1, 1, 1),      # folded, stride 1
+    (1, 12, 12, 5, 24, 3, 3, 1, 1, 1),      # folded, odd channels
+    (1, 10, 10, 144, 32, 1, 1, 1, 0, 1),    # steps of 30 (144 = 5 x 30 rounded)
+    (1, 8, 8, 16, 48, 3, 3, 1, 1, 1),       # 16 channels: one step of 16
+    (1, 6, 6, 7, 8, 1, 1, 1, 0, 1),         # 1x1 with few channels (not folded)
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_against_reference(kind, shape):
+    n, h, w, c, k, r, s, st, pad, dil = shape
+    rng = np.random.default_rng(hash(shape) % 2**32)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    wt = rng.standard_normal((r, s, c, k)).astype(np.float32)
+    spec = ConvSpec(n=n, k=k, c=c, h=h, w=w, r=r, s=s, stride_h=st, stride_w=st,
+                    pad_top=pad, pad_bottom=pad, pad_left=pad, pad_right=pad,
+                    dilation_h=dil, dilation_w=dil)
+    pack = bf16.packing(spec, kind)
+    assert (pack.folded is not None) == (c < bf16.FOLD_BELOW_CHANNELS and s > 1)
+    wb = bf16.pack_weights(wt, "NHWC", pack, 2)
+    y = np.full(spec.output_shape(), np.nan, dtype=np.float32)
+    bf16.run(pack, x, False, wb, y, 2, None, None, 0, 0.01)
+    want, tol = expected(x, wt, (st, st), (pad,) * 4, (dil, dil))
+    assert_close(y, want, tol)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_epilogue_and_bf16_output(kind):
+    rng = np.random.default_rng(7)
+    spec = ConvSpec(n=1, k=40, c=32, h=9, w=9, r=3, s=3, pad_top=1, pad_bottom=1,
+                    pad_left=1, pad_right=1)
+    x = rng.standard_normal((1, 9, 9, 32)).astype(np.float32)
+    wt = rng.standard_normal((3, 3, 32, 40)).astype(np.float32)
+    bias = rng.standard_normal(40).astype(np.float32)
+    res = rng.standard_normal((1, 9, 9, 40)).astype(np.float32)
+    pack = bf16.packing(spec, kind)
+    wb = bf16.pack_weights(wt, "NHWC", pack, 1)
+    for act, code in (("relu", 1), ("leaky_relu", 3), ("silu", 4)):
+        y = np.empty((1, 9, 9, 40), np.float32)
+        bf16.run(pack, x, False, wb, y, 1, bias, res, code, 0.1)
+        want, tol = expected(x, wt, (1, 1), (1,) * 4, bias=bias, residual=res,
+                             activation=act, slope=0.1)
+        assert_close(y, want, tol + 1e-6 * np.abs(want))
+    # bf16 output (and residual): the fp32 result rounded once
+    yb = np.empty((1, 9, 9, 40), np.uint16)
+    rb = _kernels.bf16_round(res)
+    bf16.run(pack, x, False, wb, yb, 1, bias, rb, 1, 0.01)
+    want, _ = expected(x, wt, (1, 1), (1,) * 4, bias=bias,
+                       residual=bf16.round_to_bf16(res), activation="relu")
+    got = (yb.astype(np.uint32) << 16).view(np.float32)
+    assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-5)
+
+
+def test_rounding_matches_ml_dtypes():
+    rng = np.random.default_rng(3)
+    a = np.concatenate([rng.standard_normal(5000).astype(np.float32) * 1e3,
+                        np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -3e-39, 3.4e38,
+                                  1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -9],
+                                 dtype=np.float32)])
+    want = a.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert np.array_equal(bf16.round_to_bf16(a).view(np.uint32) >> 16, want)
+    if _kernels.cpu_has_avx512f():
+        assert np.array_equal(_kernels.bf16_round(a), want)
+        assert np.array_equal(_kernels.bf16_widen(want),
+                              a.astype(ml_dtypes.bfloat16).astype(np.float32))
+    nan = np.array([np.nan], np.float32)
+    assert np.isnan(bf16.round_to_bf16(nan)).all()
+    if _kernels.cpu_has_avx512f():
+        assert np.isnan(_kernels.bf16_widen(_kernels.bf16_round(nan))).all()
+
+
+LAYER_CASES = [  # (layout, stride, padding, activation, residual?)
+    ("NCHW", 1, 1, None, False),
+    ("NHWC", 2, 1, "relu", True),
+    ("NCHW", 2, 0, "relu6", True),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=str)
+@pytest.mark.parametrize("isa", [Isa.AVX512F, Isa.AVX2])
+def test_conv2d_and_layer(case, isa):
+    """conv2d and Conv2d with precision="bf16" on the kernel this CPU picks, and (AVX2
+    asked for) on the fp32 kernels with rounded values: the same numbers."""
+    if isa is Isa.AVX512F and not _kernels.cpu_has_avx512f():
+        pytest.skip("no AVX-512")
+    if isa is Isa.AVX2 and not _kernels.cpu_has_avx2():
+        pytest.skip("no AVX2")
+    layout, stride, pad, act, with_res = case
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 24, 12, 12)).astype(np.float32)
+    w = rng.standard_normal((40, 24, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    ho = (12 + 2 * pad - 3) // stride + 1
+    res = rng.standard_normal((2, 40, ho, ho)).astype(np.float32) if with_res else None
+    want, tol = expected(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), (stride,) * 2,
+                         (pad,) * 4, bias=b,
+                         residual=None if res is None else res.transpose(0, 2, 3, 1),
+                         activation=act)
+    if layout == "NCHW":
+        want, tol = want.transpose(0, 3, 1, 2), tol.transpose(0, 3, 1, 2)
+    else:
+        x, w = x.transpose(0, 2, 3, 1).copy(), w.transpose(2, 3, 1, 0).copy()
+        res = None if res is None else res.transpose(0, 2, 3, 1).copy()
+    previous = ttile.set_isa(isa)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y = ttile.conv2d(x, w, b, stride, pad, layout=layout, activation=act,
+                             residual=res, precision="bf16")
+            layer = ttile.Conv2d(w, b, stride, pad, layout=layout, activation=act,
+                                 precision="bf16")
+            y2 = layer(x, residual=res)
+            y3 = layer(x.astype(ml_dtypes.bfloat16), residual=res)
+        plan = ttile.plan(x.shape, w.shape, b, stride, pad, layout=layout,
+                          activation=act, residual=res, precision="bf16")
+    finally:
+        ttile.set_isa(previous)
+    assert y.dtype == np.float32 and y2.dtype == np.float32
+    assert_close(y, want, tol)
+    assert_close(y2, want, tol)
+    assert y3.dtype == ml_dtypes.bfloat16
+    # bf16 out: the input rounded is the same input; the residual (taken in the
+    # output's type) and the result rounded once more
+    res_term = 0 if res is None else 2.0 ** -8 * np.abs(res)
+    assert np.all(np.abs(y3.astype(np.float32) - want)
+                  <= 2.0 ** -8 * np.abs(want) + res_term + tol)
+    assert plan.precision is Precision.BF16
+    kind = bf16.kernel_kind(isa)
+    if kind is None:
+        assert plan.kind not in bf16.BF16_KINDS and "bf16-rounded" in plan.note
+    else:
+        assert plan.kind is kind and plan.note.startswith("bf16")
+
+
+def test_grouped_and_depthwise_are_served_on_rounded_values():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 8, 10, 10)).astype(np.float32)
+    for groups, w in ((2, rng.standard_normal((12, 4, 3, 3))),
+                      (8, rng.standard_normal((8, 1, 3, 3)))):
+        w = w.astype(np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y = ttile.conv2d(x, w, padding=1, groups=groups, precision="bf16")
+        want, tol = expected(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), (1, 1),
+                             (1,) * 4, groups=groups)
+        assert_close(y, want.transpose(0, 3, 1, 2), tol.transpose(0, 3, 1, 2))
+        plan = ttile.plan(x.shape, w.shape, padding=1, groups=groups, precision="bf16")
+        assert plan.kind not in bf16.BF16_KINDS and "grouped" in plan.note
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_output_fenced_by_guard_pages(kind):
+    """The kernel writes exactly the output: a guard page after y and x faults on any
+    stray access, the canary before them stays."""
+    rng = np.random.default_rng(2)
+    gx = guarded_copy(rng.standard_normal((1, 13, 11, 24)).astype(np.float32), "end")
+    w = rng.standard_normal((3, 3, 24, 20)).astype(np.float32)
+    gy = guarded_copy(np.zeros((1, 13, 11, 20), np.float32), "end")
+    x, out = gx.array, gy.array
+    previous = ttile.set_isa(Isa.AVX512F)
+    try:
+        ttile.conv2d(x, w, padding=1, layout="NHWC", out=out, precision="bf16")
+    finally:
+        ttile.set_isa(previous)
+    assert gy.canary_intact() and gx.canary_intact()
+    want, tol = expected(np.asarray(x), w, (1, 1), (1,) * 4)
+    assert_close(out, want, tol)
+
+
+def test_bad_arguments():
+    x = np.zeros((1, 4, 8, 8), np.float32)
+    w = np.zeros((8, 4, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="precision"):
+        ttile.conv2d(x, w, precision="fp16")
+    with pytest.raises(ValueError, match="precision"):
+        ttile.Conv2d(w, precision="int8")
+    with pytest.raises(ValueError, match="precision"):
+        ttile.plan(x.shape, w.shape, precision="bfloat")
+    with pytest.raises(TypeError, match="out must be float32"):
+        ttile.conv2d(x, w, out=np.zeros((1, 8, 6, 6), np.float64), precision="bf16")
+    with pytest.raises(ValueError, match="channel"):
+        ttile.conv2d(np.zeros((1, 5, 8, 8), np.float32), w, precision="bf16")
+    with pytest.raises(ValueError, match="residual"):
+        ttile.conv2d(x, w, residual=np.zeros((1, 8, 5, 5), np.float32), precision="bf16")
+    with pytest.raises(TypeError):
+        ttile.conv2d(x.astype(bool), w, precision="bf16")
+
+
+@pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="the packing needs AVX-512F")
+def test_extension_refuses_bad_problems():
+    w = np.zeros((3, 3, 8, 16), np.float32)
+    good = (1, 6, 6, 16, 8, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1)
+    _kernels.bf16_pack_weights(w, True, good)
+    for bad in ((1, 6, 6, 16, 8, 8, 8, 6, 32, 3, 3, 1, 1, 1, 1),   # kc does not divide cp
+                (1, 6, 6, 16, 8, 8, 8, 8, 16, 3, 3, 1, 1, 1, 1),   # kp not a multiple of 32
+                (1, 6, 6, 16, 7, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1),   # hp too small
+                (1, 6, 6, 16, 8, 8)):
+        with pytest.raises(ValueError):
+            _kernels.bf16_pack_weights(w, True, bad)
+    wb = _kernels.bf16_pack_weights(w, True, good)
+    y = np.zeros((1, 6, 6, 16), np.float32)
+    with pytest.raises(ValueError):   # an input larger than the packed rows
+        _kernels.conv2d_bf16(np.zeros((1, 9, 8, 8), np.float32), False, wb, y, good, 8, 9, 8,
+                             0, 0, _kernels.BF16_KERNEL_AVX512, 1)
+    with pytest.raises(TypeError):
+        _kernels.conv2d_bf16(np.zeros((1, 8, 8, 8), np.float64), False, wb, y, good, 8, 8,
+                             8, 0, 0, _kernels.BF16_KERNEL_AVX512, 1)
