@@ -287,17 +287,23 @@ def run_call(call, choice: Bf16Choice, x, weights_packed: Optional[np.ndarray],
                 out[...] = y
                 return out
         return y
-    xa, nchw, bf16_io = _input_arrays(x, layout, nthreads)
     wb = weights_packed if weights_packed is not None else pack_weights(
         weights_fp32, layout, choice.pack, nthreads)
-    shape = call.nhwc_out_shape
+    return run_packed(call, choice.pack, x, wb, layout, nthreads, fused, residual, out)
+
+
+def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads: int,
+               fused, residual, out):
+    """A bf16 kernel's call, its arguments checked (``fused``: the call's epilogue
+    without its residual, ``residual`` as the caller gave it)."""
+    xa, nchw, bf16_io = _input_arrays(x, layout, nthreads)
     direct = out is not None and layout == "NHWC"
     if direct:
         y = bf16_bits(out) if bf16_io else out
     else:
-        y = np.empty(shape, dtype=np.uint16 if bf16_io else FLOAT32)
+        y = np.empty(call.nhwc_out_shape, dtype=np.uint16 if bf16_io else FLOAT32)
     res = _residual_nhwc(residual, layout, bf16_io, nthreads)
-    run(choice.pack, xa, nchw, wb, y, nthreads, fused.bias, res, fused.activation.code,
+    run(pack, xa, nchw, wb, y, nthreads, fused.bias, res, fused.activation.code,
         fused.negative_slope)
     if direct:
         return out
@@ -343,6 +349,7 @@ class Bf16Layer:
         self._packed: dict = {}
         self._emulated = None
         self._lock = threading.Lock()
+        self._calls: dict = {}   # (shape, bf16?, threads, whole team?, isa): _prepare's
 
     def _weights(self, pack: Bf16Packing, threads: int) -> np.ndarray:
         key = pack.weights_key
@@ -368,30 +375,51 @@ class Bf16Layer:
 
     def __call__(self, x, threads: Optional[int], residual, out, whole_team: bool):
         from .arguments import as_float32, thread_count
-        from .call_plan import call_plan
         from .settings import get_isa
         layer = self._layer
         bf16_io = is_bfloat16(x)
-        x_shape = np.shape(x) if bf16_io else as_float32(x, "input").shape
-        call = call_plan(x_shape, self._w.shape, layer.stride, layer.padding, layer.layout,
-                         layer.dilation, layer.groups)
-        asked = thread_count(threads if threads is not None else layer.threads)
-        nthreads = asked if whole_team else call.fit(asked)
-        choice = choose(call.spec, call.groups, get_isa())
+        if not bf16_io:
+            x = as_float32(x, "input")
+        isa = get_isa()
+        key = (x.shape, bf16_io, threads, whole_team, isa)
+        known = self._calls.get(key)
+        if known is None:
+            known = self._prepare(x.shape, threads, whole_team, isa)
+            if len(self._calls) < 64:
+                self._calls[key] = known
+        call, choice, nthreads, fused = known
+        if residual is not None:
+            from . import epilogue
+            epilogue.check_residual_shape(call, tuple(np.shape(residual)))
+        if out is not None:
+            _check_out(out, call, bf16_io, ("input", x), ("residual", residual))
         if choice.pack is None:
             _warn_missing(choice)
             res = None if residual is None else round_to_bf16(residual) \
                 if is_bfloat16(residual) else as_float32(residual, "residual")
-            xr = round_to_bf16(x if bf16_io else as_float32(x, "input"))
+            xr = round_to_bf16(x)
             if not bf16_io:
                 return self._fp32_layer()(xr, nthreads, residual=res, out=out,
                                           whole_team=True)
             y = self._fp32_layer()(xr, nthreads, residual=res, whole_team=True).astype(x.dtype)
             if out is not None:
-                _check_out(out, call, True, ("input", x), ("residual", residual))
                 out[...] = y
                 return out
             return y
-        return run_call(call, choice, x, self._weights(choice.pack, nthreads), self._w,
-                        layer.layout, nthreads, layer._fused.bias, residual, layer.activation,
-                        layer.negative_slope, out)
+        return run_packed(call, choice.pack, x, self._weights(choice.pack, nthreads),
+                          layer.layout, nthreads, fused, residual, out)
+
+    def _prepare(self, x_shape, threads, whole_team: bool, isa: Isa) -> tuple:
+        """What a call on an input of ``x_shape`` needs, decided once: its plan, the
+        kernel, the thread count and the epilogue."""
+        from . import epilogue
+        from .arguments import thread_count
+        from .call_plan import call_plan
+        layer = self._layer
+        call = call_plan(tuple(x_shape), self._w.shape, layer.stride, layer.padding,
+                         layer.layout, layer.dilation, layer.groups)
+        asked = thread_count(threads if threads is not None else layer.threads)
+        nthreads = asked if whole_team else call.fit(asked)
+        fused = epilogue.fused(call, layer._fused.bias, None, layer.activation,
+                               layer.negative_slope)
+        return call, choose(call.spec, call.groups, isa), nthreads, fused

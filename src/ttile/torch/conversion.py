@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
+from ..core.kinds import Precision
 from ..runtime.api import plan as _ttile_plan
+from ..runtime.bf16 import precision_of
 from ..runtime.inverted_residual import BlockVerdict
 from .op import _output_size, _serve_check
 from .modules import TTileConv2d, TTileInvertedResidual
@@ -54,7 +56,8 @@ def served_layers(model: nn.Module) -> list[tuple[str, TTileConv2d]]:
 def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] = None,
             example_input: Optional[torch.Tensor] = None, trace: bool = True,
             fuse_blocks: bool = True, sequences: bool = True,
-            progress: bool = True, settle: bool = True) -> nn.Module:
+            progress: bool = True, settle: bool = True,
+            precision: Union[str, Precision] = Precision.FP32) -> nn.Module:
     """The model with its eligible convolutions served by ttile (see the module's doc).
 
     Args:
@@ -78,7 +81,13 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
         settle: with ``example_input``, make each sequence's context verdict
             (:meth:`TTileSequence.settle`): the layers' alternative kernels timed in
             place in the network, the fastest kept.
+        precision: "fp32", or "bf16": every convolution's input and weights rounded to
+            bf16, fp32 accumulation and epilogues (see :func:`ttile.conv2d`), on the
+            AMX or AVX512_BF16 kernels where the CPU has them. Inverted residual blocks
+            are then served layer by layer (the fused block kernel is fp32), and the
+            activations between layers stay fp32.
     """
+    precision = precision_of(precision)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert takes an nn.Module, got {type(model).__name__}")
     if model.training:
@@ -104,20 +113,33 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
                           RuntimeWarning, stacklevel=2)
         if gm is not None:
             _rewrite_graph(gm, threads)
-            if fuse_blocks:
+            if fuse_blocks and precision is Precision.FP32:
                 _fuse_inverted_residuals(gm)
             if sequences:
                 _serve_pooling(gm)
             _serve_classifiers(gm, threads)
+            _set_precision(gm, precision)
             if sequences:
                 _group_sequences(gm)
             converted = gm.eval()
     if converted is None:
         _swap_modules(model, threads, not_fused)
         converted = model
+        _set_precision(model, precision)
     if example_input is not None:
         tune(converted, example_input, progress=progress, settle=settle)
     return converted
+
+
+def _set_precision(model: nn.Module, precision: Precision) -> None:
+    """Every TTileConv2d of ``model`` to multiply in ``precision`` (before sequences are
+    grouped: a layer's packed state is made anew)."""
+    if precision is Precision.FP32:
+        return
+    for module in model.modules():
+        if isinstance(module, TTileConv2d):
+            module.precision = precision
+            module._attach()
 
 
 def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True,
@@ -208,7 +230,8 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
                          module.stride, module.padding, module.dilation, module.groups,
                          layout=layout, threads=module.threads or torch.get_num_threads(),
                          activation=module.activation, negative_slope=module.negative_slope,
-                         residual=out_shape if residual else None, prepacked=True)
+                         residual=out_shape if residual else None, prepacked=True,
+                         precision=module.precision)
         rows.append((names.get(id(module), "?"), module.source, shape, layout, kp,
                      module.not_fused))
     if progress:

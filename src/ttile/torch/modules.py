@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _kernels
-from ..core.kinds import Activation
+from ..core.kinds import Activation, Precision
 from ..runtime.arguments import as_pair
 from ..runtime import dispatch as _dispatch
 from ..runtime.epilogue import describe as _describe_epilogue
@@ -31,13 +31,16 @@ class TTileConv2d(nn.Module):
 
     ``source`` names the torch modules it replaces; ``not_fused`` says why a following
     batch norm, residual add or activation could not be looked for ("" when the graph
-    was traced)."""
+    was traced). ``precision`` is what its ``ttile.Conv2d`` multiplies (fp32 or bf16,
+    see :func:`ttile.conv2d`); fp32 tensors come in and go out either way."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding,
                  dilation, groups: int, activation: Optional[str] = None,
                  negative_slope: float = 0.01, residual: bool = False,
-                 threads: Optional[int] = None, source: str = "", not_fused: str = ""):
+                 threads: Optional[int] = None, source: str = "", not_fused: str = "",
+                 precision: Precision = Precision.FP32):
         super().__init__()
+        self.precision = Precision(precision)
         self.weight = nn.Parameter(_tracked(weight), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(_tracked(bias), requires_grad=False)
         self.stride, self.padding = tuple(stride), tuple(padding)
@@ -111,7 +114,8 @@ class TTileConv2d(nn.Module):
         return (f"{cg * self.groups}, {k}, kernel_size=({r}, {s}), stride={self.stride}, "
                 f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
                 f"bias={self.bias is not None}, activation={self.activation}, "
-                f"residual={self.residual}, source={self.source!r}")
+                f"residual={self.residual}, source={self.source!r}"
+                + ("" if self.precision is Precision.FP32 else f", precision={self.precision}"))
 
 
 class TTileInvertedResidual(nn.Module):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core.kinds import Precision
 from ..runtime.conv_layer import Conv2d
 
 
@@ -110,7 +111,8 @@ class _PackedLayer:
         self.options = dict(stride=owner.stride, padding=owner.padding,
                             dilation=owner.dilation, groups=owner.groups,
                             activation=owner.activation,
-                            negative_slope=owner.negative_slope)
+                            negative_slope=owner.negative_slope,
+                            precision=getattr(owner, "precision", Precision.FP32))
         self._layers: dict[str, Conv2d] = {}
         self._source: tuple = ()      # (weight, bias) identities the layers were packed from
         self._tensors: tuple = ()     # the tensors themselves (so an id is not reused)
