@@ -269,3 +269,72 @@ def test_extension_refuses_bad_problems():
     with pytest.raises(TypeError):
         _kernels.conv2d_bf16(np.zeros((1, 8, 8, 8), np.float64), False, wb, y, good, 8, 8,
                              8, 0, 0, _kernels.BF16_KERNEL_AVX512, 1)
+
+
+def test_torch_convert_bf16():
+    """A converted network in bf16 against a layer-by-layer float64 reference of the same
+    converted layers on bf16-rounded inputs and weights, and against the fp32 model."""
+    torch = pytest.importorskip("torch")
+    import types
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    import ttile.torch as tt
+    from test_torch_convert import Basic, randomize_batch_norms
+
+    torch.manual_seed(0)
+    model = randomize_batch_norms(nn.Sequential(
+        nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(),
+        Basic(32, 32), Basic(32, 48, 2), nn.Conv2d(48, 48, 3, 1, 1, groups=48),
+        nn.ReLU6(), nn.Conv2d(48, 40, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(40, 10))).eval()
+    x = torch.randn(2, 3, 32, 32)
+
+    def rounded(t):
+        return torch.from_numpy(bf16.round_to_bf16(t.detach().float().numpy())).double()
+
+    def reference(self, x, residual=None):
+        y = F.conv2d(rounded(x), rounded(self.weight),
+                     None if self.bias is None else self.bias.double(), self.stride,
+                     self.padding, self.dilation, self.groups)
+        if residual is not None:
+            y = y + residual.double()
+        act = {None: lambda v: v, "relu": F.relu, "relu6": F.relu6,
+               "leaky_relu": lambda v: F.leaky_relu(v, self.negative_slope),
+               "silu": F.silu, "sigmoid": torch.sigmoid}[self.activation]
+        return act(y).float()
+
+    checked = []
+
+    def checked_forward(self, x, residual=None):
+        """Each layer on the input the network gives it, against its reference."""
+        want = reference(self, x, residual)
+        got = self.ttile_forward(x, residual)
+        checked.append((self.source, float((got - want).abs().max() / want.abs().max())))
+        return got
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fp32 = model(x)
+        converted = tt.convert(model, example_input=x, progress=False, precision="bf16")
+        got = converted(x)
+        got_cl = converted(x.contiguous(memory_format=torch.channels_last))
+        layered = tt.convert(model, sequences=False, precision="bf16")
+        layers = [m for m in layered.modules() if isinstance(m, tt.TTileConv2d)]
+        assert len(layers) == 9 and all(m.precision is Precision.BF16 for m in layers)
+        for m in layers:
+            m.ttile_forward = m.forward
+            m.forward = types.MethodType(checked_forward, m)
+        by_layer = layered(x)
+    assert len(checked) == 9
+    assert all(error <= 1e-6 for _, error in checked), checked
+    # The sequences' run matches the layers' up to bf16 roundings that an fp32 ulp
+    # flipped (sums in another order), and stays near the fp32 model.
+    scale = float(by_layer.abs().max())
+    assert float((got - by_layer).abs().max()) <= 2e-3 * scale
+    assert float((got_cl - got).abs().max()) <= 2e-3 * scale
+    drift = float((got - fp32).abs().max()) / scale
+    assert 1e-6 < drift < 3e-2   # bf16 rounding shows, and stays small
+    served = [m for m in converted.modules() if isinstance(m, tt.TTileConv2d)]
+    assert served and all(m.precision is Precision.BF16 for m in served)
