@@ -162,6 +162,92 @@ static apply_fn apply_for(const ttile_epilogue *ep)
     }
 }
 
+/* What a call shares with its threads. */
+typedef struct {
+    const ttile_bf16_problem *p;
+    ttile_bf16_tiling t;
+    const ttile_epilogue *ep;
+    apply_fn apply;
+    int empty, y_bf16;
+    void *y;
+    int64_t a_stride, taps, nq, kc, chunk, block, image, pairs;
+    const int64_t *off;
+} amx_call;
+
+/* The first rows (tap 0) of pixel-tile pair mi's two tiles, and the second tile's index
+ * (the first's again past the last tile: computed twice, stored once). */
+static inline void pair_rows(const amx_call *c, const uint16_t *xb, int64_t mi,
+                             const uint16_t **a0, const uint16_t **a1, int64_t *n,
+                             int64_t *t0, int64_t *t1)
+{
+    *n = mi / c->pairs;
+    *t0 = (mi % c->pairs) * 2;
+    *t1 = *t0 + 1 < c->t.blocks ? *t0 + 1 : *t0;
+    *a0 = xb + *n * c->image + ttile_bf16_block_base(c->p, &c->t, *t0);
+    *a1 = xb + *n * c->image + ttile_bf16_block_base(c->p, &c->t, *t1);
+}
+
+/* Reduction steps q0..q1 of every tap into the four accumulator tiles. */
+static inline void reduce(const amx_call *c, const uint16_t *a0, const uint16_t *a1,
+                          const uint16_t *b0, const uint16_t *b1, int64_t q0, int64_t q1)
+{
+    const int64_t kc = c->kc, chunk = c->chunk, a_stride = c->a_stride;
+    for (int64_t tap = 0; tap < c->taps; tap++) {
+        const uint16_t *x0 = a0 + c->off[tap], *x1 = a1 + c->off[tap];
+        const uint16_t *w0 = b0 + tap * c->nq * chunk, *w1 = b1 + tap * c->nq * chunk;
+        for (int64_t q = q0; q < q1; q++) {
+            _tile_loadd(4, x0 + q * kc, a_stride);
+            _tile_loadd(6, w0 + q * chunk, 64);
+            _tile_loadd(7, w1 + q * chunk, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, x1 + q * kc, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* The four accumulator tiles of pair mi and channel pair kq to the output. Tiles whose
+ * rows are consecutive outputs, all 32 channels real, go straight to an fp32 y (the
+ * epilogue then from L1); the others through acc, row by row. */
+static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, int64_t kq,
+                          float *acc)
+{
+    const ttile_bf16_problem *p = c->p;
+    const int full = !c->y_bf16 && (2 * kq + 2) * 16 <= p->k;
+    const int64_t run0 = full ? tile_run(p, &c->t, n, t0) : -1;
+    const int64_t run1 = full && t1 != t0 ? tile_run(p, &c->t, n, t1) : -1;
+    const int64_t ystride = p->k * (int64_t)sizeof(float);
+    float *yf = (float *)c->y;
+    if (run0 >= 0) {
+        _tile_stored(0, yf + run0 + 32 * kq, ystride);
+        _tile_stored(1, yf + run0 + 32 * kq + 16, ystride);
+    } else {
+        _tile_stored(0, acc, 64);
+        _tile_stored(1, acc + 256, 64);
+    }
+    if (run1 >= 0) {
+        _tile_stored(2, yf + run1 + 32 * kq, ystride);
+        _tile_stored(3, yf + run1 + 32 * kq + 16, ystride);
+    } else {
+        _tile_stored(2, acc + 512, 64);
+        _tile_stored(3, acc + 768, 64);
+    }
+    if (run0 >= 0) {
+        if (!c->empty)
+            c->apply(p, run0, 32 * kq, yf, c->ep);
+    } else {
+        store_tile(p, &c->t, n, t0, 2 * kq, acc, c->y, c->y_bf16, c->ep);
+    }
+    if (run1 >= 0) {
+        if (!c->empty)
+            c->apply(p, run1, 32 * kq, yf, c->ep);
+    } else if (t1 != t0) {
+        store_tile(p, &c->t, n, t1, 2 * kq, acc + 512, c->y, c->y_bf16, c->ep);
+    }
+}
+
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
                         void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
 {
@@ -170,89 +256,56 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
     const ttile_epilogue none = {0, 0, TTILE_ACT_NONE, 0.0f};
     if (ep == 0)
         ep = &none;
-    const int empty = ttile_epilogue_is_empty(ep);
-    const apply_fn apply_tile = apply_for(ep);
-    const ttile_bf16_tiling t = ttile_bf16_tiling_of(p, 16);
-    const int64_t a_stride = t.pixel_stride * (int64_t)sizeof(uint16_t);
-    const int64_t taps = p->r * p->s, nq = p->cp / p->kc, kc = p->kc;
-    const int64_t chunk = kc * 16, block = taps * p->cp * 16;   /* weight elements */
-    int64_t *off = malloc((size_t)taps * sizeof(int64_t));
+    amx_call c;
+    c.p = p;
+    c.t = ttile_bf16_tiling_of(p, 16);
+    c.ep = ep;
+    c.empty = ttile_epilogue_is_empty(ep);
+    c.apply = apply_for(ep);
+    c.y = y;
+    c.y_bf16 = y_bf16;
+    c.a_stride = c.t.pixel_stride * (int64_t)sizeof(uint16_t);
+    c.taps = p->r * p->s;
+    c.nq = p->cp / p->kc;
+    c.kc = p->kc;
+    c.chunk = p->kc * 16;
+    c.block = c.taps * p->cp * 16;   /* weight elements of 16 output channels */
+    c.image = p->hp * p->wp * p->cp;
+    c.pairs = (c.t.blocks + 1) / 2;
+    int64_t *off = malloc((size_t)c.taps * sizeof(int64_t));
     if (off == 0)
         return -1;
     ttile_bf16_tap_offsets(p, off);
-    const int64_t image = p->hp * p->wp * p->cp;
-    const int64_t pairs = (t.blocks + 1) / 2, kpairs = p->kp / 32;
-    const int64_t pair_bytes = block * 2 * (int64_t)sizeof(uint16_t);
+    c.off = off;
+    const int64_t kpairs = p->kp / 32, mpairs = p->n * c.pairs;
+    /* Channel pairs in groups whose weights fit the cache blocking, pixel pairs split
+     * over the threads. (Blocking the reduction too, so that a channel pair's weights
+     * for a block of steps stayed in L1 across 16 pixel pairs whose partial sums waited
+     * in L2, was no faster on any Fig. 8 layer of a Xeon model 207 and 2x slower on
+     * Yolo9000-13 and -18.) */
+    const int64_t pair_bytes = c.block * 2 * (int64_t)sizeof(uint16_t);
     int64_t group = ttile_generic_cache_bytes() / pair_bytes;
     if (group < 1)
         group = 1;
-
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         float acc[4 * 256] __attribute__((aligned(64)));
-        configure(kc);
+        configure(c.kc);
         for (int64_t g0 = 0; g0 < kpairs; g0 += group) {
             const int64_t g1 = g0 + group < kpairs ? g0 + group : kpairs;
 #pragma omp for collapse(2) schedule(static)
-            for (int64_t mi = 0; mi < p->n * pairs; mi++)
+            for (int64_t mi = 0; mi < mpairs; mi++)
                 for (int64_t kq = g0; kq < g1; kq++) {
-                    const int64_t n = mi / pairs, t0 = (mi % pairs) * 2;
-                    const int64_t t1 = t0 + 1 < t.blocks ? t0 + 1 : t0;
-                    const uint16_t *a0 = xb + n * image + ttile_bf16_block_base(p, &t, t0);
-                    const uint16_t *a1 = xb + n * image + ttile_bf16_block_base(p, &t, t1);
-                    const uint16_t *b0 = wb + 2 * kq * block, *b1 = b0 + block;
+                    const uint16_t *a0, *a1;
+                    int64_t n, t0, t1;
+                    pair_rows(&c, xb, mi, &a0, &a1, &n, &t0, &t1);
+                    const uint16_t *b0 = wb + 2 * kq * c.block;
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
-                    for (int64_t tap = 0; tap < taps; tap++) {
-                        const uint16_t *x0 = a0 + off[tap], *x1 = a1 + off[tap];
-                        const uint16_t *w0 = b0 + tap * nq * chunk, *w1 = b1 + tap * nq * chunk;
-                        for (int64_t q = 0; q < nq; q++) {
-                            _tile_loadd(4, x0 + q * kc, a_stride);
-                            _tile_loadd(6, w0 + q * chunk, 64);
-                            _tile_loadd(7, w1 + q * chunk, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_loadd(5, x1 + q * kc, a_stride);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
-                    /* Tiles whose rows are consecutive outputs, all 32 channels real, go
-                     * straight to an fp32 y (the epilogue then from L1); the others
-                     * through acc, row by row. */
-                    const int full = !y_bf16 && (2 * kq + 2) * 16 <= p->k;
-                    const int64_t run0 = full ? tile_run(p, &t, n, t0) : -1;
-                    const int64_t run1 = full && t1 != t0 ? tile_run(p, &t, n, t1) : -1;
-                    const int64_t ystride = p->k * (int64_t)sizeof(float);
-                    float *yf = (float *)y;
-                    if (run0 >= 0) {
-                        _tile_stored(0, yf + run0 + 32 * kq, ystride);
-                        _tile_stored(1, yf + run0 + 32 * kq + 16, ystride);
-                    } else {
-                        _tile_stored(0, acc, 64);
-                        _tile_stored(1, acc + 256, 64);
-                    }
-                    if (run1 >= 0) {
-                        _tile_stored(2, yf + run1 + 32 * kq, ystride);
-                        _tile_stored(3, yf + run1 + 32 * kq + 16, ystride);
-                    } else {
-                        _tile_stored(2, acc + 512, 64);
-                        _tile_stored(3, acc + 768, 64);
-                    }
-                    if (run0 >= 0) {
-                        if (!empty)
-                            apply_tile(p, run0, 32 * kq, yf, ep);
-                    } else {
-                        store_tile(p, &t, n, t0, 2 * kq, acc, y, y_bf16, ep);
-                    }
-                    if (run1 >= 0) {
-                        if (!empty)
-                            apply_tile(p, run1, 32 * kq, yf, ep);
-                    } else if (t1 != t0) {
-                        store_tile(p, &t, n, t1, 2 * kq, acc + 512, y, y_bf16, ep);
-                    }
+                    reduce(&c, a0, a1, b0, b0 + c.block, 0, c.nq);
+                    finish(&c, n, t0, t1, kq, acc);
                 }
         }
         _tile_release();

@@ -100,28 +100,40 @@ void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf1
     memset(xb + rows * row, 0, (size_t)ttile_bf16_input_slack(p) * sizeof(uint16_t));
 }
 
-void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
-                             int64_t c, uint16_t *wb, int nthreads)
+/* 16 floats rounded (ttile_bf16_round512) and left in the low halves of 32-bit lanes. */
+static inline __m512i round_lanes(__m512 v)
 {
-    const int64_t kc = p->kc, nq = p->cp / kc, r = p->r, s = p->s, k = p->k;
-    const int64_t block = r * s * p->cp * 16;   /* one block of 16 output channels */
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t kb = 0; kb < p->kp / 16; kb++) {
-        uint16_t *out = wb + kb * block;
-        for (int64_t rr = 0; rr < r; rr++)
-            for (int64_t ss = 0; ss < s; ss++)
-                for (int64_t q = 0; q < nq; q++)
-                    for (int64_t j = 0; j < kc / 2; j++)
-                        for (int64_t l = 0; l < 16; l++)
-                            for (int64_t e = 0; e < 2; e++) {
-                                const int64_t kk = kb * 16 + l, ch = q * kc + 2 * j + e;
-                                float v = 0.0f;
-                                if (kk < k && ch < c)
-                                    v = rsck ? w[((rr * s + ss) * c + ch) * k + kk]
-                                             : w[((kk * c + ch) * r + rr) * s + ss];
-                                *out++ = ttile_bf16_round(v);
-                            }
-    }
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_srli_epi32(r, 16);
+}
+
+void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_t c,
+                             uint16_t *wb, int nthreads)
+{
+    const int64_t kc = p->kc, k = p->k, taps = p->r * p->s, pairs = p->cp / 2;
+    const int64_t block = taps * p->cp * 16;   /* one block of 16 output channels */
+    (void)kc;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t kb = 0; kb < p->kp / 16; kb++)
+        for (int64_t tap = 0; tap < taps; tap++) {
+            const __mmask16 m = ttile_bf16_kmask(kb * 16, k);
+            /* the pairs of a tap are consecutive: (q, j) with c = q kc + 2 j = 2 pair */
+            uint32_t *out = (uint32_t *)(wb + kb * block + tap * p->cp * 16);
+            for (int64_t pr = 0; pr < pairs; pr++) {
+                const int64_t c0 = 2 * pr, c1 = 2 * pr + 1;
+                const float *row = w + tap * c * k + kb * 16;
+                const __m512 v0 = c0 < c ? _mm512_maskz_loadu_ps(m, row + c0 * k)
+                                         : _mm512_setzero_ps();
+                const __m512 v1 = c1 < c ? _mm512_maskz_loadu_ps(m, row + c1 * k)
+                                         : _mm512_setzero_ps();
+                _mm512_storeu_si512(out + pr * 16, _mm512_or_si512(
+                    round_lanes(v0), _mm512_slli_epi32(round_lanes(v1), 16)));
+            }
+        }
 }
 
 int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int x_bf16,

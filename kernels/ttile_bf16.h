@@ -134,8 +134,8 @@ static inline void ttile_bf16_tap_offsets(const ttile_bf16_problem *p, int64_t *
 
 /* Packing (kernels/bf16_layout.c, AVX-512F). The input: x NHWC (or NCHW when `nchw`),
  * fp32 or, with `x_bf16`, bf16 bits (NHWC only), of c channels, h x w, with pad_top rows
- * and pad_left columns of zeros before it. The weights: fp32 KCRS (torch's) or, with
- * `rsck`, RSCK (k contiguous), c input channels per group. */
+ * and pad_left columns of zeros before it. The weights: fp32 RSCK (k contiguous), c input
+ * channels (one group). */
 void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16, int nchw,
                            int64_t c, int64_t h, int64_t w, int64_t pad_top,
                            int64_t pad_left, uint16_t *xb, int nthreads);
@@ -149,8 +149,8 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
                                  int nchw, int64_t c, int64_t h, int64_t w, int64_t pad_top,
                                  int64_t pad_left, int64_t s, int64_t stride_w,
                                  int64_t dil_w, uint16_t *xb, int nthreads);
-void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
-                             int64_t c, uint16_t *wb, int nthreads);
+void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_t c,
+                             uint16_t *wb, int nthreads);
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */
 void ttile_bf16_from_f32(const float *src, uint16_t *dst, int64_t n, int nthreads);
 void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads);

@@ -254,14 +254,14 @@ def test_bad_arguments():
 def test_extension_refuses_bad_problems():
     w = np.zeros((3, 3, 8, 16), np.float32)
     good = (1, 6, 6, 16, 8, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1)
-    _kernels.bf16_pack_weights(w, True, good)
+    _kernels.bf16_pack_weights(w, good)
     for bad in ((1, 6, 6, 16, 8, 8, 8, 6, 32, 3, 3, 1, 1, 1, 1),   # kc does not divide cp
                 (1, 6, 6, 16, 8, 8, 8, 8, 16, 3, 3, 1, 1, 1, 1),   # kp not a multiple of 32
                 (1, 6, 6, 16, 7, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1),   # hp too small
                 (1, 6, 6, 16, 8, 8)):
         with pytest.raises(ValueError):
-            _kernels.bf16_pack_weights(w, True, bad)
-    wb = _kernels.bf16_pack_weights(w, True, good)
+            _kernels.bf16_pack_weights(w, bad)
+    wb = _kernels.bf16_pack_weights(w, good)
     y = np.zeros((1, 6, 6, 16), np.float32)
     with pytest.raises(ValueError):   # an input larger than the packed rows
         _kernels.conv2d_bf16(np.zeros((1, 9, 8, 8), np.float32), False, wb, y, good, 8, 9, 8,

@@ -1391,8 +1391,8 @@ cdef extern from "ttile_bf16.h" nogil:
                                       int64_t pad_top, int64_t pad_left, int64_t s,
                                       int64_t stride_w, int64_t dil_w, unsigned short *xb,
                                       int nthreads)
-    void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int rsck,
-                                 int64_t c, unsigned short *wb, int nthreads)
+    void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_t c,
+                                 unsigned short *wb, int nthreads)
     void ttile_bf16_from_f32(const float *src, unsigned short *dst, int64_t n, int nthreads)
     void ttile_bf16_to_f32(const unsigned short *src, float *dst, int64_t n, int nthreads)
     int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const unsigned short *xb,
@@ -1489,22 +1489,29 @@ def bf16_widen(cnp.ndarray src, int nthreads=1):
     return dst
 
 
-def bf16_pack_weights(cnp.ndarray w, bint rsck, tuple problem, int nthreads=1):
-    """fp32 weights, KCRS (K, C, R, S) or with ``rsck`` (R, S, C, K), of one group ->
-    the bf16 kernels' packed weights (ttile_bf16.h) for ``problem``."""
+def bf16_input_elems(tuple problem):
+    """The bf16 elements of ``problem``'s packed input (with its slack)."""
+    cdef ttile_bf16_problem p
+    _bf16_problem(&p, problem)
+    return ttile_bf16_input_elems(&p)
+
+
+def bf16_pack_weights(cnp.ndarray w, tuple problem, int nthreads=1):
+    """fp32 weights, RSCK (R, S, C, K), of one group -> the bf16 kernels' packed weights
+    (ttile_bf16.h) for ``problem``."""
     cdef ttile_bf16_problem p
     _bf16_problem(&p, problem)
     _check_f32_c4(w, "w")
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("the bf16 packing needs AVX-512F")
     shape = (<object>w).shape
-    k, c, r, s = (shape[3], shape[2], shape[0], shape[1]) if rsck else shape
+    r, s, c, k = shape
     if k != p.k or r != p.r or s != p.s or c > p.cp:
         raise ValueError(f"weights {shape} do not match the bf16 problem {problem}")
     cdef cnp.ndarray wb = np.empty(ttile_bf16_weight_elems(&p), dtype=np.uint16)
     cdef int64_t channels = c
     with nogil:
-        ttile_bf16_pack_weights(&p, <const float *>cnp.PyArray_DATA(w), rsck, channels,
+        ttile_bf16_pack_weights(&p, <const float *>cnp.PyArray_DATA(w), channels,
                                 <unsigned short *>cnp.PyArray_DATA(wb), nthreads)
     return wb
 
@@ -1512,14 +1519,16 @@ def bf16_pack_weights(cnp.ndarray w, bint rsck, tuple problem, int nthreads=1):
 def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple problem,
                 int64_t c, int64_t h, int64_t w, int64_t pad_top, int64_t pad_left,
                 int kernel, int nthreads, *, bias=None, residual=None, int activation=0,
-                float slope=0.01, tuple folded=None):
+                float slope=0.01, tuple folded=None, cnp.ndarray xb=None):
     """A bf16 convolution: x (fp32 NHWC or NCHW, or bf16 bits NHWC) of c channels, h x w,
     packed with pad_top/pad_left zeros, convolved with the packed weights ``wb`` by
     ``kernel`` (BF16_KERNEL_AMX or BF16_KERNEL_AVX512) into y (N, Ho, Wo, K), fp32 or bf16
     bits, the epilogue fused (a residual has y's type and shape).
 
     ``folded``: None, or the layer's (s, stride_w, dil_w) when ``problem`` is its folded
-    form (ttile_bf16_pack_input_folded: the columns of the filter as channels)."""
+    form (ttile_bf16_pack_input_folded: the columns of the filter as channels). ``xb``:
+    a uint16 buffer of ``bf16_input_elems(problem)`` for the packed input (None: one is
+    allocated)."""
     cdef ttile_bf16_problem p
     _bf16_problem(&p, problem)
     cdef int64_t fs = 0, fstride = 1, fdil = 1
@@ -1568,7 +1577,15 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
             raise RuntimeError("the AVX512_BF16 kernel needs a CPU with AVX512_BF16")
     else:
         raise ValueError(f"unknown bf16 kernel {kernel}")
-    cdef cnp.ndarray xb = np.empty(ttile_bf16_input_elems(&p), dtype=np.uint16)
+    if xb is None:
+        xb = np.empty(ttile_bf16_input_elems(&p), dtype=np.uint16)
+    else:
+        _check_bf16_array(xb, "xb", ttile_bf16_input_elems(&p), 0)
+        if not cnp.PyArray_ISWRITEABLE(xb):
+            raise ValueError("xb must be writeable")
+        if np.may_share_memory(xb, x) or np.may_share_memory(xb, y) \
+                or np.may_share_memory(xb, wb):
+            raise ValueError("xb overlaps another argument")
     cdef unsigned short *xbp = <unsigned short *>cnp.PyArray_DATA(xb)
     cdef const unsigned short *wbp = <const unsigned short *>cnp.PyArray_DATA(wb)
     cdef const void *xp = cnp.PyArray_DATA(x)

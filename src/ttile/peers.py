@@ -14,7 +14,9 @@ layer with its thread count fixed, and returns the output:
 * ``onnxruntime``: a one-Conv ONNX model, default graph optimizations, ``intra_op``
   threads set;
 * ``openvino``: the same ONNX model compiled for the CPU with ``INFERENCE_PRECISION_HINT``
-  f32, ``PERFORMANCE_HINT`` LATENCY and ``INFERENCE_NUM_THREADS`` set.
+  f32, ``PERFORMANCE_HINT`` LATENCY and ``INFERENCE_NUM_THREADS`` set. ``precision``
+  None leaves the hint out: OpenVINO's default, bf16 on CPUs with AVX512_BF16 or AMX
+  (``openvino_precision`` says what it picked).
 """
 from __future__ import annotations
 
@@ -86,8 +88,8 @@ def runner(peer: Peer, x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     return onnx_runner(peer, model, x, threads)
 
 
-def onnx_runner(peer: Peer, model: bytes, x: np.ndarray,
-                threads: int) -> Callable[[], np.ndarray]:
+def onnx_runner(peer: Peer, model: bytes, x: np.ndarray, threads: int,
+                precision: Optional[str] = "f32") -> Callable[[], np.ndarray]:
     """A callable running the serialized ONNX ``model`` on its one input ``x`` with
     onnxruntime or OpenVINO, configured as the module text says (one place, so a single
     convolution and a whole network meet the same engine settings)."""
@@ -97,7 +99,7 @@ def onnx_runner(peer: Peer, model: bytes, x: np.ndarray,
         return lambda: session.run(None, {name: x})[0]
     if peer is not Peer.OPENVINO:
         raise ValueError(f"{peer.value} does not run ONNX models")
-    request = openvino_request(model, threads)
+    request = openvino_request(model, threads, precision=precision)
 
     def run_openvino():
         request.infer({0: x})
@@ -118,14 +120,29 @@ def onnxruntime_session(model: bytes, threads: int, profile_prefix: Optional[str
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def openvino_request(model: bytes, threads: int, perf_counters: bool = False):
+def openvino_request(model: bytes, threads: int, perf_counters: bool = False,
+                     precision: Optional[str] = "f32"):
     """An OpenVINO CPU infer request for ``model`` with the module text's settings; with
-    ``perf_counters``, timing each node (``PERF_COUNT``)."""
+    ``perf_counters``, timing each node (``PERF_COUNT``); ``precision`` the inference
+    precision hint ("f32", "bf16"; None: OpenVINO's default for this CPU)."""
     import openvino as ov
     core = ov.Core()
-    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-              "INFERENCE_NUM_THREADS": str(threads)}
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": str(threads)}
+    if precision is not None:
+        config["INFERENCE_PRECISION_HINT"] = precision
     if perf_counters:
         config["PERF_COUNT"] = "YES"
     return core.compile_model(core.read_model(model=model), "CPU", config) \
         .create_infer_request()
+
+
+def openvino_precision(threads: int = 1) -> str:
+    """The inference precision OpenVINO picks by default on this CPU ("f32", "bf16", ...),
+    read from a compiled one-node model."""
+    import openvino as ov
+    w = np.zeros((16, 16, 1, 1), np.float32)
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model=_conv_model((1, 16, 8, 8), w, (1, 1),
+                                                                    (0, 0, 0, 0), 1)),
+                                  "CPU", {"INFERENCE_NUM_THREADS": str(threads)})
+    return str(compiled.get_property("INFERENCE_PRECISION_HINT"))

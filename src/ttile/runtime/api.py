@@ -24,7 +24,7 @@ import numpy as np
 
 from ..core.kinds import Isa, KernelKind, Precision, SetMatch
 from ..core.spec import ConvSpec
-from . import bf16, epilogue, registry
+from . import bf16, epilogue, registry, weight_cache
 from .arguments import IntPair, MAX_THREADS, as_float32, shape_tuple, thread_count
 from .call_plan import call_plan
 from .execute import execute
@@ -85,8 +85,10 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
             OpenVINO runs by default on CPUs with AVX512_BF16 or AMX, and torch
             autocast). Served by AMX or AVX512_BF16 kernels where the CPU has them, else
             by the fp32 kernels on the rounded values (one warning). fp32 arrays give an
-            fp32 output; bf16 arrays (``ml_dtypes.bfloat16``) a bf16 output. A bf16
-            call packs its weights on every call: :class:`ttile.Conv2d` packs them once.
+            fp32 output; bf16 arrays (``ml_dtypes.bfloat16``) a bf16 output. The
+            weights are packed for the bf16 kernel on the first call and reused while
+            the same array holds the same values (``ttile.set_weight_cache``), as an
+            fp32 call's are; :class:`ttile.Conv2d` packs them once.
 
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
@@ -137,7 +139,16 @@ def _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads,
     call = call_plan(x_shape, w_arr.shape, stride, padding, layout, dilation, groups)
     nthreads = call.fit(thread_count(threads))
     choice = bf16.choose(call.spec, call.groups, get_isa())
-    return bf16.run_call(call, choice, x, None, w_arr, layout, nthreads, bias, residual,
+    packed = None
+    if choice.pack is not None and w_arr is w:
+        # the caller's own array: its packed weights are reused while it holds the
+        # bytes they were packed from (``weight_cache``), as fp32 calls' are
+        pack = choice.pack
+        packed = weight_cache.CACHE.packed(
+            w_arr, ("bf16", layout) + pack.weights_key,
+            lambda source: bf16.pack_weights(source, layout, pack, nthreads), nthreads,
+            rsck=False)
+    return bf16.run_call(call, choice, x, packed, w_arr, layout, nthreads, bias, residual,
                          activation, negative_slope, out)
 
 

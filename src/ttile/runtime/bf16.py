@@ -31,6 +31,7 @@ from .. import _kernels
 from ..core.kinds import Isa, KernelKind, Precision
 from ..core.spec import ConvSpec
 from .arguments import FLOAT32
+from .scratch import aligned_empty
 
 #: The kernels of this module, and their codes in the extension.
 BF16_KINDS = (KernelKind.AMX, KernelKind.DOT_BF16)
@@ -144,16 +145,14 @@ def pack_weights(weights: np.ndarray, layout: str, pack: Bf16Packing,
                  threads: int) -> np.ndarray:
     """fp32 weights of one group, KCRS for ``layout`` "NCHW", RSCK for "NHWC", in the
     bf16 kernels' format for ``pack`` (read-only)."""
-    w = np.ascontiguousarray(weights, dtype=FLOAT32)
-    rsck = layout == "NHWC"
+    w = np.asarray(weights, dtype=FLOAT32)
+    if layout == "NCHW":   # torch's KCRS
+        w = w.transpose(2, 3, 1, 0)
+    w = np.ascontiguousarray(w)
     if pack.folded is not None:   # the filter's columns as channels: c' = s c + c
-        if rsck:
-            r, s, c, k = w.shape
-            w = w.reshape(r, 1, s * c, k)
-        else:
-            k, c, r, s = w.shape
-            w = np.ascontiguousarray(w.transpose(0, 3, 1, 2)).reshape(k, s * c, r, 1)
-    packed = _kernels.bf16_pack_weights(w, rsck, pack.problem, threads)
+        r, s, c, k = w.shape
+        w = w.reshape(r, 1, s * c, k)
+    packed = _kernels.bf16_pack_weights(w, pack.problem, threads)
     packed.flags.writeable = False
     return packed
 
@@ -167,7 +166,16 @@ def run(pack: Bf16Packing, x: np.ndarray, nchw: bool, wb: np.ndarray, y: np.ndar
     _kernels.conv2d_bf16(x, nchw, wb, y, pack.problem, spec.c, spec.h, spec.w,
                          spec.pad_top, spec.pad_left, _KERNEL_CODES[pack.kind], threads,
                          bias=bias, residual=residual, activation=activation, slope=slope,
-                         folded=pack.folded)
+                         folded=pack.folded, xb=_input_buffer(pack))
+
+
+def _input_buffer(pack: Bf16Packing) -> Optional[np.ndarray]:
+    """This thread's reused buffer for a packed input (fresh memory on every call was
+    page faults on every call), or None past the scratch bound."""
+    from .scratch import scratch
+    elems = _kernels.bf16_input_elems(pack.problem)
+    buffer = scratch("bf16-input", ((elems + 1) // 2,))
+    return None if buffer is None else buffer.view(np.uint16)[:elems]
 
 
 def precision_of(value) -> Precision:
@@ -301,7 +309,8 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
     if direct:
         y = bf16_bits(out) if bf16_io else out
     else:
-        y = np.empty(call.nhwc_out_shape, dtype=np.uint16 if bf16_io else FLOAT32)
+        y = np.empty(call.nhwc_out_shape, np.uint16) if bf16_io else \
+            aligned_empty(call.nhwc_out_shape)
     res = _residual_nhwc(residual, layout, bf16_io, nthreads)
     run(pack, xa, nchw, wb, y, nthreads, fused.bias, res, fused.activation.code,
         fused.negative_slope)

@@ -1,0 +1,294 @@
+"""bf16 side by side: ttile's ``precision="bf16"`` against OpenVINO at its default
+precision and with bf16 forced, and torch's bf16.
+
+Not a test: run it by hand with the ``bench`` extra installed::
+
+    python benchmarks/bench_bf16.py layers --threads 1 2      # the 23 Fig. 8 layers
+    python benchmarks/bench_bf16.py networks --threads 1 2    # ResNet-50, MobileNetV2
+
+Each contender runs alone in a child process of its own (back-to-back calls after five
+untimed ones, the median of ``--reps``), one after another, in ``--rounds`` rounds with the
+contenders in a seeded shuffled order each round; a ratio is the median over rounds of
+that round's ratio (> 1: ttile faster). Every contender's output is compared with the
+float64 (layers) or fp32 torch (networks) result of the unrounded input, and its error
+(largest difference over the largest output) is reported beside its time: what bf16 costs
+each engine in accuracy.
+
+Contenders, per layer (NHWC input for ttile, the layer's weights fixed):
+
+* ``ttile``: ``ttile.conv2d(x, w, layout="NHWC", precision="bf16")`` per call (fp32
+  arrays in and out, the weights packed on every call), and ``ttile Conv2d``: a
+  ``ttile.Conv2d(..., precision="bf16")`` made once;
+* ``OpenVINO default``: a one-Conv ONNX model compiled with no precision hint (the table
+  says what OpenVINO picked), ``OpenVINO bf16`` with ``INFERENCE_PRECISION_HINT`` bf16;
+* ``torch autocast``: ``F.conv2d`` on channels_last fp32 tensors under
+  ``torch.autocast("cpu", torch.bfloat16)``, and ``torch bf16``: on channels_last bf16
+  tensors (no casts in the call); the better of the two is torch's time.
+
+Per network (batch 1, 224x224, the networks of ``bench_network.py``): ``ttile``
+(``ttile.torch.convert(model, example_input=x, precision="bf16")`` on the channels_last
+input), ``OpenVINO default``, ``OpenVINO bf16``, ``torch autocast`` (the channels_last
+model under autocast), with ``ttile fp32`` and ``OpenVINO f32`` for reference.
+
+``--record`` writes the tables' result files for the results page (``results.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+LAYER_CONTENDERS = ("ttile", "ttile Conv2d", "OpenVINO default", "OpenVINO bf16",
+                    "torch autocast", "torch bf16")
+NETWORK_CONTENDERS = ("ttile", "OpenVINO default", "OpenVINO bf16", "torch autocast",
+                      "ttile fp32", "OpenVINO f32")
+PEERS = ("OpenVINO default", "OpenVINO bf16", "torch")
+
+
+def _timed(fn, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _layer_runner(label: str, layer, threads: int):
+    """(call, NCHW output of it) for contender ``label`` on ``layer``, and the float64
+    reference's NCHW output."""
+    import torch
+
+    import ttile
+    from ttile import peers
+    from ttile.core.reference import conv2d_nhwc_f64
+    spec = layer.spec()
+    pad = layer.rs // 2
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (1, spec.c, spec.h, spec.w)).astype(np.float32)
+    w = rng.uniform(-1, 1, (spec.k, spec.c, spec.r, spec.s)).astype(np.float32)
+    x_nhwc = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    w_rsck = np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+    stride = layer.stride
+    if label == "ttile":
+        def call():
+            return ttile.conv2d(x_nhwc, w_rsck, stride=stride, padding=pad, layout="NHWC",
+                                threads=threads, precision="bf16")
+        nchw = (lambda y: y.transpose(0, 3, 1, 2))
+    elif label == "ttile Conv2d":
+        layer_ = ttile.Conv2d(w_rsck, stride=stride, padding=pad, layout="NHWC",
+                              threads=threads, precision="bf16")
+
+        def call():
+            return layer_(x_nhwc)
+        nchw = (lambda y: y.transpose(0, 3, 1, 2))
+    elif label.startswith("OpenVINO"):
+        precision = None if label == "OpenVINO default" else "bf16"
+        model = peers._conv_model(x.shape, w, (stride, stride), (pad,) * 4, 1)
+        call = peers.onnx_runner(peers.Peer.OPENVINO, model, x, threads, precision)
+        nchw = (lambda y: y)
+    else:
+        xt = torch.from_numpy(x).to(memory_format=torch.channels_last)
+        wt = torch.from_numpy(w).to(memory_format=torch.channels_last)
+        if label == "torch bf16":
+            xt, wt = xt.bfloat16(), wt.bfloat16()
+
+        def call():
+            with torch.no_grad():
+                if label == "torch bf16":
+                    return torch.nn.functional.conv2d(xt, wt, stride=stride, padding=pad)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return torch.nn.functional.conv2d(xt, wt, stride=stride, padding=pad)
+        nchw = (lambda y: y.float().numpy())
+    want = conv2d_nhwc_f64(x_nhwc, w_rsck, (stride, stride), (pad,) * 4).transpose(0, 3, 1, 2)
+    return call, nchw, want
+
+
+def layer_child(label: str, names: list[str], threads: int, reps: int) -> dict:
+    import torch
+    torch.set_num_threads(threads)
+    from ttile.generator.networks import layer as find_layer
+    out = {}
+    for name in names:
+        call, nchw, want = _layer_runner(label, find_layer(name), threads)
+        got = np.asarray(nchw(call()), dtype=np.float64)
+        error = float(np.abs(got - want).max() / np.abs(want).max())
+        out[name] = {"ms": _timed(call, reps), "error": error}
+    return out
+
+
+def network_child(label: str, names: list[str], threads: int, reps: int) -> dict:
+    import torch
+
+    import ttile.torch as tt
+    from bench_network import models, onnx_export
+    from ttile import peers
+    torch.set_num_threads(threads)
+    out = {}
+    for name in names:
+        model, model_cl, x, x_cl = models(name, 1)
+        with torch.no_grad():
+            want = model(x).numpy()
+            if label.startswith("ttile"):
+                precision = "fp32" if label == "ttile fp32" else "bf16"
+                converted = tt.convert(model, example_input=x_cl, threads=threads,
+                                       progress=False, precision=precision)
+
+                def call():
+                    return converted(x_cl).numpy()
+            elif label == "torch autocast":
+                def call():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return model_cl(x_cl).float().numpy()
+            else:
+                precision = {"OpenVINO default": None, "OpenVINO bf16": "bf16",
+                             "OpenVINO f32": "f32"}[label]
+                call = peers.onnx_runner(peers.Peer.OPENVINO, onnx_export(model, x),
+                                         x.numpy(), threads, precision)
+            error = float(np.abs(np.asarray(call(), np.float64) - want).max()
+                          / np.abs(want).max())
+            out[name] = {"ms": _timed(call, reps), "error": error}
+    return out
+
+
+def in_children(mode: str, contenders, names, threads: int, reps: int, rounds: int,
+                seed: int = 0) -> list[dict]:
+    """Each contender alone in a child process, ``rounds`` rounds in shuffled orders:
+    one dict per round, {contender: {name: {ms, error}}}."""
+    order = list(contenders)
+    shuffle = random.Random(seed).shuffle
+    results = []
+    for _ in range(rounds):
+        shuffle(order)
+        round_ = {}
+        for label in order:
+            proc = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), mode, "--child", label,
+                 "--threads", str(threads), "--reps", str(reps), "--names", *names],
+                capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
+            round_[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(round_)
+    return results
+
+
+def _peer_ms(round_: dict, peer: str, name: str) -> float:
+    if peer == "torch":
+        return min(round_[label][name]["ms"] for label in ("torch autocast", "torch bf16")
+                   if label in round_)
+    return round_[peer][name]["ms"]
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
+
+
+def table(mode: str, results: list[dict], names, threads: int, ov_default: str) -> list[str]:
+    """The markdown table of one thread count: each contender's median time and error,
+    and ttile's ratio to each peer and to the best of them (medians over rounds)."""
+    ttile_label = "ttile"
+    order = LAYER_CONTENDERS if mode == "layers" else NETWORK_CONTENDERS
+    labels = [label for label in order if label in results[0]]
+    peers_here = [p for p in PEERS if p in results[0] or (p == "torch" and any(
+        label.startswith("torch") for label in labels))]
+    medians = {label: {name: statistics.median(r[label][name]["ms"] for r in results)
+                       for name in names} for label in labels}
+    errors = {label: {name: results[0][label][name]["error"] for name in names}
+              for label in labels}
+    head = ["| " + ("layer" if mode == "layers" else "network") + " | threads | "
+            + " | ".join(f"{label} ms (error)" for label in labels) + " | "
+            + " | ".join(f"vs {p}" for p in peers_here) + " | vs best peer |",
+            "|---|---|" + "---|" * (len(labels) + len(peers_here) + 1)]
+    lines = list(head)
+    ratios = {p: [] for p in peers_here + ["best"]}
+    for name in names:
+        row = [name, str(threads)]
+        row += [f"{medians[label][name]:.3f} ({errors[label][name]:.1e})"
+                for label in labels]
+        for peer in peers_here:
+            ratio = statistics.median(_peer_ms(r, peer, name) / r[ttile_label][name]["ms"]
+                                      for r in results)
+            ratios[peer].append(ratio)
+            row.append(f"{ratio:.2f}")
+        best = statistics.median(min(_peer_ms(r, p, name) for p in peers_here)
+                                 / r[ttile_label][name]["ms"] for r in results)
+        ratios["best"].append(best)
+        row.append(f"**{best:.2f}**")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("| geomean | " + str(threads) + " | " + " | ".join("" for _ in labels)
+                 + " | " + " | ".join(f"{geomean(ratios[p]):.2f}" for p in peers_here)
+                 + f" | **{geomean(ratios['best']):.2f}** |")
+    lines.append("")
+    lines.append(f"OpenVINO's default precision here: {ov_default}. Ratios > 1: ttile "
+                 f"faster; errors against the {'float64' if mode == 'layers' else 'fp32 torch'}"
+                 f" output of the unrounded input, relative to its largest value.")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=("layers", "networks"))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed calls per contender (default 30 layers, 20 networks)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--names", nargs="+", default=None,
+                        help="layers (default: the Fig. 8 layers) or networks "
+                             "(default: resnet50 mobilenet_v2)")
+    parser.add_argument("--contenders", nargs="+", default=None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--record", action="store_true",
+                        help="write the result files for the results page")
+    args = parser.parse_args(argv)
+    if args.mode == "layers":
+        from ttile.generator.networks import RESNET18, YOLO9000
+        names = args.names or [layer.name for layer in YOLO9000 + RESNET18]
+        contenders, reps = LAYER_CONTENDERS, args.reps or 30
+    else:
+        names = args.names or ["resnet50", "mobilenet_v2"]
+        contenders, reps = NETWORK_CONTENDERS, args.reps or 20
+    if args.child:
+        child = layer_child if args.mode == "layers" else network_child
+        print(json.dumps(child(args.child, names, args.threads[0], reps)))
+        return 0
+    contenders = args.contenders or contenders
+    from ttile import peers
+    ov_default = peers.openvino_precision()
+    from bench_conv import commit, cpu_model
+    lines = [f"CPU: {cpu_model()}; commit {commit()}; each contender alone in its own "
+             f"process, {args.rounds} rounds, {reps} calls each", ""]
+    for threads in args.threads:
+        results = in_children(args.mode, contenders, names, threads, reps, args.rounds)
+        lines += table(args.mode, results, names, threads, ov_default) + [""]
+        print("\n".join(lines), flush=True)
+    if args.record:
+        import results as records
+        import torch
+
+        import ttile
+        import openvino
+        records.write(f"bf16-{args.mode}", f"bf16 {args.mode}: ttile against OpenVINO "
+                      f"(default: {ov_default}) and torch", lines, threads=args.threads,
+                      peers={"torch": torch.__version__, "openvino": openvino.__version__},
+                      kernels=records.kernel_set(), tuning="bf16 kernels (AMX or "
+                      "AVX512_BF16), no search", notes=f"bf16 kind here: "
+                      f"{ttile.plan((1, 8, 8, 32), (3, 3, 32, 32), layout='NHWC', precision='bf16').kind}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
