@@ -95,26 +95,37 @@ static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, 
     }
 }
 
-/* The epilogue in place on 16 rows of 32 channels just stored by the tile unit (in L1):
- * y = act(y + bias + residual). The common ones (bias, residual, ReLU or ReLU6: every
- * layer of a ResNet or MobileNet) as straight-line code with the two bias vectors held,
- * the others through ttile_epilogue_apply512; branching per vector cost this pass 10 %
- * of ResNet-50's time. */
-#define APPLY_TILE(NAME, RESIDUAL, ACT)                                                     \
-    static void NAME(const ttile_bf16_problem *p, int64_t at, int64_t k0, float *y,       \
+/* The epilogue on a tile pair's 16 rows of 32 channels: y = act(acc + bias + residual),
+ * stored to 16 consecutive outputs from element `at` on, fp32 or rounded to bf16 (the
+ * residual then bf16 too). acc holds the two 16 x 16 blocks 256 floats apart; for fp32
+ * without the residual's rounding the tile unit has stored them in y itself (`acc` is
+ * then y + at, rows k apart). The common epilogues (bias, residual, ReLU or ReLU6:
+ * every layer of a ResNet or MobileNet) are straight-line code with the two bias vectors
+ * held; row by row through ttile_bf16_store16, branching per vector, this pass took 10 %
+ * of ResNet-50's time, and 14 % with bf16 outputs. */
+#define STORE_RUN(NAME, RESIDUAL, ACT, BF16)                                                \
+    static void NAME(const ttile_bf16_problem *p, const float *acc, int64_t acc_row,      \
+                     int64_t acc_block, int64_t at, int64_t k0, void *y,                  \
                      const ttile_epilogue *ep)                                           \
     {                                                                                     \
         const __m512 zero = _mm512_setzero_ps(), six = _mm512_set1_ps(6.0f);              \
         const __m512 b0 = ep->bias ? _mm512_loadu_ps(ep->bias + k0) : zero;               \
         const __m512 b1 = ep->bias ? _mm512_loadu_ps(ep->bias + k0 + 16) : zero;          \
         for (int i = 0; i < 16; i++) {                                                    \
-            float *row = y + at + i * p->k + k0;                                          \
-            __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(row), b0);                          \
-            __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(row + 16), b1);                     \
+            const int64_t o = at + i * p->k + k0;                                         \
+            __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + i * acc_row), b0);            \
+            __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + i * acc_row + acc_block), b1); \
             if (RESIDUAL) {                                                               \
-                const float *res = ep->residual + at + i * p->k + k0;                     \
-                v0 = _mm512_add_ps(v0, _mm512_loadu_ps(res));                             \
-                v1 = _mm512_add_ps(v1, _mm512_loadu_ps(res + 16));                        \
+                if (BF16) {                                                               \
+                    const uint16_t *res = (const uint16_t *)ep->residual + o;            \
+                    v0 = _mm512_add_ps(v0, ttile_bf16_widen512(                           \
+                                               _mm256_loadu_si256((const __m256i *)res))); \
+                    v1 = _mm512_add_ps(v1, ttile_bf16_widen512(                           \
+                                               _mm256_loadu_si256((const __m256i *)(res + 16)))); \
+                } else {                                                                  \
+                    v0 = _mm512_add_ps(v0, _mm512_loadu_ps(ep->residual + o));            \
+                    v1 = _mm512_add_ps(v1, _mm512_loadu_ps(ep->residual + o + 16));       \
+                }                                                                         \
             }                                                                             \
             if (ACT != TTILE_ACT_NONE) {                                                  \
                 v0 = _mm512_max_ps(v0, zero);                                             \
@@ -124,42 +135,45 @@ static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, 
                 v0 = _mm512_min_ps(v0, six);                                              \
                 v1 = _mm512_min_ps(v1, six);                                              \
             }                                                                             \
-            _mm512_storeu_ps(row, v0);                                                    \
-            _mm512_storeu_ps(row + 16, v1);                                               \
+            if (BF16) {                                                                   \
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + o), ttile_bf16_round512(v0)); \
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + o + 16),                  \
+                                    ttile_bf16_round512(v1));                             \
+            } else {                                                                      \
+                _mm512_storeu_ps((float *)y + o, v0);                                     \
+                _mm512_storeu_ps((float *)y + o + 16, v1);                                \
+            }                                                                             \
         }                                                                                 \
     }
 
-APPLY_TILE(apply_plain, 0, TTILE_ACT_NONE)
-APPLY_TILE(apply_relu, 0, TTILE_ACT_RELU)
-APPLY_TILE(apply_relu6, 0, TTILE_ACT_RELU6)
-APPLY_TILE(apply_res, 1, TTILE_ACT_NONE)
-APPLY_TILE(apply_res_relu, 1, TTILE_ACT_RELU)
-APPLY_TILE(apply_res_relu6, 1, TTILE_ACT_RELU6)
+STORE_RUN(run_f32, 0, TTILE_ACT_NONE, 0)
+STORE_RUN(run_f32_relu, 0, TTILE_ACT_RELU, 0)
+STORE_RUN(run_f32_relu6, 0, TTILE_ACT_RELU6, 0)
+STORE_RUN(run_f32_res, 1, TTILE_ACT_NONE, 0)
+STORE_RUN(run_f32_res_relu, 1, TTILE_ACT_RELU, 0)
+STORE_RUN(run_f32_res_relu6, 1, TTILE_ACT_RELU6, 0)
+STORE_RUN(run_bf16, 0, TTILE_ACT_NONE, 1)
+STORE_RUN(run_bf16_relu, 0, TTILE_ACT_RELU, 1)
+STORE_RUN(run_bf16_relu6, 0, TTILE_ACT_RELU6, 1)
+STORE_RUN(run_bf16_res, 1, TTILE_ACT_NONE, 1)
+STORE_RUN(run_bf16_res_relu, 1, TTILE_ACT_RELU, 1)
+STORE_RUN(run_bf16_res_relu6, 1, TTILE_ACT_RELU6, 1)
 
-static void apply_other(const ttile_bf16_problem *p, int64_t at, int64_t k0, float *y,
-                        const ttile_epilogue *ep)
+typedef void (*store_run_fn)(const ttile_bf16_problem *, const float *, int64_t, int64_t,
+                             int64_t, int64_t, void *, const ttile_epilogue *);
+
+/* The straight-line store of an epilogue, or NULL for the others (silu, sigmoid, leaky
+ * ReLU: row by row). */
+static store_run_fn store_run_for(const ttile_epilogue *ep, int y_bf16)
 {
-    for (int i = 0; i < 16; i++)
-        for (int b = 0; b < 2; b++)
-            ttile_epilogue_apply512(ep, y, at + i * p->k + k0 + b * 16, k0 + b * 16, 0xFFFF);
-}
-
-typedef void (*apply_fn)(const ttile_bf16_problem *, int64_t, int64_t, float *,
-                         const ttile_epilogue *);
-
-static apply_fn apply_for(const ttile_epilogue *ep)
-{
-    const int res = ep->residual != 0;
-    switch (ep->activation) {
-    case TTILE_ACT_NONE:
-        return res ? apply_res : apply_plain;
-    case TTILE_ACT_RELU:
-        return res ? apply_res_relu : apply_relu;
-    case TTILE_ACT_RELU6:
-        return res ? apply_res_relu6 : apply_relu6;
-    default:
-        return apply_other;
-    }
+    static const store_run_fn table[2][2][3] = {
+        {{run_f32, run_f32_relu, run_f32_relu6}, {run_f32_res, run_f32_res_relu,
+                                                   run_f32_res_relu6}},
+        {{run_bf16, run_bf16_relu, run_bf16_relu6}, {run_bf16_res, run_bf16_res_relu,
+                                                      run_bf16_res_relu6}}};
+    const int act = ep->activation == TTILE_ACT_NONE ? 0 : ep->activation == TTILE_ACT_RELU ? 1
+                  : ep->activation == TTILE_ACT_RELU6 ? 2 : -1;
+    return act < 0 ? 0 : table[y_bf16 != 0][ep->residual != 0][act];
 }
 
 /* What a call shares with its threads. */
@@ -167,7 +181,7 @@ typedef struct {
     const ttile_bf16_problem *p;
     ttile_bf16_tiling t;
     const ttile_epilogue *ep;
-    apply_fn apply;
+    store_run_fn store_run;
     int empty, y_bf16;
     void *y;
     int64_t a_stride, taps, nq, kc, chunk, block, image, pairs;
@@ -208,43 +222,38 @@ static inline void reduce(const amx_call *c, const uint16_t *a0, const uint16_t 
     }
 }
 
-/* The four accumulator tiles of pair mi and channel pair kq to the output. Tiles whose
- * rows are consecutive outputs, all 32 channels real, go straight to an fp32 y (the
- * epilogue then from L1); the others through acc, row by row. */
+/* One pixel tile's two accumulator tiles (first, first + 1) for channel pair kq to the
+ * output. A tile whose rows are consecutive outputs, all 32 channels real, goes straight
+ * to an fp32 y without an epilogue, and through the straight-line epilogue otherwise;
+ * the others row by row (store_tile). */
+#define FINISH_TILE(FIRST, SECOND, ACC)                                                     \
+    do {                                                                                  \
+        const int64_t run = full ? tile_run(p, &c->t, n, tile) : -1;                      \
+        if (run >= 0 && !c->y_bf16 && c->empty) {                                         \
+            _tile_stored(FIRST, yf + run + 32 * kq, ystride);                             \
+            _tile_stored(SECOND, yf + run + 32 * kq + 16, ystride);                       \
+        } else {                                                                          \
+            _tile_stored(FIRST, ACC, 64);                                                 \
+            _tile_stored(SECOND, ACC + 256, 64);                                          \
+            if (run >= 0 && c->store_run)                                                 \
+                c->store_run(p, ACC, 16, 256, run, 32 * kq, c->y, c->ep);                 \
+            else                                                                          \
+                store_tile(p, &c->t, n, tile, 2 * kq, ACC, c->y, c->y_bf16, c->ep);       \
+        }                                                                                 \
+    } while (0)
+
 static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, int64_t kq,
                           float *acc)
 {
     const ttile_bf16_problem *p = c->p;
-    const int full = !c->y_bf16 && (2 * kq + 2) * 16 <= p->k;
-    const int64_t run0 = full ? tile_run(p, &c->t, n, t0) : -1;
-    const int64_t run1 = full && t1 != t0 ? tile_run(p, &c->t, n, t1) : -1;
+    const int full = (2 * kq + 2) * 16 <= p->k;
     const int64_t ystride = p->k * (int64_t)sizeof(float);
     float *yf = (float *)c->y;
-    if (run0 >= 0) {
-        _tile_stored(0, yf + run0 + 32 * kq, ystride);
-        _tile_stored(1, yf + run0 + 32 * kq + 16, ystride);
-    } else {
-        _tile_stored(0, acc, 64);
-        _tile_stored(1, acc + 256, 64);
-    }
-    if (run1 >= 0) {
-        _tile_stored(2, yf + run1 + 32 * kq, ystride);
-        _tile_stored(3, yf + run1 + 32 * kq + 16, ystride);
-    } else {
-        _tile_stored(2, acc + 512, 64);
-        _tile_stored(3, acc + 768, 64);
-    }
-    if (run0 >= 0) {
-        if (!c->empty)
-            c->apply(p, run0, 32 * kq, yf, c->ep);
-    } else {
-        store_tile(p, &c->t, n, t0, 2 * kq, acc, c->y, c->y_bf16, c->ep);
-    }
-    if (run1 >= 0) {
-        if (!c->empty)
-            c->apply(p, run1, 32 * kq, yf, c->ep);
-    } else if (t1 != t0) {
-        store_tile(p, &c->t, n, t1, 2 * kq, acc + 512, c->y, c->y_bf16, c->ep);
+    int64_t tile = t0;
+    FINISH_TILE(0, 1, acc);
+    if (t1 != t0) {
+        tile = t1;
+        FINISH_TILE(2, 3, acc + 512);
     }
 }
 
@@ -261,7 +270,7 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
     c.t = ttile_bf16_tiling_of(p, 16);
     c.ep = ep;
     c.empty = ttile_epilogue_is_empty(ep);
-    c.apply = apply_for(ep);
+    c.store_run = store_run_for(ep, y_bf16);
     c.y = y;
     c.y_bf16 = y_bf16;
     c.a_stride = c.t.pixel_stride * (int64_t)sizeof(uint16_t);

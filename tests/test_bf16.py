@@ -3,6 +3,7 @@ kernels on rounded values checked against the float64 reference on the bf16-roun
 input and weights; the rounding against ml_dtypes; the API's choices and refusals."""
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import numpy as np
@@ -88,31 +89,42 @@ def test_kernel_against_reference(kind, shape):
     assert_close(y, want, tol)
 
 
+# (k, c, h, rs, pad): a 3x3 layer whose tiles cross rows and a K tail (stored row by
+# row), and a 1x1 one whose tiles are runs of consecutive outputs (stored whole)
+EPILOGUE_SPECS = [(40, 32, 9, 3, 1), (64, 32, 8, 1, 0)]
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_epilogue_and_bf16_output(kind):
+@pytest.mark.parametrize("shape", EPILOGUE_SPECS, ids=str)
+def test_kernel_epilogue_and_bf16_output(kind, shape):
+    k, c, h, rs, pad = shape
     rng = np.random.default_rng(7)
-    spec = ConvSpec(n=1, k=40, c=32, h=9, w=9, r=3, s=3, pad_top=1, pad_bottom=1,
-                    pad_left=1, pad_right=1)
-    x = rng.standard_normal((1, 9, 9, 32)).astype(np.float32)
-    wt = rng.standard_normal((3, 3, 32, 40)).astype(np.float32)
-    bias = rng.standard_normal(40).astype(np.float32)
-    res = rng.standard_normal((1, 9, 9, 40)).astype(np.float32)
+    spec = ConvSpec(n=1, k=k, c=c, h=h, w=h, r=rs, s=rs, pad_top=pad, pad_bottom=pad,
+                    pad_left=pad, pad_right=pad)
+    x = rng.standard_normal((1, h, h, c)).astype(np.float32)
+    wt = rng.standard_normal((rs, rs, c, k)).astype(np.float32)
+    bias = rng.standard_normal(k).astype(np.float32)
+    res = rng.standard_normal(spec.output_shape()).astype(np.float32)
     pack = bf16.packing(spec, kind)
     wb = bf16.pack_weights(wt, "NHWC", pack, 1)
-    for act, code in (("relu", 1), ("leaky_relu", 3), ("silu", 4)):
-        y = np.empty((1, 9, 9, 40), np.float32)
-        bf16.run(pack, x, False, wb, y, 1, bias, res, code, 0.1)
-        want, tol = expected(x, wt, (1, 1), (1,) * 4, bias=bias, residual=res,
+    acts = (("relu", 1), ("relu6", 2), ("leaky_relu", 3), ("silu", 4), (None, 0))
+    for (act, code), with_bias, with_res in itertools.product(acts, (False, True),
+                                                              (False, True)):
+        b, r = (bias if with_bias else None), (res if with_res else None)
+        y = np.empty(spec.output_shape(), np.float32)
+        bf16.run(pack, x, False, wb, y, 1, b, r, code, 0.1)
+        want, tol = expected(x, wt, (1, 1), (pad,) * 4, bias=b, residual=r,
                              activation=act, slope=0.1)
         assert_close(y, want, tol + 1e-6 * np.abs(want))
-    # bf16 output (and residual): the fp32 result rounded once
-    yb = np.empty((1, 9, 9, 40), np.uint16)
-    rb = _kernels.bf16_round(res)
-    bf16.run(pack, x, False, wb, yb, 1, bias, rb, 1, 0.01)
-    want, _ = expected(x, wt, (1, 1), (1,) * 4, bias=bias,
-                       residual=bf16.round_to_bf16(res), activation="relu")
-    got = (yb.astype(np.uint32) << 16).view(np.float32)
-    assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-5)
+        # bf16 output (and residual): the fp32 result rounded once
+        yb = np.empty(spec.output_shape(), np.uint16)
+        rb = None if r is None else _kernels.bf16_round(r)
+        bf16.run(pack, x, False, wb, yb, 1, b, rb, code, 0.1)
+        want, tol = expected(x, wt, (1, 1), (pad,) * 4, bias=b,
+                             residual=None if r is None else bf16.round_to_bf16(r),
+                             activation=act, slope=0.1)
+        got = (yb.astype(np.uint32) << 16).view(np.float32)
+        assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + tol + 1e-6)
 
 
 def test_rounding_matches_ml_dtypes():

@@ -78,8 +78,8 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
         residual: None or an array of the output's shape (in ``layout``) added before
             the activation (a ResNet shortcut).
         out: None, or a C-contiguous float32 array of the output's shape written in
-            place and returned (it must not overlap x, w, bias or residual); bfloat16 for
-            a bf16 input with ``precision="bf16"``.
+            place and returned (it must not overlap x, w, bias or residual); with
+            ``precision="bf16"``, float32 or bfloat16 (the result rounded to bf16).
         precision: "fp32" (default), or "bf16": the input and weights rounded to bf16
             (to nearest even), products accumulated in fp32, the epilogue in fp32 (what
             OpenVINO runs by default on CPUs with AVX512_BF16 or AMX, and torch

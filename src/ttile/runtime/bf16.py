@@ -271,8 +271,7 @@ def run_call(call, choice: Bf16Choice, x, weights_packed: Optional[np.ndarray],
         epilogue.check_residual_shape(call, tuple(np.shape(residual)))
     bf16_io = is_bfloat16(x)
     if out is not None:
-        _check_out(out, call, bf16_io, ("input", x), ("residual", residual),
-                   ("bias", fused.bias))
+        _check_out(out, call, ("input", x), ("residual", residual), ("bias", fused.bias))
     if choice.pack is None:
         _warn_missing(choice)
         from .api import conv2d
@@ -288,13 +287,11 @@ def run_call(call, choice: Bf16Choice, x, weights_packed: Optional[np.ndarray],
                    threads=nthreads,
                    activation=fused.activation.value if fused.activation.code else None,
                    negative_slope=fused.negative_slope, residual=res,
-                   out=None if bf16_io else out)
-        if bf16_io:
-            y = y.astype(x.dtype)
-            if out is not None:
-                out[...] = y
-                return out
-        return y
+                   out=out if out is not None and out.dtype == FLOAT32 else None)
+        if out is not None and out.dtype != y.dtype:
+            out[...] = y.astype(out.dtype)
+            return out
+        return y.astype(x.dtype) if bf16_io and out is None else y
     wb = weights_packed if weights_packed is not None else pack_weights(
         weights_fp32, layout, choice.pack, nthreads)
     return run_packed(call, choice.pack, x, wb, layout, nthreads, fused, residual, out)
@@ -304,7 +301,8 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
                fused, residual, out):
     """A bf16 kernel's call, its arguments checked (``fused``: the call's epilogue
     without its residual, ``residual`` as the caller gave it)."""
-    xa, nchw, bf16_io = _input_arrays(x, layout, nthreads)
+    xa, nchw, bf16_in = _input_arrays(x, layout, nthreads)
+    bf16_io = is_bfloat16(out) if out is not None else bf16_in   # the output's type
     direct = out is not None and layout == "NHWC"
     if direct:
         y = bf16_bits(out) if bf16_io else out
@@ -319,20 +317,19 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
     if layout == "NCHW":
         y = np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if bf16_io else \
             _kernels.nhwc_to_nchw(y, nthreads)
-    if bf16_io:
-        y = y.view(x.dtype)
     if out is not None:
-        out[...] = y
+        out[...] = y.view(out.dtype) if bf16_io else y
         return out
-    return y
+    return y.view(x.dtype) if bf16_io else y
 
 
-def _check_out(out, call, bf16_io: bool, *inputs) -> None:
+def _check_out(out, call, *inputs) -> None:
+    """The caller's ``out``: float32, or bfloat16 for a bf16 result (whatever the
+    input's type), of the output's shape, not overlapping an input."""
     if type(out) is not np.ndarray:
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-    if (not is_bfloat16(out)) if bf16_io else out.dtype != FLOAT32:
-        raise TypeError(f"out must be {'bfloat16' if bf16_io else 'float32'} (the input's "
-                        f"type), got {out.dtype}")
+    if out.dtype != FLOAT32 and not is_bfloat16(out):
+        raise TypeError(f"out must be float32 or bfloat16, got {out.dtype}")
     if out.shape != call.out_shape:
         raise ValueError(f"out must have the output's shape {call.out_shape} "
                          f"({call.layout}), got {out.shape}")
@@ -401,20 +398,20 @@ class Bf16Layer:
             from . import epilogue
             epilogue.check_residual_shape(call, tuple(np.shape(residual)))
         if out is not None:
-            _check_out(out, call, bf16_io, ("input", x), ("residual", residual))
+            _check_out(out, call, ("input", x), ("residual", residual))
         if choice.pack is None:
             _warn_missing(choice)
             res = None if residual is None else round_to_bf16(residual) \
                 if is_bfloat16(residual) else as_float32(residual, "residual")
             xr = round_to_bf16(x)
-            if not bf16_io:
+            if out is not None and out.dtype == FLOAT32:
                 return self._fp32_layer()(xr, nthreads, residual=res, out=out,
                                           whole_team=True)
-            y = self._fp32_layer()(xr, nthreads, residual=res, whole_team=True).astype(x.dtype)
+            y = self._fp32_layer()(xr, nthreads, residual=res, whole_team=True)
             if out is not None:
-                out[...] = y
+                out[...] = y.astype(out.dtype)
                 return out
-            return y
+            return y.astype(x.dtype) if bf16_io else y
         return run_packed(call, choice.pack, x, self._weights(choice.pack, nthreads),
                           layer.layout, nthreads, fused, residual, out)
 

@@ -18,6 +18,7 @@ from torch import nn
 from .. import _kernels
 from ..core.kinds import Activation, Precision
 from ..runtime.arguments import as_pair
+from ..runtime.scratch import aligned_empty
 from ..runtime import dispatch as _dispatch
 from ..runtime.epilogue import describe as _describe_epilogue
 from ..runtime.inverted_residual import (BlockPlan, BlockVerdict, InvertedResidual,
@@ -101,13 +102,21 @@ class TTileConv2d(nn.Module):
                          self.groups, self.activation or "", self.negative_slope,
                          self.threads or 0)
 
-    def run_nhwc(self, x: np.ndarray, residual: Optional[np.ndarray], threads: int
-                 ) -> np.ndarray:
+    def run_nhwc(self, x: np.ndarray, residual: Optional[np.ndarray], threads: int,
+                 bf16_out: bool = False) -> np.ndarray:
         """The layer on an NHWC float32 array, for :class:`TTileSequence` (which has made
         the checks ``forward`` makes on tensors): on all ``threads``, the sequence's one
-        team (``Conv2d``'s ``whole_team``)."""
-        return self._packed.layer("NHWC")(x, self.threads or threads, residual=residual,
-                                          whole_team=True)
+        team (``Conv2d``'s ``whole_team``). A bf16 layer also takes bf16 arrays (x and
+        residual), and with ``bf16_out`` returns one (ml_dtypes' bfloat16)."""
+        layer = self._packed.layer("NHWC")
+        out = None
+        if bf16_out:
+            import ml_dtypes
+            out = np.empty(layer._plan_of(x.shape).out_shape, ml_dtypes.bfloat16)
+        elif x.dtype != np.float32:   # a bf16 input, an fp32 output
+            out = aligned_empty(layer._plan_of(x.shape).out_shape)
+        return layer(x, self.threads or threads, residual=residual, out=out,
+                     whole_team=True)
 
     def extra_repr(self) -> str:
         k, cg, r, s = self.weight.shape

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from .. import _kernels
+from ..core.kinds import Precision
 from ..runtime.conv_layer import bindings_revision
 from ..runtime import settings as _settings
 from ..runtime.program import Program, Step
@@ -169,6 +170,7 @@ class TTileSequence(nn.Module):
         self._plan = [(getattr(self, name), args,
                        tuple(a for a in set(args) if last_read[a] == i))
                       for i, (name, args) in enumerate(self.steps)]
+        self._bf16_steps = self._bf16_outputs()
         # the modules whose hooks send a call down the slow path (_fast)
         self._watched = tuple(m for unit, _, _ in self._plan for m in (
             (unit, *unit._modules.values()) if type(unit) is TTileInvertedResidual
@@ -178,6 +180,31 @@ class TTileSequence(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("verdicts", [])
         self._refresh()
+
+    def _bf16_outputs(self) -> frozenset:
+        """The steps whose output stays bf16 (half the bytes of fp32, and no rounding
+        pass in the next layer): bf16 layers whose every reader is a bf16 layer too (as
+        its input or its residual), not the sequence's output. Empty without ml_dtypes,
+        which gives numpy its bfloat16."""
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            return frozenset()
+        readers: dict = {}
+        for i, (_, args) in enumerate(self.steps):
+            for a in args:
+                readers.setdefault(a, []).append(i)
+        last = self.inputs + len(self.steps) - 1
+
+        def bf16_layer(step: int) -> bool:
+            unit = getattr(self, self.steps[step][0])
+            return type(unit) is TTileConv2d and unit.precision is Precision.BF16
+
+        return frozenset(
+            i for i in range(len(self.steps))
+            if bf16_layer(i) and self.inputs + i != last
+            and readers.get(self.inputs + i)
+            and all(bf16_layer(j) for j in readers[self.inputs + i]))
 
     def _fast(self, xs) -> bool:
         if self.training or torch.compiler.is_compiling():
@@ -254,13 +281,15 @@ class TTileSequence(nn.Module):
         tensors. With ``shapes`` and ``elapsed`` (:meth:`_timed_pass`), each unit's
         first input shape and its seconds are appended to them."""
         timed = elapsed is not None
-        for unit, args, done in self._plan:
+        bf16_steps = self._bf16_steps
+        for step, (unit, args, done) in enumerate(self._plan):
             if timed:
                 shapes.append(values[args[0]].shape)
                 t0 = time.perf_counter()
             if type(unit) is TTileConv2d:
                 y = unit.run_nhwc(values[args[0]],
-                                  values[args[1]] if len(args) > 1 else None, threads)
+                                  values[args[1]] if len(args) > 1 else None, threads,
+                                  bf16_out=step in bf16_steps)
             else:
                 y = unit.run_nhwc(values[args[0]], threads)
             if timed:
