@@ -35,6 +35,20 @@ void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads)
     }
 }
 
+void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
+{
+    const int64_t blocks = (n + 4095) / 4096;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n > 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * 4096 < n ? (b + 1) * 4096 : n;
+        for (int64_t i = b * 4096; i < end; i += 16) {
+            const __mmask16 m = ttile_bf16_kmask(i, end);
+            _mm512_mask_storeu_ps(dst + i, m, ttile_bf16_widen512(ttile_bf16_round512(
+                                                  _mm512_maskz_loadu_ps(m, src + i))));
+        }
+    }
+}
+
 /* One packed row (wp pixels of cp channels) from an NHWC row of w pixels of c channels
  * (fp32 or bf16), pad_left zero pixels before it. */
 static void pack_row_nhwc(const ttile_bf16_problem *p, const void *row, int x_bf16,

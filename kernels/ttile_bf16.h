@@ -154,6 +154,9 @@ void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */
 void ttile_bf16_from_f32(const float *src, uint16_t *dst, int64_t n, int nthreads);
 void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads);
+/* fp32 -> fp32 holding the bf16-rounded values (what an fp32 kernel multiplies to compute
+ * precision="bf16"), n elements; dst may be src. */
+void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads);
 
 /* The kernels: y NHWC (n, ho, wo, k), fp32 or, with `y_bf16`, bf16 (the residual then
  * bf16 too). Return 0, or -1 when the CPU (or, for AMX, the OS) refuses them: nothing

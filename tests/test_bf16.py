@@ -350,3 +350,56 @@ def test_torch_convert_bf16():
     assert 1e-6 < drift < 3e-2   # bf16 rounding shows, and stays small
     served = [m for m in converted.modules() if isinstance(m, tt.TTileConv2d)]
     assert served and all(m.precision is Precision.BF16 for m in served)
+
+
+def test_fused_block_bf16_rounds_weights_and_input():
+    """A bf16 network's fused inverted residual block: the fp32 fused kernel on the
+    bf16-rounded weights and block input (the expanded activations inside stay fp32),
+    against float64 on the same values."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch import nn
+
+    import ttile.torch as tt
+    from ttile.runtime.inverted_residual import InvertedResidual
+    from test_torch_convert import randomize_batch_norms
+    if InvertedResidual.unsupported() is not None:
+        pytest.skip(InvertedResidual.unsupported())
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Sequential(
+                nn.Conv2d(16, 96, 1, bias=False), nn.BatchNorm2d(96), nn.ReLU6(),
+                nn.Conv2d(96, 96, 3, 1, 1, groups=96, bias=False), nn.BatchNorm2d(96),
+                nn.ReLU6(), nn.Conv2d(96, 16, 1, bias=False), nn.BatchNorm2d(16))
+
+        def forward(self, x):
+            return x + self.conv(x)
+
+    torch.manual_seed(3)
+    model = randomize_batch_norms(nn.Sequential(Block())).eval()
+    x = torch.randn(1, 16, 12, 12).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        converted = tt.convert(model, sequences=False, precision="bf16")
+        blocks = [m for m in converted.modules() if isinstance(m, tt.TTileInvertedResidual)]
+        assert len(blocks) == 1 and blocks[0].bf16
+        block = blocks[0]
+        x_np = x.numpy().transpose(0, 2, 3, 1)
+        got = block.fused_call(x_np, 1)
+
+        def rounded(t):
+            return torch.from_numpy(bf16.round_to_bf16(t.detach().numpy())).double()
+        xr = rounded(x)
+        e, d, p = block.expand, block.depthwise, block.project
+        y = F.relu6(F.conv2d(xr, rounded(e.weight), e.bias.double()))
+        y = F.relu6(F.conv2d(y, rounded(d.weight), d.bias.double(), 1, 1, groups=96))
+        want = (F.conv2d(y, rounded(p.weight), p.bias.double()) + xr).numpy()
+    want = want.transpose(0, 2, 3, 1)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # and the weights really were rounded: the unrounded ones give other sums
+    with torch.no_grad():
+        y = F.relu6(F.conv2d(xr, e.weight.double(), e.bias.double()))
+        y = F.relu6(F.conv2d(y, d.weight.double(), d.bias.double(), 1, 1, groups=96))
+        unrounded = (F.conv2d(y, p.weight.double(), p.bias.double()) + xr).numpy()
+    assert np.abs(unrounded.transpose(0, 2, 3, 1) - want).max() > 1e-4 * np.abs(want).max()

@@ -1395,6 +1395,7 @@ cdef extern from "ttile_bf16.h" nogil:
                                  unsigned short *wb, int nthreads)
     void ttile_bf16_from_f32(const float *src, unsigned short *dst, int64_t n, int nthreads)
     void ttile_bf16_to_f32(const unsigned short *src, float *dst, int64_t n, int nthreads)
+    void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
     int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const unsigned short *xb,
                             const unsigned short *wb, void *y, int y_bf16, int nthreads,
                             const ttile_epilogue *ep)
@@ -1474,6 +1475,25 @@ def bf16_round(cnp.ndarray src, int nthreads=1):
         ttile_bf16_from_f32(<const float *>cnp.PyArray_DATA(src),
                             <unsigned short *>cnp.PyArray_DATA(dst), cnp.PyArray_SIZE(src),
                             nthreads)
+    return dst
+
+
+def bf16_round_f32(cnp.ndarray src, int nthreads=1, out=None):
+    """float32 -> float32 holding the values rounded to bf16 (``out``: a float32 array of
+    src's size to write, which may be src itself; None: a new one)."""
+    _check_f32_contiguous(src, "src")
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the bf16 conversions need AVX-512F")
+    cdef cnp.ndarray dst = np.empty((<object>src).shape, dtype=np.float32) if out is None \
+        else out
+    _check_f32_contiguous(dst, "out")
+    if cnp.PyArray_SIZE(dst) != cnp.PyArray_SIZE(src):
+        raise ValueError("out must have src's size")
+    if not cnp.PyArray_ISWRITEABLE(dst):
+        raise ValueError("out is read-only")
+    with nogil:
+        ttile_bf16_round_f32(<const float *>cnp.PyArray_DATA(src),
+                             <float *>cnp.PyArray_DATA(dst), cnp.PyArray_SIZE(src), nthreads)
     return dst
 
 

@@ -254,17 +254,21 @@ class Conv2d:
                     self._bound[key] = bound
         return result
 
-    def bound_nhwc(self, x_shape, threads: int, residual: bool) -> Optional[_Bound]:
+    def bound_nhwc(self, x_shape, threads: int, residual: bool,
+                   bf16_out: bool = False) -> Optional[_Bound]:
         """The binding an NHWC call on ``threads`` threads (``whole_team``) with an input
         of ``x_shape`` left behind, while it holds: its ``bound_kernel[0]`` is the
         kernel, ``kernel(x, y, residual)``, and ``plan.out_shape`` its output's shape
         (``ttile.runtime.program``). None before such a call has made a final choice,
         for other layouts, and once a pin or the settings changed the choice; a binding
         stays right while :meth:`bound_nhwc` returns it, or while neither
-        :func:`bindings_revision` nor the settings generation has changed since. None
-        for a bf16 layer (its kernels are not bound into programs)."""
-        if self.layout != "NHWC" or self._bf16 is not None:
+        :func:`bindings_revision` nor the settings generation has changed since. A bf16
+        layer's binding is its bf16 kernel's (``Bf16Layer.bound_nhwc``: its input and
+        residual fp32 or bf16 bits, its output bf16 bits with ``bf16_out``)."""
+        if self.layout != "NHWC":
             return None
+        if self._bf16 is not None:
+            return self._bf16.bound_nhwc(tuple(x_shape), threads, residual, bf16_out)
         bound = self._bound.get((tuple(x_shape), threads, not residual, True))
         if bound is None or not bound.bound_kernel or not bound.holds():
             return None

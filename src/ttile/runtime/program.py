@@ -41,12 +41,14 @@ StepCall = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
 class Step:
     """One bound kernel call: ``source`` and ``residual`` (or -1) index the values (the
     program's inputs first, then each step's output in order), ``out_shape`` is the
-    shape of the float32 array it writes."""
+    shape of the float32 array it writes, or of the bf16 values' bits (uint16) with
+    ``bits`` (a bf16 layer whose readers are bf16 layers: half the bytes)."""
 
     call: StepCall
     source: int
     residual: int
     out_shape: tuple
+    bits: bool = False
 
 
 def assign_buffers(inputs: int, steps: Sequence[Step]) -> list[Optional[int]]:
@@ -93,14 +95,24 @@ class Program:
         self.inputs = inputs
         self.steps = tuple(steps)
         assigned = assign_buffers(inputs, self.steps)
-        sizes: dict[int, int] = {}
+        if self.steps[-1].bits:
+            raise ValueError("a program's last step writes float32")
+        sizes: dict[int, int] = {}   # floats
         for buffer, step in zip(assigned, self.steps):
             if buffer is not None:
-                sizes[buffer] = max(sizes.get(buffer, 0), math.prod(step.out_shape))
+                floats = -(-math.prod(step.out_shape) // 2) if step.bits \
+                    else math.prod(step.out_shape)
+                sizes[buffer] = max(sizes.get(buffer, 0), floats)
         memory = {b: aligned_empty((n,)) for b, n in sizes.items()}
+
+        def out(buffer, step):
+            if buffer is None:
+                return None
+            n = math.prod(step.out_shape)
+            base = memory[buffer].view(np.uint16) if step.bits else memory[buffer]
+            return base[:n].reshape(step.out_shape)
         #: each step's output array (None: the last, allocated per run)
-        self._outs = [None if b is None else memory[b][:math.prod(s.out_shape)]
-                      .reshape(s.out_shape) for b, s in zip(assigned, self.steps)]
+        self._outs = [out(b, s) for b, s in zip(assigned, self.steps)]
         self._plan = tuple((s.call, s.source, s.residual, inputs + i)
                            for i, s in enumerate(self.steps))
         self._lock = threading.Lock()

@@ -83,9 +83,10 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             place in the network, the fastest kept.
         precision: "fp32", or "bf16": every convolution's input and weights rounded to
             bf16, fp32 accumulation and epilogues (see :func:`ttile.conv2d`), on the
-            AMX or AVX512_BF16 kernels where the CPU has them. Inverted residual blocks
-            are then served layer by layer (the fused block kernel is fp32), and the
-            activations between layers stay fp32.
+            AMX or AVX512_BF16 kernels where the CPU has them; the activations between
+            two bf16 layers stay bf16 (half the bytes). Fused inverted residual blocks
+            run their fp32 kernel on bf16-rounded weights and input (fp32 speed), and
+            depthwise and grouped layers fp32 kernels on rounded values.
     """
     precision = precision_of(precision)
     if not isinstance(model, nn.Module):
@@ -113,7 +114,7 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
                           RuntimeWarning, stacklevel=2)
         if gm is not None:
             _rewrite_graph(gm, threads)
-            if fuse_blocks and precision is Precision.FP32:
+            if fuse_blocks:
                 _fuse_inverted_residuals(gm)
             if sequences:
                 _serve_pooling(gm)
@@ -140,6 +141,8 @@ def _set_precision(model: nn.Module, precision: Precision) -> None:
         if isinstance(module, TTileConv2d):
             module.precision = precision
             module._attach()
+        elif isinstance(module, TTileInvertedResidual):
+            module.precision = precision
 
 
 def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True,

@@ -18,6 +18,7 @@ from torch import nn
 from .. import _kernels
 from ..core.kinds import Activation, Precision
 from ..runtime.arguments import as_pair
+from ..runtime.bf16 import round_to_bf16
 from ..runtime.scratch import aligned_empty
 from ..runtime import dispatch as _dispatch
 from ..runtime.epilogue import describe as _describe_epilogue
@@ -140,13 +141,20 @@ class TTileInvertedResidual(nn.Module):
     ways are timed on the block's first call at that shape (the layers tuned first),
     otherwise it is modelled. The fused kernel serves channels_last float32 inputs on
     AVX-512 CPUs, in eager mode; everything else (NCHW inputs, tracing, ``torch.compile``,
-    the checks on training mode and gradients) goes through the layers."""
+    the checks on training mode and gradients) goes through the layers.
+
+    With ``precision`` bf16 (``convert(..., precision="bf16")``) the fused kernel runs
+    on the bf16-rounded weights and block input (the rounding pass is the cost of it):
+    its products are those of bf16 values, its sums and the expanded activations inside
+    the block fp32. (A fused block of bf16 kernels, its activations in bf16, is not
+    built yet: this is fp32 speed.)"""
 
     def __init__(self, expand: Optional[TTileConv2d], depthwise: TTileConv2d,
                  project: TTileConv2d):
         super().__init__()
         self.expand, self.depthwise, self.project = expand, depthwise, project
         self.source = " | ".join(m.source for m in self.layers)
+        self.precision = Precision.FP32
         self._attach()
         self.eval()
 
@@ -207,6 +215,9 @@ class TTileInvertedResidual(nn.Module):
         with self._lock:
             if self._fused is None or stamp != self._packed_from:
                 arrays = [None if t is None else t.detach().numpy() for t in tensors]
+                if self.bf16:   # the weights (even entries; the biases stay fp32)
+                    arrays = [a if a is None or i % 2 else round_to_bf16(a)
+                              for i, a in enumerate(arrays)]
                 stages = (self.expand, self.depthwise, self.project)
                 self._fused = InvertedResidual(
                     *arrays, stride=self.depthwise.stride[0],
@@ -217,6 +228,14 @@ class TTileInvertedResidual(nn.Module):
                 self._packed_from, self._tensors = stamp, tensors
                 _units_changed()
             return self._fused
+
+    @property
+    def bf16(self) -> bool:
+        return getattr(self, "precision", Precision.FP32) is Precision.BF16
+
+    def fused_call(self, x: np.ndarray, threads: int) -> np.ndarray:
+        """The fused kernel on NHWC x (rounded to bf16 first for a bf16 block)."""
+        return self._block()(round_to_bf16(x) if self.bf16 else x, threads)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         y = self.depthwise(x if self.expand is None else self.expand(x))
@@ -275,7 +294,7 @@ class TTileInvertedResidual(nn.Module):
             if plan is None:
                 return None
             if plan.verdict is BlockVerdict.FUSED:
-                return self._block()(x, threads)
+                return self.fused_call(x, threads)
         y = x if self.expand is None else self.expand.run_nhwc(x, None, threads)
         y = self.depthwise.run_nhwc(y, None, threads)
         return self.project.run_nhwc(y, x if self.project.residual else None, threads)
@@ -294,7 +313,7 @@ class TTileInvertedResidual(nn.Module):
             if plan is None:
                 plan = self._plan(x, x_np, threads)
             if plan.verdict is BlockVerdict.FUSED:
-                y = self._block()(x_np, threads)
+                y = self.fused_call(x_np, threads)
                 return torch.from_numpy(y.transpose(0, 3, 1, 2))
         return self._layers(x)
 

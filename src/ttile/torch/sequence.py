@@ -55,6 +55,16 @@ class ContextVerdict:
 
 
 
+def _rounding_input(call, shape: tuple, threads: int):
+    """``call(x, y, residual)`` on x rounded to bf16 first, into a buffer of its own (a
+    bf16 block's fused kernel, see ``TTileInvertedResidual``)."""
+    rounded = _kernels.empty_aligned(shape)
+
+    def run(x, y, residual):
+        call(_kernels.bf16_round_f32(x, threads, rounded), y, residual)
+    return run
+
+
 class _BoundSequence:
     """A sequence's :class:`~ttile.runtime.program.Program` at one input signature, and
     what its steps were bound from: it may run while :meth:`holds`."""
@@ -313,19 +323,21 @@ class TTileSequence(nn.Module):
         blocks: list = []
         pending: list = []   # fused blocks: (step number, block, x shape, threads)
 
-        def add(call, source: int, residual: int, out_shape) -> int:
-            steps.append(Step(call, source, residual, tuple(out_shape)))
+        def add(call, source: int, residual: int, out_shape, bits: bool = False) -> int:
+            steps.append(Step(call, source, residual, tuple(out_shape), bits))
             shapes.append(tuple(out_shape))
             return len(shapes) - 1
 
-        def add_layer(unit: TTileConv2d, source: int, residual: int) -> Optional[int]:
+        def add_layer(unit: TTileConv2d, source: int, residual: int,
+                      bf16_out: bool = False) -> Optional[int]:
             t = unit.threads or threads
             layer = unit._packed.layer("NHWC")
-            bound = layer.bound_nhwc(shapes[source], t, residual >= 0)
+            bound = layer.bound_nhwc(shapes[source], t, residual >= 0, bf16_out)
             if bound is None:
                 return None
             layers.append(unit)
-            return add(bound.bound_kernel[0], source, residual, bound.plan.out_shape)
+            return add(bound.bound_kernel[0], source, residual, bound.plan.out_shape,
+                       bf16_out)
 
         step_units: list = []
         unit_shapes: list = []
@@ -335,7 +347,7 @@ class TTileSequence(nn.Module):
             residual = index[args[1]] if len(args) > 1 else -1
             kind = type(unit)
             if kind is TTileConv2d:
-                value = add_layer(unit, source, residual)
+                value = add_layer(unit, source, residual, u in self._bf16_steps)
             elif kind is TTilePool2d:
                 call, out_shape = unit.bound_call(shapes[source], threads)
                 value = add(call, source, -1, out_shape)
@@ -372,8 +384,10 @@ class TTileSequence(nn.Module):
         if pending:   # the fused blocks share one scratch buffer: steps run one by one
             floats = max(block.scratch_floats(shape, t) for _, block, shape, t in pending)
             buffer = _kernels.empty_aligned((floats,))
-            for i, block, shape, t in pending:
+            for (i, block, shape, t), unit in zip(pending, blocks):
                 call, _ = block.bound_call(shape, t, buffer)
+                if unit.bf16:
+                    call = _rounding_input(call, shape, t)
                 steps[i] = replace(steps[i], call=call)
         return _BoundSequence(Program(self.inputs, steps), tensors, tuple(step_units),
                               tuple(unit_shapes))
