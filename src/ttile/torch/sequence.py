@@ -297,9 +297,10 @@ class TTileSequence(nn.Module):
                 shapes.append(values[args[0]].shape)
                 t0 = time.perf_counter()
             if type(unit) is TTileConv2d:
-                y = unit.run_nhwc(values[args[0]],
-                                  values[args[1]] if len(args) > 1 else None, threads,
-                                  bf16_out=step in bf16_steps)
+                residual = values[args[1]] if len(args) > 1 else None
+                y = (unit.run_nhwc(values[args[0]], residual, threads, bf16_out=True)
+                     if step in bf16_steps else
+                     unit.run_nhwc(values[args[0]], residual, threads))
             else:
                 y = unit.run_nhwc(values[args[0]], threads)
             if timed:
