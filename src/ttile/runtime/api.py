@@ -148,6 +148,18 @@ def _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads,
             w_arr, ("bf16", layout) + pack.weights_key,
             lambda source: bf16.pack_weights(source, layout, pack, nthreads), nthreads,
             rsck=False)
+    if choice.pack is None:   # the fp32 kernels on the rounded values
+        bf16.warn_missing(choice)
+        w_rounded = bf16.round_to_bf16(w_arr)
+        if residual is not None:
+            epilogue.check_residual_shape(call, tuple(np.shape(residual)))
+        if out is not None:
+            bf16.check_out(out, call, ("input", x), ("residual", residual), ("bias", bias))
+        return bf16.emulated(
+            lambda xr, res, o: conv2d(xr, w_rounded, bias, stride, padding, dilation, groups,
+                                      layout=layout, threads=nthreads, activation=activation,
+                                      negative_slope=negative_slope, residual=res, out=o),
+            x, residual, out)
     return bf16.run_call(call, choice, x, packed, w_arr, layout, nthreads, bias, residual,
                          activation, negative_slope, out)
 

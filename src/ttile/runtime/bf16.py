@@ -224,7 +224,8 @@ def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
     return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation{folded}")
 
 
-def _warn_missing(choice: Bf16Choice) -> None:
+def warn_missing(choice: Bf16Choice) -> None:
+    """One warning per process where the CPU has no bf16 instructions."""
     if choice.degraded:
         from .dispatch import warn_once
         warn_once("bf16-instructions", f"{choice.degraded}; precision='bf16' is computed "
@@ -263,40 +264,36 @@ def _residual_nhwc(residual, layout: str, bf16_out: bool, threads: int):
 def run_call(call, choice: Bf16Choice, x, weights_packed: Optional[np.ndarray],
              weights_fp32, layout: str, nthreads: int, bias, residual, activation,
              negative_slope: float, out):
-    """One bf16 call on its chosen kernel. ``weights_packed``: the kernel's packed
-    weights (or None, packed here); ``weights_fp32``: the layer's fp32 weights in
-    ``layout`` (the emulation rounds them)."""
+    """One bf16 call on its bf16 kernel (``choice.pack`` set). ``weights_packed``: the
+    kernel's packed weights (or None, packed here from ``weights_fp32``, the layer's fp32
+    weights in ``layout``)."""
     from . import epilogue
-    from .arguments import as_float32
     fused = epilogue.fused(call, bias, None, activation, negative_slope)
     if residual is not None:
         epilogue.check_residual_shape(call, tuple(np.shape(residual)))
-    bf16_io = is_bfloat16(x)
     if out is not None:
-        _check_out(out, call, ("input", x), ("residual", residual), ("bias", fused.bias))
-    if choice.pack is None:
-        _warn_missing(choice)
-        from .api import conv2d
-        xr = round_to_bf16(x if bf16_io else as_float32(x, "input"))
-        wr = round_to_bf16(weights_fp32)
-        res = None if residual is None else (
-            round_to_bf16(residual) if is_bfloat16(residual)
-            else as_float32(residual, "residual"))
-        spec = call.spec
-        y = conv2d(xr, wr, fused.bias, (spec.stride_h, spec.stride_w),
-                   ((spec.pad_top, spec.pad_bottom), (spec.pad_left, spec.pad_right)),
-                   (spec.dilation_h, spec.dilation_w), call.groups, layout=layout,
-                   threads=nthreads,
-                   activation=fused.activation.value if fused.activation.code else None,
-                   negative_slope=fused.negative_slope, residual=res,
-                   out=out if out is not None and out.dtype == FLOAT32 else None)
-        if out is not None and out.dtype != y.dtype:
-            out[...] = y.astype(out.dtype)
-            return out
-        return y.astype(x.dtype) if bf16_io and out is None else y
+        check_out(out, call, ("input", x), ("residual", residual), ("bias", fused.bias))
     wb = weights_packed if weights_packed is not None else pack_weights(
         weights_fp32, layout, choice.pack, nthreads)
     return run_packed(call, choice.pack, x, wb, layout, nthreads, fused, residual, out)
+
+
+def emulated(fp32_call, x, residual, out):
+    """A bf16 call with no bf16 kernel: ``fp32_call(x, residual, out)`` (an fp32 conv2d or
+    Conv2d call on weights already rounded) on the rounded input and residual, the result
+    in ``out``'s type (or the input's)."""
+    from .arguments import as_float32
+    bf16_in = is_bfloat16(x)
+    xr = round_to_bf16(x if bf16_in else as_float32(x, "input"))
+    res = None if residual is None else (
+        round_to_bf16(residual) if is_bfloat16(residual) else as_float32(residual, "residual"))
+    if out is not None and out.dtype == FLOAT32:
+        return fp32_call(xr, res, out)
+    y = fp32_call(xr, res, None)
+    if out is not None:
+        out[...] = y.astype(out.dtype)
+        return out
+    return y.astype(x.dtype) if bf16_in else y
 
 
 def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads: int,
@@ -325,7 +322,7 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
     return y.view(x.dtype) if bf16_io else y
 
 
-def _check_out(out, call, *inputs) -> None:
+def check_out(out, call, *inputs) -> None:
     """The caller's ``out``: float32, or bfloat16 for a bf16 result (whatever the
     input's type), of the output's shape, not overlapping an input."""
     if type(out) is not np.ndarray:
@@ -343,111 +340,8 @@ def _check_out(out, call, *inputs) -> None:
                              f"have already written")
 
 
-class Bf16Layer:
-    """The bf16 side of a :class:`ttile.Conv2d` made with ``precision="bf16"``: its
-    weights packed once per packing (a packing depends on the kernel, the channels and
-    the filter, not on the input's size), or, where no bf16 kernel serves, an fp32
-    ``Conv2d`` of the bf16-rounded weights called on the rounded input."""
-
-    def __init__(self, weights: np.ndarray, layer) -> None:
-        import threading
-        self._w = np.array(weights, dtype=FLOAT32, order="C")   # the layer's layout
-        self._w.flags.writeable = False
-        self._layer = layer
-        self._packed: dict = {}
-        self._emulated = None
-        self._lock = threading.Lock()
-        self._calls: dict = {}   # (shape, bf16?, threads, whole team?, isa): _prepare's
-
-    def _weights(self, pack: Bf16Packing, threads: int) -> np.ndarray:
-        key = pack.weights_key
-        packed = self._packed.get(key)
-        if packed is None:
-            with self._lock:
-                packed = self._packed.get(key)
-                if packed is None:
-                    packed = pack_weights(self._w, self._layer.layout, pack, threads)
-                    self._packed[key] = packed
-        return packed
-
-    def _fp32_layer(self):
-        if self._emulated is None:
-            from .conv_layer import Conv2d
-            layer = self._layer
-            self._emulated = Conv2d(round_to_bf16(self._w), layer._fused.bias, layer.stride,
-                                    layer.padding, layer.dilation, layer.groups,
-                                    layout=layer.layout, threads=layer.threads,
-                                    activation=layer.activation,
-                                    negative_slope=layer.negative_slope)
-        return self._emulated
-
-    def __call__(self, x, threads: Optional[int], residual, out, whole_team: bool):
-        from .arguments import as_float32, thread_count
-        from .settings import get_isa
-        layer = self._layer
-        bf16_io = is_bfloat16(x)
-        if not bf16_io:
-            x = as_float32(x, "input")
-        isa = get_isa()
-        key = (x.shape, bf16_io, threads, whole_team, isa)
-        known = self._calls.get(key)
-        if known is None:
-            known = self._prepare(x.shape, threads, whole_team, isa)
-            if len(self._calls) < 64:
-                self._calls[key] = known
-        call, choice, nthreads, fused = known
-        if residual is not None:
-            from . import epilogue
-            epilogue.check_residual_shape(call, tuple(np.shape(residual)))
-        if out is not None:
-            _check_out(out, call, ("input", x), ("residual", residual))
-        if choice.pack is None:
-            _warn_missing(choice)
-            res = None if residual is None else round_to_bf16(residual) \
-                if is_bfloat16(residual) else as_float32(residual, "residual")
-            xr = round_to_bf16(x)
-            if out is not None and out.dtype == FLOAT32:
-                return self._fp32_layer()(xr, nthreads, residual=res, out=out,
-                                          whole_team=True)
-            y = self._fp32_layer()(xr, nthreads, residual=res, whole_team=True)
-            if out is not None:
-                out[...] = y.astype(out.dtype)
-                return out
-            return y.astype(x.dtype) if bf16_io else y
-        return run_packed(call, choice.pack, x, self._weights(choice.pack, nthreads),
-                          layer.layout, nthreads, fused, residual, out)
-
-    def bound_nhwc(self, x_shape: tuple, threads: int, residual: bool,
-                   bf16_out: bool) -> Optional["Bf16Bound"]:
-        """This layer's bf16 kernel bound for NHWC inputs of ``x_shape`` on all
-        ``threads`` (a sequence's program step, ``call(x, y, residual)``); None where no
-        bf16 kernel serves it. x and the residual may be fp32 or bf16 bits (uint16), y is
-        bf16 bits with ``bf16_out``, else fp32."""
-        from .settings import get_isa
-        call, choice, nthreads, fused = self._prepare(x_shape, threads, True, get_isa())
-        if choice.pack is None:
-            return None
-        return Bf16Bound(call, choice.pack, self._weights(choice.pack, nthreads), nthreads,
-                         fused, bf16_out)
-
-    def _prepare(self, x_shape, threads, whole_team: bool, isa: Isa) -> tuple:
-        """What a call on an input of ``x_shape`` needs, decided once: its plan, the
-        kernel, the thread count and the epilogue."""
-        from . import epilogue
-        from .arguments import thread_count
-        from .call_plan import call_plan
-        layer = self._layer
-        call = call_plan(tuple(x_shape), self._w.shape, layer.stride, layer.padding,
-                         layer.layout, layer.dilation, layer.groups)
-        asked = thread_count(threads if threads is not None else layer.threads)
-        nthreads = asked if whole_team else call.fit(asked)
-        fused = epilogue.fused(call, layer._fused.bias, None, layer.activation,
-                               layer.negative_slope)
-        return call, choose(call.spec, call.groups, isa), nthreads, fused
-
-
 class Bf16Bound:
-    """A bf16 layer bound for a program (see ``Bf16Layer.bound_nhwc``): ``plan`` the
+    """A bf16 layer bound for a program (see ``Conv2d.bound_nhwc``): ``plan`` the
     call's, ``bound_kernel[0]`` the call, ``bits`` whether it writes bf16 bits. Its
     packed-input buffer is its own: a program runs on one thread at a time."""
 

@@ -15,7 +15,7 @@ from typing import Optional, Union
 import numpy as np
 
 from .. import _kernels
-from ..core.kinds import KernelKind, Precision
+from ..core.kinds import Isa, KernelKind, Precision
 from . import bf16, epilogue, winograd
 from .arguments import (FLOAT32, IntPair, as_float32, as_pair, default_threads,
                         thread_count)
@@ -25,6 +25,7 @@ from .execute import RUNNERS, execute, nhwc_kernel_call
 from .packing import family_weights
 from .routes import Route, alternatives, remembered, select
 from .scratch import aligned_copy
+from .settings import get_isa
 
 
 #: The most input signatures a Conv2d remembers a bound call for.
@@ -113,7 +114,7 @@ class Conv2d:
             "NHWC".
         bias, stride, padding, dilation, groups, layout, activation, negative_slope,
             precision: as for :func:`ttile.conv2d` (bf16: the weights are rounded and
-            packed for the bf16 kernel once, see ``ttile.runtime.bf16.Bf16Layer``).
+            packed for the bf16 kernel once, see ``_Bf16Layer``).
         threads: default thread count of calls (None: all CPUs this process may use).
 
     ``layer(x)`` (or ``layer(x, threads=n, residual=r, out=y)``) returns
@@ -177,7 +178,7 @@ class Conv2d:
         self._bound: dict = {}
         # (input shape, threads): (select's selection, the one serving in its place)
         self._pinned: dict = {}
-        self._bf16 = (bf16.Bf16Layer(weights, self) if self.precision is Precision.BF16
+        self._bf16 = (_Bf16Layer(weights, self) if self.precision is Precision.BF16
                       else None)
 
     @property
@@ -263,7 +264,7 @@ class Conv2d:
         for other layouts, and once a pin or the settings changed the choice; a binding
         stays right while :meth:`bound_nhwc` returns it, or while neither
         :func:`bindings_revision` nor the settings generation has changed since. A bf16
-        layer's binding is its bf16 kernel's (``Bf16Layer.bound_nhwc``: its input and
+        layer's binding is its bf16 kernel's (``_Bf16Layer.bound_nhwc``: its input and
         residual fp32 or bf16 bits, its output bf16 bits with ``bf16_out``)."""
         if self.layout != "NHWC":
             return None
@@ -335,3 +336,88 @@ class Conv2d:
         precision = "" if self.precision is Precision.FP32 else f", precision='{self.precision}'"
         return (f"ttile.Conv2d(weights {self._w_shape}{bias}, stride={self.stride!r}, "
                 f"padding={self.padding!r}{extras}, layout={self.layout!r}{precision})")
+
+
+class _Bf16Layer:
+    """The bf16 side of a :class:`Conv2d` made with ``precision="bf16"``: its weights
+    packed once per packing (``bf16.Bf16Packing``: it depends on the kernel, the
+    channels and the filter, not on the input's size), or, where no bf16 kernel serves,
+    an fp32 ``Conv2d`` of the bf16-rounded weights called on the rounded input."""
+
+    def __init__(self, weights: np.ndarray, layer: "Conv2d") -> None:
+        self._w = np.array(weights, dtype=FLOAT32, order="C")   # the layer's layout
+        self._w.flags.writeable = False
+        self._layer = layer
+        self._packed: dict = {}
+        self._emulated: Optional[Conv2d] = None
+        self._lock = threading.Lock()
+        self._calls: dict = {}   # (shape, bf16?, threads, whole team?, isa): _prepare's
+
+    def _weights(self, pack: bf16.Bf16Packing, threads: int) -> np.ndarray:
+        key = pack.weights_key
+        packed = self._packed.get(key)
+        if packed is None:
+            with self._lock:
+                packed = self._packed.get(key)
+                if packed is None:
+                    packed = bf16.pack_weights(self._w, self._layer.layout, pack, threads)
+                    self._packed[key] = packed
+        return packed
+
+    def _fp32_layer(self) -> "Conv2d":
+        if self._emulated is None:
+            layer = self._layer
+            self._emulated = Conv2d(bf16.round_to_bf16(self._w), layer._fused.bias,
+                                    layer.stride, layer.padding, layer.dilation,
+                                    layer.groups, layout=layer.layout, threads=layer.threads,
+                                    activation=layer.activation,
+                                    negative_slope=layer.negative_slope)
+        return self._emulated
+
+    def _prepare(self, x_shape, threads, whole_team: bool, isa: Isa) -> tuple:
+        """What a call on an input of ``x_shape`` needs, decided once: its plan, the
+        kernel, the thread count and the epilogue."""
+        layer = self._layer
+        call = call_plan(tuple(x_shape), self._w.shape, layer.stride, layer.padding,
+                         layer.layout, layer.dilation, layer.groups)
+        asked = thread_count(threads if threads is not None else layer.threads)
+        nthreads = asked if whole_team else call.fit(asked)
+        fused = epilogue.fused(call, layer._fused.bias, None, layer.activation,
+                               layer.negative_slope)
+        return call, bf16.choose(call.spec, call.groups, isa), nthreads, fused
+
+    def __call__(self, x, threads: Optional[int], residual, out, whole_team: bool):
+        bf16_in = bf16.is_bfloat16(x)
+        if not bf16_in:
+            x = as_float32(x, "input")
+        isa = get_isa()
+        key = (x.shape, bf16_in, threads, whole_team, isa)
+        known = self._calls.get(key)
+        if known is None:
+            known = self._prepare(x.shape, threads, whole_team, isa)
+            if len(self._calls) < 64:
+                self._calls[key] = known
+        call, choice, nthreads, fused = known
+        if residual is not None:
+            epilogue.check_residual_shape(call, tuple(np.shape(residual)))
+        if out is not None:
+            bf16.check_out(out, call, ("input", x), ("residual", residual))
+        if choice.pack is None:
+            bf16.warn_missing(choice)
+            return bf16.emulated(
+                lambda xr, res, o: self._fp32_layer()(xr, nthreads, residual=res, out=o,
+                                                      whole_team=True), x, residual, out)
+        return bf16.run_packed(call, choice.pack, x, self._weights(choice.pack, nthreads),
+                               self._layer.layout, nthreads, fused, residual, out)
+
+    def bound_nhwc(self, x_shape: tuple, threads: int, residual: bool,
+                   bf16_out: bool) -> Optional[bf16.Bf16Bound]:
+        """This layer's bf16 kernel bound for NHWC inputs of ``x_shape`` on all
+        ``threads`` (a sequence's program step, ``call(x, y, residual)``); None where no
+        bf16 kernel serves it. x and the residual may be fp32 or bf16 bits (uint16), y is
+        bf16 bits with ``bf16_out``, else fp32."""
+        call, choice, nthreads, fused = self._prepare(x_shape, threads, True, get_isa())
+        if choice.pack is None:
+            return None
+        return bf16.Bf16Bound(call, choice.pack, self._weights(choice.pack, nthreads),
+                              nthreads, fused, bf16_out)
