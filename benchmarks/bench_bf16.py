@@ -17,8 +17,10 @@ each engine in accuracy.
 Contenders, per layer (NHWC input for ttile, the layer's weights fixed):
 
 * ``ttile``: ``ttile.conv2d(x, w, layout="NHWC", precision="bf16")`` per call (fp32
-  arrays in and out, the weights packed on every call), and ``ttile Conv2d``: a
-  ``ttile.Conv2d(..., precision="bf16")`` made once;
+  arrays in and out; the weights packed on the first call and reused while unchanged),
+  ``ttile Conv2d``: a ``ttile.Conv2d(..., precision="bf16")`` made once, and ``ttile bf16
+  arrays``: that layer on an ``ml_dtypes.bfloat16`` input, giving a bf16 output (what
+  ``torch bf16`` does);
 * ``OpenVINO default``: a one-Conv ONNX model compiled with no precision hint (the table
   says what OpenVINO picked), ``OpenVINO bf16`` with ``INFERENCE_PRECISION_HINT`` bf16;
 * ``torch autocast``: ``F.conv2d`` on channels_last fp32 tensors under
@@ -48,8 +50,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-LAYER_CONTENDERS = ("ttile", "ttile Conv2d", "OpenVINO default", "OpenVINO bf16",
-                    "torch autocast", "torch bf16")
+LAYER_CONTENDERS = ("ttile", "ttile Conv2d", "ttile bf16 arrays", "OpenVINO default",
+                    "OpenVINO bf16", "torch autocast", "torch bf16")
 NETWORK_CONTENDERS = ("ttile", "OpenVINO default", "OpenVINO bf16", "torch autocast",
                       "ttile fp32", "OpenVINO f32")
 PEERS = ("OpenVINO default", "OpenVINO bf16", "torch")
@@ -87,13 +89,18 @@ def _layer_runner(label: str, layer, threads: int, reference: bool = True):
             return ttile.conv2d(x_nhwc, w_rsck, stride=stride, padding=pad, layout="NHWC",
                                 threads=threads, precision="bf16")
         nchw = (lambda y: y.transpose(0, 3, 1, 2))
-    elif label == "ttile Conv2d":
+    elif label in ("ttile Conv2d", "ttile bf16 arrays"):
         layer_ = ttile.Conv2d(w_rsck, stride=stride, padding=pad, layout="NHWC",
                               threads=threads, precision="bf16")
+        if label == "ttile bf16 arrays":
+            import ml_dtypes
+            x_in = x_nhwc.astype(ml_dtypes.bfloat16)
+        else:
+            x_in = x_nhwc
 
         def call():
-            return layer_(x_nhwc)
-        nchw = (lambda y: y.transpose(0, 3, 1, 2))
+            return layer_(x_in)
+        nchw = (lambda y: y.astype(np.float32).transpose(0, 3, 1, 2))
     elif label.startswith("OpenVINO"):
         precision = None if label == "OpenVINO default" else "bf16"
         model = peers._conv_model(x.shape, w, (stride, stride), (pad,) * 4, 1)

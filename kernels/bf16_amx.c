@@ -56,20 +56,6 @@ static void configure(int64_t kc)
     _tile_loadconfig(&cfg);
 }
 
-/* Where a pixel tile's 16 rows land in an fp32 output: the element of its first row when
- * all 16 are output pixels one after another in y (within an output row, or across rows
- * where the packed rows have no padding columns), else -1. */
-static int64_t tile_run(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
-                        int64_t tile)
-{
-    int64_t oh, ow, oh_last, ow_last;
-    if (!ttile_bf16_pixel(p, t, tile, 0, &oh, &ow) || !ttile_bf16_pixel(p, t, tile, 15, &oh_last, &ow_last))
-        return -1;
-    if (oh_last != oh && !(t->virtual_rows && p->wp == p->wo))
-        return -1;
-    return ((n * p->ho + oh) * p->wo + ow) * p->k;
-}
-
 /* Stores a pixel tile's 16 x 32 accumulators (two 16 x 16 blocks in acc, 256 floats
  * apart) for output channel blocks kb and kb + 1, through the epilogue. */
 static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
@@ -95,26 +81,26 @@ static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, 
     }
 }
 
-/* The epilogue on a tile pair's 16 rows of 32 channels: y = act(acc + bias + residual),
- * stored to 16 consecutive outputs from element `at` on, fp32 or rounded to bf16 (the
- * residual then bf16 too). acc holds the two 16 x 16 blocks 256 floats apart; for fp32
- * without the residual's rounding the tile unit has stored them in y itself (`acc` is
- * then y + at, rows k apart). The common epilogues (bias, residual, ReLU or ReLU6:
+/* The epilogue on a pixel tile's 16 rows of 32 channels: y = act(acc + bias + residual),
+ * row i stored at element rows[i] + k0 of y (rows[i] < 0: a row past the output, not
+ * stored), fp32 or rounded to bf16 (the residual then bf16 too). acc holds the two
+ * 16 x 16 blocks 256 floats apart. The common epilogues (bias, residual, ReLU or ReLU6:
  * every layer of a ResNet or MobileNet) are straight-line code with the two bias vectors
  * held; row by row through ttile_bf16_store16, branching per vector, this pass took 10 %
  * of ResNet-50's time, and 14 % with bf16 outputs. */
 #define STORE_RUN(NAME, RESIDUAL, ACT, BF16)                                                \
-    static void NAME(const ttile_bf16_problem *p, const float *acc, int64_t acc_row,      \
-                     int64_t acc_block, int64_t at, int64_t k0, void *y,                  \
+    static void NAME(const float *acc, const int64_t *rows, int64_t k0, void *y,          \
                      const ttile_epilogue *ep)                                           \
     {                                                                                     \
         const __m512 zero = _mm512_setzero_ps(), six = _mm512_set1_ps(6.0f);              \
         const __m512 b0 = ep->bias ? _mm512_loadu_ps(ep->bias + k0) : zero;               \
         const __m512 b1 = ep->bias ? _mm512_loadu_ps(ep->bias + k0 + 16) : zero;          \
         for (int i = 0; i < 16; i++) {                                                    \
-            const int64_t o = at + i * p->k + k0;                                         \
-            __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + i * acc_row), b0);            \
-            __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + i * acc_row + acc_block), b1); \
+            if (rows[i] < 0)                                                              \
+                continue;                                                                 \
+            const int64_t o = rows[i] + k0;                                               \
+            __m512 v0 = _mm512_add_ps(_mm512_load_ps(acc + i * 16), b0);                  \
+            __m512 v1 = _mm512_add_ps(_mm512_load_ps(acc + 256 + i * 16), b1);            \
             if (RESIDUAL) {                                                               \
                 if (BF16) {                                                               \
                     const uint16_t *res = (const uint16_t *)ep->residual + o;            \
@@ -159,8 +145,8 @@ STORE_RUN(run_bf16_res, 1, TTILE_ACT_NONE, 1)
 STORE_RUN(run_bf16_res_relu, 1, TTILE_ACT_RELU, 1)
 STORE_RUN(run_bf16_res_relu6, 1, TTILE_ACT_RELU6, 1)
 
-typedef void (*store_run_fn)(const ttile_bf16_problem *, const float *, int64_t, int64_t,
-                             int64_t, int64_t, void *, const ttile_epilogue *);
+typedef void (*store_run_fn)(const float *, const int64_t *, int64_t, void *,
+                             const ttile_epilogue *);
 
 /* The straight-line store of an epilogue, or NULL for the others (silu, sigmoid, leaky
  * ReLU: row by row). */
@@ -222,21 +208,42 @@ static inline void reduce(const amx_call *c, const uint16_t *a0, const uint16_t 
     }
 }
 
+/* The element of y where each of pixel tile `tile`'s rows goes (-1: past the output), and
+ * whether they are 16 consecutive outputs. */
+static int tile_rows(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
+                     int64_t tile, int64_t *rows)
+{
+    int64_t oh, ow;
+    ttile_bf16_pixel(p, t, tile, 0, &oh, &ow);
+    int consecutive = 1;
+    for (int i = 0; i < 16; i++) {
+        rows[i] = oh < p->ho && ow < p->wo ? ((n * p->ho + oh) * p->wo + ow) * p->k : -1;
+        if (rows[i] < 0 || (i > 0 && rows[i] != rows[i - 1] + p->k))
+            consecutive = 0;
+        if (++ow == p->wp && t->virtual_rows) {
+            ow = 0;
+            oh++;
+        }
+    }
+    return consecutive;
+}
+
 /* One pixel tile's two accumulator tiles (first, first + 1) for channel pair kq to the
- * output. A tile whose rows are consecutive outputs, all 32 channels real, goes straight
- * to an fp32 y without an epilogue, and through the straight-line epilogue otherwise;
- * the others row by row (store_tile). */
+ * output: straight to an fp32 y where its rows are 16 consecutive outputs, all 32
+ * channels real and no epilogue; else through acc, by the straight-line epilogue where
+ * the 32 channels are real, row by row for the last channels of k (store_tile). */
 #define FINISH_TILE(FIRST, SECOND, ACC)                                                     \
     do {                                                                                  \
-        const int64_t run = full ? tile_run(p, &c->t, n, tile) : -1;                      \
-        if (run >= 0 && !c->y_bf16 && c->empty) {                                         \
-            _tile_stored(FIRST, yf + run + 32 * kq, ystride);                             \
-            _tile_stored(SECOND, yf + run + 32 * kq + 16, ystride);                       \
+        int64_t rows[16];                                                                 \
+        const int consecutive = tile_rows(p, &c->t, n, tile, rows);                       \
+        if (full && consecutive && !c->y_bf16 && c->empty) {                              \
+            _tile_stored(FIRST, yf + rows[0] + 32 * kq, ystride);                         \
+            _tile_stored(SECOND, yf + rows[0] + 32 * kq + 16, ystride);                   \
         } else {                                                                          \
             _tile_stored(FIRST, ACC, 64);                                                 \
             _tile_stored(SECOND, ACC + 256, 64);                                          \
-            if (run >= 0 && c->store_run)                                                 \
-                c->store_run(p, ACC, 16, 256, run, 32 * kq, c->y, c->ep);                 \
+            if (full && c->store_run)                                                     \
+                c->store_run(ACC, rows, 32 * kq, c->y, c->ep);                            \
             else                                                                          \
                 store_tile(p, &c->t, n, tile, 2 * kq, ACC, c->y, c->y_bf16, c->ep);       \
         }                                                                                 \

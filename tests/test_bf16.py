@@ -403,3 +403,35 @@ def test_fused_block_bf16_rounds_weights_and_input():
         y = F.relu6(F.conv2d(y, d.weight.double(), d.bias.double(), 1, 1, groups=96))
         unrounded = (F.conv2d(y, p.weight.double(), p.bias.double()) + xr).numpy()
     assert np.abs(unrounded.transpose(0, 2, 3, 1) - want).max() > 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="no AVX-512")
+@pytest.mark.parametrize("missing", ["amx", "all"])
+def test_missing_instructions_fall_back_with_one_warning(monkeypatch, missing):
+    """Linux refusing AMX falls back to the AVX512_BF16 kernel, a CPU without bf16
+    instructions to the fp32 kernels on rounded values: one warning each, ``plan`` says
+    so in ``degraded``, and the numbers are the same."""
+    from ttile.runtime import dispatch
+    if missing == "amx" and not (_kernels.cpu_has_amx_bf16() and HAS_DOT):
+        pytest.skip("needs a CPU with AMX and AVX512_BF16")
+    monkeypatch.setattr(_kernels, "amx_usable", lambda: False)
+    if missing == "all":
+        monkeypatch.setattr(_kernels, "cpu_has_avx512bf16", lambda: False)
+    dispatch.forget_choices()
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 8, 8, 32)).astype(np.float32)
+    w = rng.standard_normal((3, 3, 32, 48)).astype(np.float32)
+    plan = ttile.plan(x.shape, w.shape, padding=1, layout="NHWC", precision="bf16")
+    if missing == "amx":
+        assert plan.kind is KernelKind.DOT_BF16 and "AMX" in plan.degraded
+    else:
+        assert plan.kind not in bf16.BF16_KINDS and "no bf16 kernel" in plan.degraded
+    with pytest.warns(RuntimeWarning, match="AMX refused" if missing == "amx"
+                      else "no bf16 kernel"):
+        y = ttile.conv2d(x, w, padding=1, layout="NHWC", precision="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once per process
+        ttile.conv2d(x, w, padding=1, layout="NHWC", precision="bf16")
+    dispatch.forget_choices()
+    want, tol = expected(x, w, (1, 1), (1,) * 4)
+    assert_close(y, want, tol)

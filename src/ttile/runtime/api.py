@@ -248,7 +248,8 @@ def plan(x_shape, w_shape, bias=None, stride: IntPair = 1, padding: Union[IntPai
         if low.pack is not None:
             route = Route.NHWC if layout == "NHWC" else Route.NCHW_CONVERTED
             return KernelPlan(low.kind, "", "", None, nthreads, isa, call.spec, low.note,
-                              groups=call.groups, epilogue=fused, route=route,
+                              groups=call.groups, epilogue=fused, degraded=low.degraded,
+                              route=route,
                               kernel_set=serving.cpu, set_match=serving.match,
                               precision=prec)
     selection = select(call, nthreads, per_call=not prepacked, tune=False)

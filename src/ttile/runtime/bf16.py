@@ -221,16 +221,26 @@ def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
     pack = packing(spec, kind)
     how = "AMX tiles" if kind is KernelKind.AMX else "AVX512_BF16 dot products"
     folded = ", the filter's columns folded into channels" if pack.folded else ""
-    return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation{folded}")
+    degraded = ""
+    if kind is KernelKind.DOT_BF16 and _kernels.cpu_has_amx_bf16():
+        degraded = ("AMX refused: Linux did not grant the tile state (arch_prctl "
+                    "ARCH_REQ_XCOMP_PERM), or this build's compiler has no AMX")
+    return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation{folded}", degraded)
 
 
 def warn_missing(choice: Bf16Choice) -> None:
-    """One warning per process where the CPU has no bf16 instructions."""
-    if choice.degraded:
-        from .dispatch import warn_once
+    """One warning per process where the CPU has no bf16 instructions, or where Linux
+    refused AMX."""
+    if not choice.degraded:
+        return
+    from .dispatch import warn_once
+    if choice.pack is None:
         warn_once("bf16-instructions", f"{choice.degraded}; precision='bf16' is computed "
                                        f"by fp32 kernels on bf16-rounded values (same "
                                        f"results, fp32 speed)")
+    else:
+        warn_once("bf16-amx", f"{choice.degraded}; the AVX512_BF16 kernels serve "
+                              f"precision='bf16' instead")
 
 
 def _input_arrays(x, layout: str, threads: int):
@@ -273,6 +283,7 @@ def run_call(call, choice: Bf16Choice, x, weights_packed: Optional[np.ndarray],
         epilogue.check_residual_shape(call, tuple(np.shape(residual)))
     if out is not None:
         check_out(out, call, ("input", x), ("residual", residual), ("bias", fused.bias))
+    warn_missing(choice)
     wb = weights_packed if weights_packed is not None else pack_weights(
         weights_fp32, layout, choice.pack, nthreads)
     return run_packed(call, choice.pack, x, wb, layout, nthreads, fused, residual, out)

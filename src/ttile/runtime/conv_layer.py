@@ -407,6 +407,7 @@ class _Bf16Layer:
             return bf16.emulated(
                 lambda xr, res, o: self._fp32_layer()(xr, nthreads, residual=res, out=o,
                                                       whole_team=True), x, residual, out)
+        bf16.warn_missing(choice)
         return bf16.run_packed(call, choice.pack, x, self._weights(choice.pack, nthreads),
                                self._layer.layout, nthreads, fused, residual, out)
 
