@@ -145,4 +145,5 @@ def openvino_precision(threads: int = 1) -> str:
     compiled = core.compile_model(core.read_model(model=_conv_model((1, 16, 8, 8), w, (1, 1),
                                                                     (0, 0, 0, 0), 1)),
                                   "CPU", {"INFERENCE_NUM_THREADS": str(threads)})
-    return str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    picked = compiled.get_property("INFERENCE_PRECISION_HINT")
+    return picked.get_type_name() if hasattr(picked, "get_type_name") else str(picked)
