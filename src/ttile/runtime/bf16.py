@@ -30,7 +30,7 @@ import numpy as np
 from .. import _kernels
 from ..core.kinds import Isa, KernelKind, Precision
 from ..core.spec import ConvSpec
-from .arguments import FLOAT32
+from .arguments import FLOAT32, as_float32
 from .scratch import aligned_empty
 
 #: The kernels of this module, and their codes in the extension.
@@ -191,7 +191,7 @@ def precision_of(value) -> Precision:
 
 
 # ---------------------------------------------------------------------------------------
-# A call: conv2d(..., precision="bf16"), and the layer that packs its weights once.
+# A call: conv2d(..., precision="bf16") and Conv2d's bf16 layer (conv_layer) run these.
 
 @dataclass(frozen=True)
 class Bf16Choice:
@@ -243,7 +243,7 @@ def warn_missing(choice: Bf16Choice) -> None:
                               f"precision='bf16' instead")
 
 
-def _input_arrays(x, layout: str, threads: int):
+def _input_arrays(x, layout: str):
     """(array for the kernel, nchw?, bf16 in/out?): fp32 as it is (NCHW packed from its
     layout), bf16 as its bits in NHWC."""
     if is_bfloat16(x):
@@ -251,7 +251,6 @@ def _input_arrays(x, layout: str, threads: int):
         if layout == "NCHW":
             bits = np.ascontiguousarray(bits.transpose(0, 2, 3, 1))
         return bits, False, True
-    from .arguments import as_float32
     return as_float32(x, "input"), layout == "NCHW", False
 
 
@@ -262,7 +261,6 @@ def _residual_nhwc(residual, layout: str, bf16_out: bool, threads: int):
     if is_bfloat16(residual):
         r = bf16_bits(residual) if bf16_out else round_to_bf16(residual)
     else:
-        from .arguments import as_float32
         r = as_float32(residual, "residual")
         if bf16_out:
             r = _kernels.bf16_round(r, threads)
@@ -293,7 +291,6 @@ def emulated(fp32_call, x, residual, out):
     """A bf16 call with no bf16 kernel: ``fp32_call(x, residual, out)`` (an fp32 conv2d or
     Conv2d call on weights already rounded) on the rounded input and residual, the result
     in ``out``'s type (or the input's)."""
-    from .arguments import as_float32
     bf16_in = is_bfloat16(x)
     xr = round_to_bf16(x if bf16_in else as_float32(x, "input"))
     res = None if residual is None else (
@@ -311,7 +308,7 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
                fused, residual, out):
     """A bf16 kernel's call, its arguments checked (``fused``: the call's epilogue
     without its residual, ``residual`` as the caller gave it)."""
-    xa, nchw, bf16_in = _input_arrays(x, layout, nthreads)
+    xa, nchw, bf16_in = _input_arrays(x, layout)
     bf16_io = is_bfloat16(out) if out is not None else bf16_in   # the output's type
     direct = out is not None and layout == "NHWC"
     if direct:
