@@ -15,6 +15,7 @@
  * and its extra pixels are not stored). */
 #include <immintrin.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "ttile_bf16.h"
 #include "ttile_runtime.h"
@@ -113,4 +114,33 @@ int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,
     }
     free(off);
     return 0;
+}
+
+/* Seconds for `iterations` rounds of 24 independent vdpbf16ps chains (64 flops each):
+ * the instruction's rate on this core, against which ttile_fma_peak_avx512 decides
+ * whether the dot-product kernel is worth serving (see bf16.kernel_kind). As in
+ * fma_peak_avx512.c, an empty asm reading a few chains keeps the loop alive without
+ * constraining the register allocation. */
+double ttile_dot_bf16_peak_seconds(int64_t iterations)
+{
+    __m512 acc[24];
+    for (int i = 0; i < 24; i++)
+        acc[i] = _mm512_set1_ps((float)i * 1e-3f);
+    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);   /* 1.0 */
+    const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3380);   /* 2^-24 */
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int64_t it = 0; it < iterations; it++) {
+#pragma GCC unroll 24
+        for (int i = 0; i < 24; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        __asm__ volatile("" : : "v"(acc[0]), "v"(acc[1]), "v"(acc[2]), "v"(acc[3]));
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    __m512 sum = acc[0];
+    for (int i = 1; i < 24; i++)
+        sum = _mm512_add_ps(sum, acc[i]);
+    volatile float sink = _mm512_reduce_add_ps(sum);
+    (void)sink;
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }

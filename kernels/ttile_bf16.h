@@ -163,6 +163,9 @@ void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
  * is written then. */
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
                         void *y, int y_bf16, int nthreads, const ttile_epilogue *ep);
+/* Seconds for `iterations` rounds of 24 independent vdpbf16ps (64 flops each) on this
+ * thread (bf16_avx512.c; AVX512_BF16 CPUs only). */
+double ttile_dot_bf16_peak_seconds(int64_t iterations);
 /* 1 when this build has the AMX kernel (its compiler knew AMX), else 0. */
 int ttile_bf16_amx_built(void);
 int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,

@@ -422,8 +422,9 @@ def test_missing_instructions_fall_back_with_one_warning(monkeypatch, missing):
     x = rng.standard_normal((1, 8, 8, 32)).astype(np.float32)
     w = rng.standard_normal((3, 3, 32, 48)).astype(np.float32)
     plan = ttile.plan(x.shape, w.shape, padding=1, layout="NHWC", precision="bf16")
-    if missing == "amx":
-        assert plan.kind is KernelKind.DOT_BF16 and "AMX" in plan.degraded
+    if missing == "amx":   # the dot-product kernel where it pays, else fp32 kernels
+        assert "AMX refused" in plan.degraded
+        assert (plan.kind is KernelKind.DOT_BF16) == bf16.dot_products_pay()[0]
     else:
         assert plan.kind not in bf16.BF16_KINDS and "no bf16 kernel" in plan.degraded
     with pytest.warns(RuntimeWarning, match="AMX refused" if missing == "amx"
@@ -435,3 +436,18 @@ def test_missing_instructions_fall_back_with_one_warning(monkeypatch, missing):
     dispatch.forget_choices()
     want, tol = expected(x, w, (1, 1), (1,) * 4)
     assert_close(y, want, tol)
+
+
+@pytest.mark.skipif(not HAS_DOT, reason="no AVX512_BF16 on this CPU")
+def test_dot_products_measured_against_fma(monkeypatch):
+    """Without AMX, the dot-product kernel serves only where vdpbf16ps does at least
+    DOT_MIN_SHARE of the fp32 FMA's flops on this core (Zen 4: twice; a Xeon model 207:
+    under half)."""
+    pays, dot, fma = bf16.dot_products_pay()
+    assert dot > 0 and fma > 0 and pays == (dot >= bf16.DOT_MIN_SHARE * fma)
+    monkeypatch.setattr(_kernels, "amx_usable", lambda: False)
+    monkeypatch.setattr(bf16, "_dot_verdict", (False, 1.0, 2.0))
+    assert bf16.kernel_kind(Isa.AVX512F) is None
+    assert "vdpbf16ps ran at 1 GFLOP/s against fp32 FMA's 2" in bf16.missing_instructions()
+    monkeypatch.setattr(bf16, "_dot_verdict", (True, 2.0, 1.0))
+    assert bf16.kernel_kind(Isa.AVX512F) is KernelKind.DOT_BF16

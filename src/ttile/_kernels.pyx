@@ -1403,6 +1403,7 @@ cdef extern from "ttile_bf16.h" nogil:
                                const unsigned short *wb, void *y, int y_bf16, int nthreads,
                                const ttile_epilogue *ep)
     int ttile_bf16_amx_built()
+    double ttile_dot_bf16_peak_seconds(int64_t iterations)
 
 cdef extern from "ttile_runtime.h" nogil:
     int ttile_cpu_has_avx512bf16()
@@ -1425,6 +1426,19 @@ def cpu_has_avx512bf16():
 def cpu_has_amx_bf16():
     """True when the CPU has AMX-BF16 and AMX-TILE and the OS enables the tile state."""
     return ttile_cpu_has_amx_bf16() == 1
+
+
+def dot_bf16_peak_seconds(int64_t iterations):
+    """Seconds for ``iterations`` rounds of 24 independent vdpbf16ps chains on this thread
+    (a round is 24 x 64 = 1536 floating-point operations)."""
+    if ttile_cpu_has_avx512bf16() != 1:
+        raise RuntimeError("vdpbf16ps needs a CPU with AVX512_BF16")
+    if iterations < 1:
+        raise ValueError("iterations must be >= 1")
+    cdef double t
+    with nogil:
+        t = ttile_dot_bf16_peak_seconds(iterations)
+    return t
 
 
 def amx_usable():

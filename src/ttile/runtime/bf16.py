@@ -73,14 +73,36 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 def kernel_kind(isa: Isa) -> Optional[KernelKind]:
     """The bf16 kernel this CPU runs for a call of vector family ``isa`` (None: the
     fp32 kernels on rounded values serve). ``ttile.set_isa`` to AVX2 or portable C
-    turns the bf16 kernels off too: they are AVX-512 code."""
+    turns the bf16 kernels off too: they are AVX-512 code. The dot-product kernel serves
+    only where ``dot_products_pay`` measured vdpbf16ps worth it."""
     if isa is not Isa.AVX512F:
         return None
     if _kernels.amx_usable():
         return KernelKind.AMX
-    if _kernels.cpu_has_avx512bf16():
+    if _kernels.cpu_has_avx512bf16() and dot_products_pay()[0]:
         return KernelKind.DOT_BF16
     return None
+
+
+#: vdpbf16ps must do at least this share of the fp32 FMA's flops for the dot-product
+#: kernel to serve (it also halves the bytes moved). Zen 4: 2.0 (235 against 117
+#: GFLOP/s a core); a Xeon model 207: 0.44 (65-75 against 145-170), where the fp32
+#: kernels on rounded values are the faster way when AMX is refused.
+DOT_MIN_SHARE = 0.8
+_dot_verdict: Optional[tuple] = None
+
+
+def dot_products_pay() -> tuple:
+    """(verdict, vdpbf16ps GFLOP/s, fp32 FMA GFLOP/s) on this core, measured once per
+    process (about 20 ms: the best of three runs of each)."""
+    global _dot_verdict
+    if _dot_verdict is None:
+        rounds = 200000
+        dot = max(rounds * 1536 / _kernels.dot_bf16_peak_seconds(rounds) for _ in range(3))
+        fma = max(rounds * _kernels.fma_peak_flops() / _kernels.fma_peak_seconds(rounds)
+                  for _ in range(3))
+        _dot_verdict = (dot >= DOT_MIN_SHARE * fma, dot / 1e9, fma / 1e9)
+    return _dot_verdict
 
 
 def missing_instructions() -> str:
@@ -91,7 +113,16 @@ def missing_instructions() -> str:
         return "this CPU has AMX but not AVX512_BF16"
     if not _kernels.cpu_has_avx512bf16():
         return "this CPU has no AVX512_BF16 and no AMX"
+    pays, dot, fma = dot_products_pay()
+    if not pays:
+        amx = (_AMX_REFUSED if _kernels.cpu_has_amx_bf16() else "no AMX")
+        return (f"{amx}, and vdpbf16ps ran at {dot:.0f} GFLOP/s against fp32 FMA's "
+                f"{fma:.0f} on this core")
     return ""
+
+
+_AMX_REFUSED = ("AMX refused: Linux did not grant the tile state (arch_prctl "
+                "ARCH_REQ_XCOMP_PERM), or this build's compiler has no AMX")
 
 
 @dataclass(frozen=True)
@@ -223,8 +254,7 @@ def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
     folded = ", the filter's columns folded into channels" if pack.folded else ""
     degraded = ""
     if kind is KernelKind.DOT_BF16 and _kernels.cpu_has_amx_bf16():
-        degraded = ("AMX refused: Linux did not grant the tile state (arch_prctl "
-                    "ARCH_REQ_XCOMP_PERM), or this build's compiler has no AMX")
+        degraded = _AMX_REFUSED
     return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation{folded}", degraded)
 
 
