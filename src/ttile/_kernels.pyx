@@ -1479,12 +1479,20 @@ cdef int _check_bf16_array(cnp.ndarray a, str name, int64_t size, int allow_f32)
     return 0
 
 
-def bf16_round(cnp.ndarray src, int nthreads=1):
-    """float32 -> bf16 bits (uint16, same shape), rounded to nearest even."""
+def bf16_round(cnp.ndarray src, int nthreads=1, out=None):
+    """float32 -> bf16 bits (uint16, same shape), rounded to nearest even (``out``: a
+    uint16 array of src's size to write; None: a new one)."""
     _check_f32_contiguous(src, "src")
     if ttile_cpu_has_avx512f() != 1:
         raise RuntimeError("the bf16 conversions need AVX-512F")
-    cdef cnp.ndarray dst = np.empty((<object>src).shape, dtype=np.uint16)
+    cdef cnp.ndarray dst
+    if out is None:
+        dst = np.empty((<object>src).shape, dtype=np.uint16)
+    else:
+        dst = out
+        _check_bf16_array(dst, "out", cnp.PyArray_SIZE(src), 0)
+        if not cnp.PyArray_ISWRITEABLE(dst):
+            raise ValueError("out is read-only")
     with nogil:
         ttile_bf16_from_f32(<const float *>cnp.PyArray_DATA(src),
                             <unsigned short *>cnp.PyArray_DATA(dst), cnp.PyArray_SIZE(src),

@@ -407,3 +407,38 @@ class Bf16Bound:
         """A bf16 binding depends on the vector family only: the settings generation
         that a program checks before each run."""
         return True
+
+
+class RoundingBound:
+    """An fp32 layer's binding (``Conv2d.bound_nhwc``, weights already rounded) behind a
+    pass that rounds its input to bf16: a bf16 layer that the fp32 kernels serve
+    (grouped, depthwise, or no bf16 instructions), bound for a program like the others.
+    Its buffers are its own: a program runs on one thread at a time."""
+
+    def __init__(self, inner, nthreads: int, bits: bool) -> None:
+        self.plan = inner.plan
+        self.bits = bits
+        self._inner = inner
+        kernel = inner.bound_kernel[0]
+        rounded: dict = {}   # input shape: its rounded copy's buffer
+        result = aligned_empty(inner.plan.out_shape) if bits else None
+
+        def call(x: np.ndarray, y: np.ndarray, residual: Optional[np.ndarray]) -> None:
+            if x.dtype == np.uint16:   # bf16 bits: exact in fp32
+                xr = _kernels.bf16_widen(x, nthreads)
+            else:
+                buffer = rounded.get(x.shape)
+                if buffer is None:
+                    buffer = rounded[x.shape] = aligned_empty(x.shape)
+                xr = _kernels.bf16_round_f32(x, nthreads, buffer)
+            if residual is not None and residual.dtype == np.uint16:
+                residual = _kernels.bf16_widen(residual, nthreads)
+            if bits:
+                kernel(xr, result, residual)
+                _kernels.bf16_round(result, nthreads, y)
+            else:
+                kernel(xr, y, residual)
+        self.bound_kernel = (call,)
+
+    def holds(self) -> bool:
+        return self._inner.holds()

@@ -416,9 +416,11 @@ class _Bf16Layer:
         """This layer's bf16 kernel bound for NHWC inputs of ``x_shape`` on all
         ``threads`` (a sequence's program step, ``call(x, y, residual)``); None where no
         bf16 kernel serves it. x and the residual may be fp32 or bf16 bits (uint16), y is
-        bf16 bits with ``bf16_out``, else fp32."""
+        bf16 bits with ``bf16_out``, else fp32. Where the fp32 kernels on rounded values
+        serve, their binding (made by an earlier call) behind a rounding pass."""
         call, choice, nthreads, fused = self._prepare(x_shape, threads, True, get_isa())
         if choice.pack is None:
-            return None
+            inner = self._fp32_layer().bound_nhwc(x_shape, threads, residual)
+            return None if inner is None else bf16.RoundingBound(inner, nthreads, bf16_out)
         return bf16.Bf16Bound(call, choice.pack, self._weights(choice.pack, nthreads),
                               nthreads, fused, bf16_out)
