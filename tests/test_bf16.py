@@ -331,7 +331,15 @@ def test_torch_convert_bf16():
         fp32 = model(x)
         converted = tt.convert(model, example_input=x, progress=False, precision="bf16")
         got = converted(x)
-        got_cl = converted(x.contiguous(memory_format=torch.channels_last))
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        got_cl = converted(x_cl)
+        # later calls run the sequence's bound program (bf16 kernels, the depthwise
+        # layer's fp32 kernel behind its rounding pass, bf16 buffers): the same numbers
+        again = [converted(x_cl) for _ in range(3)][-1]
+        sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+        assert sequences and all(type(p).__name__ == "_BoundSequence"
+                                 for m in sequences for p in m._programs.values())
+        assert torch.equal(again, got_cl)
         layered = tt.convert(model, sequences=False, precision="bf16")
         layers = [m for m in layered.modules() if isinstance(m, tt.TTileConv2d)]
         assert len(layers) == 9 and all(m.precision is Precision.BF16 for m in layers)
