@@ -114,17 +114,6 @@ void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf1
     memset(xb + rows * row, 0, (size_t)ttile_bf16_input_slack(p) * sizeof(uint16_t));
 }
 
-/* 16 floats rounded (ttile_bf16_round512) and left in the low halves of 32-bit lanes. */
-static inline __m512i round_lanes(__m512 v)
-{
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_srli_epi32(r, 16);
-}
-
 void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_t c,
                              uint16_t *wb, int nthreads)
 {
@@ -145,7 +134,7 @@ void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_
                 const __m512 v1 = c1 < c ? _mm512_maskz_loadu_ps(m, row + c1 * k)
                                          : _mm512_setzero_ps();
                 _mm512_storeu_si512(out + pr * 16, _mm512_or_si512(
-                    round_lanes(v0), _mm512_slli_epi32(round_lanes(v1), 16)));
+                    ttile_bf16_round_lanes512(v0), _mm512_slli_epi32(ttile_bf16_round_lanes512(v1), 16)));
             }
         }
 }

@@ -176,15 +176,22 @@ int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,
 #include <immintrin.h>
 
 /* 16 floats rounded to bf16 as ttile_bf16_round does (AVX-512F integer arithmetic: no
- * AVX512_BF16 instruction, whose conversion flushes denormals). */
-static inline __m256i ttile_bf16_round512(__m512 v)
+ * AVX512_BF16 instruction, whose conversion flushes denormals), each in the low half of
+ * its 32-bit lane. */
+static inline __m512i ttile_bf16_round_lanes512(__m512 v)
 {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    return _mm512_srli_epi32(r, 16);
+}
+
+/* The same, packed into 16 bf16 values. */
+static inline __m256i ttile_bf16_round512(__m512 v)
+{
+    return _mm512_cvtepi32_epi16(ttile_bf16_round_lanes512(v));
 }
 
 static inline __m512 ttile_bf16_widen512(__m256i h)

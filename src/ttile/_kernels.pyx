@@ -1592,20 +1592,9 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     _check_bf16_array(y, "y", p.n * p.ho * p.wo * p.k, 1)
     cdef int y_bf16 = cnp.PyArray_TYPE(y) == cnp.NPY_UINT16
     cdef ttile_epilogue ep
-    ep.bias = NULL
-    ep.residual = NULL
-    ep.activation = activation
-    ep.negative_slope = slope
-    if activation < 0 or activation > 5:
-        raise ValueError(f"unknown activation code {activation}")
-    cdef cnp.ndarray b, res
-    if bias is not None:
-        b = bias
-        if cnp.PyArray_TYPE(b) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(b) != 1 \
-                or not cnp.PyArray_IS_C_CONTIGUOUS(b) or cnp.PyArray_DIMS(b)[0] != p.k:
-            raise ValueError(f"bias must be a contiguous float32 vector of {p.k}")
-        ep.bias = <const float *>cnp.PyArray_DATA(b)
-    if residual is not None:
+    _epilogue(&ep, bias, None, activation, slope, y, p.k)   # bias and activation checked
+    cdef cnp.ndarray res
+    if residual is not None:   # of y's type, fp32 or bf16 bits
         res = residual
         if cnp.PyArray_TYPE(res) != cnp.PyArray_TYPE(y):
             raise TypeError("the residual must have the output's type")

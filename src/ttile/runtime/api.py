@@ -134,9 +134,10 @@ def _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads,
         return conv2d(x, w, bias, stride, padding, dilation, groups, layout=layout,
                       threads=threads, activation=activation, negative_slope=negative_slope,
                       residual=residual, out=out)
-    x_shape = np.shape(x) if bf16.is_bfloat16(x) else as_float32(x, "input").shape
+    if not bf16.is_bfloat16(x):
+        x = as_float32(x, "input")   # once: the calls below take it as it is
     w_arr = as_float32(w, "weights")
-    call = call_plan(x_shape, w_arr.shape, stride, padding, layout, dilation, groups)
+    call = call_plan(np.shape(x), w_arr.shape, stride, padding, layout, dilation, groups)
     nthreads = call.fit(thread_count(threads))
     choice = bf16.choose(call.spec, call.groups, get_isa())
     packed = None
