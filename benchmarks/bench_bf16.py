@@ -18,6 +18,7 @@ Contenders, per layer (NHWC input for ttile, the layer's weights fixed):
 
 * ``ttile``: ``ttile.conv2d(x, w, layout="NHWC", precision="bf16")`` per call (fp32
   arrays in and out; the weights packed on the first call and reused while unchanged),
+  ``ttile NCHW``: the same call in torch's layout (NCHW input, KCRS weights),
   ``ttile Conv2d``: a ``ttile.Conv2d(..., precision="bf16")`` made once, and ``ttile bf16
   arrays``: that layer on an ``ml_dtypes.bfloat16`` input, giving a bf16 output (what
   ``torch bf16`` does);
@@ -30,7 +31,8 @@ Contenders, per layer (NHWC input for ttile, the layer's weights fixed):
 Per network (batch 1, 224x224, the networks of ``bench_network.py``): ``ttile``
 (``ttile.torch.convert(model, example_input=x, precision="bf16")`` on the channels_last
 input), ``OpenVINO default``, ``OpenVINO bf16``, ``torch autocast`` (the channels_last
-model under autocast), with ``ttile fp32`` and ``OpenVINO f32`` for reference.
+model under autocast), with ``ttile fp32``, ``OpenVINO f32`` and ``onnxruntime`` (fp32:
+its CPU provider has no bf16 convolution) for reference.
 
 ``--record`` writes the tables' result files for the results page (``results.py``).
 """
@@ -50,10 +52,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-LAYER_CONTENDERS = ("ttile", "ttile Conv2d", "ttile bf16 arrays", "OpenVINO default",
+LAYER_CONTENDERS = ("ttile", "ttile NCHW", "ttile Conv2d", "ttile bf16 arrays", "OpenVINO default",
                     "OpenVINO bf16", "torch autocast", "torch bf16")
 NETWORK_CONTENDERS = ("ttile", "OpenVINO default", "OpenVINO bf16", "torch autocast",
-                      "ttile fp32", "OpenVINO f32")
+                      "ttile fp32", "OpenVINO f32", "onnxruntime")
 PEERS = ("OpenVINO default", "OpenVINO bf16", "torch")
 
 
@@ -89,6 +91,11 @@ def _layer_runner(label: str, layer, threads: int, reference: bool = True):
             return ttile.conv2d(x_nhwc, w_rsck, stride=stride, padding=pad, layout="NHWC",
                                 threads=threads, precision="bf16")
         nchw = (lambda y: y.transpose(0, 3, 1, 2))
+    elif label == "ttile NCHW":
+        def call():
+            return ttile.conv2d(x, w, stride=stride, padding=pad, threads=threads,
+                                precision="bf16")
+        nchw = (lambda y: y)
     elif label in ("ttile Conv2d", "ttile bf16 arrays"):
         layer_ = ttile.Conv2d(w_rsck, stride=stride, padding=pad, layout="NHWC",
                               threads=threads, precision="bf16")
@@ -164,6 +171,9 @@ def network_child(label: str, names: list[str], threads: int, reps: int,
                 def call():
                     with torch.autocast("cpu", dtype=torch.bfloat16):
                         return model_cl(x_cl).float().numpy()
+            elif label == "onnxruntime":
+                call = peers.onnx_runner(peers.Peer.ONNXRUNTIME, onnx_export(model, x),
+                                         x.numpy(), threads)
             else:
                 precision = {"OpenVINO default": None, "OpenVINO bf16": "bf16",
                              "OpenVINO f32": "f32"}[label]
