@@ -111,20 +111,25 @@ def _avx2_sources() -> list[str]:
 def _functions_of(sources: list[str]):
     """The installed extension's functions compiled from ``sources`` (the static ones
     after each source's FILE symbol, the others by their family suffix: ``_avx2``,
-    ``__avx2``) and how many of the sources it was built from; None where the extension
-    keeps no symbols."""
+    ``__avx2``) and how many sources it was built from; None where the extension keeps no
+    symbols. The generated kernels are compiled several to a unit (``avx2_<n>.c``,
+    CMakeLists.txt's ttile_generated_units), so each is looked for by its function."""
     import extension_code
-    names = {Path(s).name for s in sources}
-    symbols = extension_code.functions(lambda unit: unit in names,
-                                       lambda name: re.search(r"_avx2(\.|$)", name) is not None)
+    handwritten = {Path(s).name for s in sources if not Path(s).name.startswith("ttile_f32_conv2d_")}
+    generated = {Path(s).stem for s in sources if Path(s).name.startswith("ttile_f32_conv2d_")}
+    symbols = extension_code.functions(
+        lambda unit: unit in handwritten or re.fullmatch(r"avx2_\d+\.c", unit) is not None,
+        lambda name: re.search(r"_avx2(\.|$)", name) is not None)
     if symbols is None:
         return None
-    if not any(unit.startswith("ttile_f32_conv2d_") for unit in symbols.units):
-        # built without the shipped kernels (TTILE_SHIPPED_KERNELS=OFF): none to find
-        names = {name for name in names if not name.startswith("ttile_f32_conv2d_")}
-    missing = names - symbols.units
+    missing = handwritten - symbols.units
     assert not missing, f"AVX2 sources with no FILE symbol in the extension: {sorted(missing)}"
-    return symbols.functions, len(names)
+    names = {function.name for function in symbols.functions}
+    if not any(name.startswith("ttile_f32_conv2d_") for name in names):
+        generated = set()   # built without the shipped kernels (TTILE_SHIPPED_KERNELS=OFF)
+    missing = generated - names
+    assert not missing, f"generated AVX2 kernels missing from the extension: {sorted(missing)}"
+    return symbols.functions, len(handwritten) + len(generated)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
