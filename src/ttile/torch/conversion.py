@@ -103,7 +103,10 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
     not_fused = "trace=False"
     if trace:
         try:
-            gm = torch.fx.symbolic_trace(model)
+            # a GraphModule is a graph already (ttile.onnx builds one whose onnxruntime
+            # modules are not traceable): rewritten as it is
+            gm = model if isinstance(model, torch.fx.GraphModule) else \
+                torch.fx.symbolic_trace(model)
         except Exception as exc:   # data-dependent control flow and the like: swap modules
             gm = None
             first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -148,8 +151,8 @@ def _set_precision(model: nn.Module, precision: Precision) -> None:
 
 def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True,
          settle: bool = True):
-    """Runs the converted model once on ``example_input`` (tuning every ttile layer's
-    shape on its first call, by the tuning policy of ``ttile.set_tuning``), then with
+    """Runs the converted model once on ``example_input`` (a tuple: one per input;
+    tuning every ttile layer's shape on its first call, by the tuning policy of ``ttile.set_tuning``), then with
     ``settle`` makes each :class:`TTileSequence`'s context verdict on the inputs it met
     (kept in its ``verdicts``), and prints which kernel serves each layer; returns the
     rows of that table."""
@@ -200,7 +203,7 @@ def tune(model: nn.Module, example_input: torch.Tensor, *, progress: bool = True
                 lambda module, args: sequence_inputs.append((module, args))))
     try:
         with torch.no_grad():
-            model(example_input)
+            model(*example_input) if isinstance(example_input, tuple) else model(example_input)
     finally:
         for handle in handles:
             handle.remove()
