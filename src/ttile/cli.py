@@ -237,10 +237,13 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """Serve every layer of a built-in network with ``ttile.Conv2d`` on this CPU: check
+    """Serve every layer of a built-in network (or, with --onnx, a user's model:
+    :func:`_cmd_run_onnx`) with ``ttile.Conv2d`` on this CPU: check
     each against the float64 reference, time it beside the engines installed here (torch,
     onnxruntime, OpenVINO: :mod:`ttile.peers`) in the same shuffled rounds, and say what
     served it."""
+    if args.run_onnx is not None:
+        return _cmd_run_onnx(args)
     import random
     import statistics
 
@@ -340,6 +343,77 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"run-time tuning: {tuned_here} layer(s) tuned in this run" if args.tuning != "never"
           else "run-time tuning: off")
     return 1 if wrong else 0
+
+
+def _cmd_run_onnx(args: argparse.Namespace) -> int:
+    """Serve a user's ONNX model with ``ttile.onnx.load`` on this CPU: the table of what
+    serves each layer, the output checked against onnxruntime on the same file and
+    input, and the whole model timed beside onnxruntime and OpenVINO (at f32 and at its
+    default precision) in the same shuffled rounds."""
+    import random
+    import statistics
+
+    import numpy as np
+
+    import ttile.onnx
+    from . import peers as engines
+    from .onnx.graph import declared_shapes
+
+    threads = args.threads
+    path = args.run_onnx
+    shapes = declared_shapes(path, symbolic_batch=1)
+    rng = np.random.default_rng(0)
+    xs = [rng.uniform(-1, 1, shape).astype(np.float32) for shape in shapes]
+    print(f"{path} on {_cpu_name()}, {threads} thread(s), batch from the file (a symbolic "
+          f"one read as 1), precision {args.precision}")
+    served = ttile.onnx.load(path, tuple(xs) if len(xs) > 1 else xs[0], threads=threads,
+                             precision=args.precision, progress=True)
+    print(served.describe())
+    data = Path(path).read_bytes()
+    runs = {"ttile": lambda: served(*xs)}
+    peers = [p for p in engines.available() if p is not engines.Peer.TORCH] \
+        if args.peers else []
+    expected = None
+    if engines.Peer.ONNXRUNTIME in peers or not args.peers:
+        session = engines.onnxruntime_session(data, threads)
+        feed = dict(zip([i.name for i in session.get_inputs()], xs))
+        expected = session.run(None, feed)
+        if engines.Peer.ONNXRUNTIME in peers:
+            runs["onnxruntime"] = lambda: session.run(None, feed)
+    if engines.Peer.OPENVINO in peers and len(xs) == 1:
+        for label, precision in (("OpenVINO f32", "f32"), ("OpenVINO default", None)):
+            runs[label] = engines.onnx_runner(engines.Peer.OPENVINO, data, xs[0], threads,
+                                              precision=precision)
+    y = served(*xs)
+    ys = y if isinstance(y, tuple) else (y,)
+    error = None
+    if expected is not None:
+        error = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                    for a, b in zip(ys, expected))
+    bound = 1e-4 if args.precision == "fp32" else 3e-2
+    verdict = "not checked" if error is None else \
+        f"{'ok' if error <= bound else 'WRONG'} ({error:.1e} of the largest value, " \
+        f"bound {bound:.0e})"
+    print(f"check against onnxruntime: {verdict}")
+    times = {name: [] for name in runs}
+    order = random.Random(0)
+    names = list(runs)
+    for name in names:
+        runs[name]()
+    for _ in range(args.reps):
+        order.shuffle(names)
+        for name in names:
+            runs[name]()              # warm, then timed
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    ttile_s = statistics.median(times["ttile"])
+    print(f"| contender | ms (median of {args.reps}) | its time / ttile's |")
+    print("|---|---|---|")
+    for name in runs:
+        t = statistics.median(times[name])
+        print(f"| {name} | {t * 1e3:.3f} | {t / ttile_s:.2f} |")
+    return 1 if error is not None and error > bound else 0
 
 
 def _cpu_name() -> str:
@@ -805,6 +879,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-peers", dest="peers", action="store_false",
                      help="time ttile alone (default: beside torch, onnxruntime and OpenVINO "
                           "where installed)")
+    run.add_argument("--onnx", dest="run_onnx", type=Path, default=None,
+                     help="serve this ONNX model instead (ttile.onnx.load; needs ttile[onnx]): "
+                          "the layers' table, a check against onnxruntime, the whole model "
+                          "timed beside onnxruntime and OpenVINO")
+    run.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                     help="with --onnx: the precision of the convolutions")
     run.set_defaults(run=_cmd_run)
     rank = sub.add_parser("train-ranker", help="train the learned ranking of schemes from "
                                                "the tuning records (generator/records), evaluate "
@@ -864,7 +944,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.run(args)
-    except (KeyError, ValueError, FileNotFoundError) as exc:
+    except (KeyError, ValueError, FileNotFoundError, ImportError) as exc:
         print(f"ttile-generate: {exc}", file=sys.stderr)
         return 2
 

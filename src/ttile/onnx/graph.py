@@ -120,6 +120,31 @@ def _graph_inputs(model, source: str, examples: Optional[Sequence[np.ndarray]]
     return tuple(inputs)
 
 
+def declared_shapes(model, symbolic_batch: Optional[int] = None) -> list[tuple[int, ...]]:
+    """The shapes of the inputs a caller gives, as the file declares them; with
+    ``symbolic_batch``, a symbolic first dimension read as that size (any other symbolic
+    dimension is an error naming it)."""
+    onnx, _ = _imports()
+    proto, source = read_model(model)
+    initialized = {t.name for t in proto.graph.initializer}
+    shapes = []
+    for value in proto.graph.input:
+        if value.name in initialized:
+            continue
+        dims = []
+        for i, d in enumerate(value.type.tensor_type.shape.dim):
+            if d.HasField("dim_value"):
+                dims.append(d.dim_value)
+            elif i == 0 and symbolic_batch is not None:
+                dims.append(symbolic_batch)
+            else:
+                raise OnnxModelError(f"{source}: input {value.name!r} has a dynamic "
+                                     f"dimension {i} ({d.dim_param or '?'}): give an input "
+                                     f"of the shape to serve (ttile.onnx.load's example_input)")
+        shapes.append(tuple(dims))
+    return shapes
+
+
 def _fix_input_shapes(model, inputs: Sequence[GraphInput]) -> None:
     by_name = {i.name: i.shape for i in inputs}
     for value in model.graph.input:
@@ -176,4 +201,5 @@ def prepare(model, examples: Optional[Sequence[np.ndarray]] = None) -> PreparedG
                          shapes, source)
 
 
-__all__ = ["OnnxModelError", "GraphInput", "PreparedGraph", "prepare", "read_model"]
+__all__ = ["OnnxModelError", "GraphInput", "PreparedGraph", "declared_shapes", "prepare",
+           "read_model"]
