@@ -29,7 +29,10 @@ MobileNetV2 at 2 threads ran 6.2 ms alone and 10.7 in single interleaved calls):
 * OpenVINO on the same export (CPU, ``INFERENCE_PRECISION_HINT`` f32, ``PERFORMANCE_HINT``
   LATENCY, ``INFERENCE_NUM_THREADS`` set), where installed;
 * ttile: ``ttile.torch.convert(model, example_input=x)`` called on the channels_last
-  input (ttile's native layout) and on the NCHW input.
+  input (ttile's native layout) and on the NCHW input; ``ttile onnx``: the ONNX export
+  through ``ttile.onnx.load``, called on the NCHW numpy input as an ONNX user calls it
+  (the notes give its speed relative to the channels_last conversion, a median of each
+  round's ratio).
 
 With ``--alone``, each contender is also timed by itself in a child process of its own
 (back-to-back calls, the kernels tuned by the interleaved run served from the disk cache),
@@ -214,6 +217,12 @@ def contender(label: str, model, model_cl, x, x_cl, threads: int, converted=None
     import torch
 
     import ttile.torch as tt
+    if label == "ttile onnx":   # the ONNX export through ttile.onnx.load, as an ONNX user
+        import ttile.onnx
+        served = ttile.onnx.load(exported if exported is not None else onnx_export(model, x),
+                                 x.numpy(), threads=threads)
+        x_np = x.numpy()
+        return lambda: served(x_np)
     if label.startswith("ttile"):
         if converted is None:
             converted = tt.convert(model, example_input=x_cl, threads=threads, progress=False)
@@ -325,6 +334,8 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
             exported = onnx_export(model, x)
             runs["onnxruntime"] = contender("onnxruntime", model, model_cl, x, x_cl, threads,
                                             exported=exported)
+            runs["ttile onnx"] = contender("ttile onnx", model, model_cl, x, x_cl, threads,
+                                           exported=exported)
         except Exception as error:
             exported = None
             notes.append(f"onnx export failed: {type(error).__name__}: {error}")
@@ -339,6 +350,10 @@ def bench(name: str, batch: int, threads: int, reps: int, compile_: bool,
         for fn in runs.values():
             fn()
         times = rounds(runs, reps, Cache.WARM)
+        if "ttile onnx" in times:
+            onnx_ratio = statistics.median(c / o for c, o in zip(times["ttile channels_last"],
+                                                                 times["ttile onnx"]))
+            notes.append(f"ttile.onnx.load / convert speed {onnx_ratio:.2f}")
         layers = None
         if breakdown:
             from network_layers import breakdown as per_layer

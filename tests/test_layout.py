@@ -18,6 +18,9 @@ ALLOWED = {
     "tuning": {"core", "tuning"},
     "generator": {"core", "tuning", "generator"},
     "runtime": {"core", "tuning", "generator", "runtime"},
+    # the front ends: a PyTorch model, and an ONNX model (served through the former)
+    "torch": {"core", "tuning", "generator", "runtime", "torch"},
+    "onnx": {"core", "tuning", "generator", "runtime", "torch", "onnx"},
 }
 LEAVES = {"ttile._kernels", "ttile._version"}
 
