@@ -249,3 +249,31 @@ def test_the_main_job_on_a_users_onnx_file(tmp_path, capsys):
     bad.write_bytes(b"not a model")
     assert main(["run", "--onnx", str(bad)]) == 2
     assert "bad.onnx: not an ONNX model" in capsys.readouterr().err
+
+
+class _TwoInTwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, groups=4, padding=1)   # grouped, not depthwise
+        self.c = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x, z):
+        f = torch.relu(self.a(x))
+        return f, torch.softmax(self.c(self.b(f) + z), 1)
+
+
+def test_several_inputs_and_outputs():
+    torch.manual_seed(8)
+    x, z = torch.randn(1, 3, 16, 16), torch.randn(1, 8, 16, 16)
+    buffer = io.BytesIO()
+    torch.onnx.export(_TwoInTwoOut().eval(), (x, z), buffer, opset_version=17, dynamo=False,
+                      input_names=["x", "z"])
+    data = buffer.getvalue()
+    served = ttile.onnx.load(data, threads=1)
+    assert [i.name for i in served.inputs] == ["x", "z"]
+    features, probabilities = served(x.numpy(), z.numpy())
+    expected = _onnxruntime(data, x.numpy(), z.numpy())
+    assert _error(features, expected[0]) < 1e-4 and _error(probabilities, expected[1]) < 1e-4
+    with pytest.raises(TypeError, match="takes 2 input"):
+        served(x.numpy())
