@@ -53,6 +53,10 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_conv_depthwise_avx512(const ttile_conv_shape *shape, const float *x,
                                      const float *w, float *y, int nthreads,
                                      const ttile_epilogue *ep)
+    int ttile_grouped_lanes_supported(int64_t c, int64_t k, int64_t groups)
+    int ttile_conv_grouped_avx512(const ttile_conv_shape *shape, const float *x,
+                                  const float *w, float *y, int nthreads,
+                                  const ttile_epilogue *ep)
     void ttile_conv_depthwise_avx2(const ttile_conv_shape *shape, const float *x,
                                    const float *w, float *y, int nthreads,
                                    const ttile_epilogue *ep)
@@ -427,6 +431,48 @@ def conv2d_depthwise(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
             ttile_conv_depthwise_avx2(&shape, xp, wp, yp, nthreads, ep)
         else:
             ttile_conv_depthwise_avx512(&shape, xp, wp, yp, nthreads, ep)
+
+
+def grouped_lanes_supported(int64_t c, int64_t k, int64_t groups):
+    """Whether the grouped kernel serves ``groups`` groups of ``c`` input and ``k``
+    output channels each (c == k in 2, 4, 8, 16; 16-channel blocks in all)."""
+    return ttile_grouped_lanes_supported(c, k, groups) == 1
+
+
+def conv2d_grouped(cnp.ndarray x, cnp.ndarray w, cnp.ndarray y,
+                   int64_t stride_h, int64_t stride_w, int64_t pad_top, int64_t pad_left,
+                   int nthreads, *, int64_t groups, int64_t dil_h=1, int64_t dil_w=1,
+                   bias=None, residual=None, int activation=0, float slope=0.01):
+    """The AVX-512F grouped kernel (kernels/grouped_avx512.c: output channels of several
+    groups in the vector lanes): x (N,H,W,C), weights (K/16, R, S, cg * 16) (blocks of 16
+    output channels, ``packing.grouped_weights``), y (N,Ho,Wo,K), cg = C/groups = K/groups
+    in 2, 4, 8, 16."""
+    _check_avx512_arrays(x, w, y)
+    cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
+    cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
+    if groups < 1 or xs[3] % groups:
+        raise ValueError(f"{groups} groups do not divide {xs[3]} input channels")
+    cdef int64_t cg = xs[3] // groups
+    if ws[3] != cg * 16 or ws[0] * 16 != cg * groups:
+        raise ValueError(f"grouped weights must be ({cg * groups // 16}, R, S, {cg * 16}) "
+                         f"for {groups} groups of {cg} channels, got {(<object>w).shape}")
+    if not ttile_grouped_lanes_supported(cg, cg, groups):
+        raise ValueError(f"the grouped kernel does not serve {groups} groups of {cg} "
+                         f"channels")
+    cdef ttile_conv_shape shape
+    _fill_shape(&shape, x, y, ws[1], ws[2], cg, cg * groups, stride_h, stride_w, pad_top,
+                pad_left, nthreads, False, dil_h, dil_w, groups)
+    cdef ttile_epilogue epilogue
+    cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
+                                              y, cg * groups)
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
+    cdef float *yp = <float *>cnp.PyArray_DATA(y)
+    cdef int status
+    with nogil:
+        status = ttile_conv_grouped_avx512(&shape, xp, wp, yp, nthreads, ep)
+    if status != 0:
+        raise ValueError("the grouped kernel refused the problem")
 
 
 cdef int _ir_shape(ttile_ir_shape *sh, cnp.ndarray x, int64_t e, int64_t k, int64_t stride,

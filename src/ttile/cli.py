@@ -509,7 +509,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     for i, layer in enumerate(layers):
         s = layer.spec()
         search = "depthwise kernel" if layer.depthwise else \
-            "grouped: generic kernel" if layer.groups > 1 else "searched"
+            _grouped_server(layer) if layer.groups > 1 else "searched"
         nodes = len(shared[i]) if shared else 1
         print(f"| {layer.name} | {s.n} | {layer.k} | {layer.c} | {s.h} x {s.w} | "
               f"{s.r} x {s.s} | {s.stride_h},{s.stride_w} | {s.pad_top},{s.pad_bottom},"
@@ -518,6 +518,15 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     for s in skipped:
         print(f"skipped: {s.node} ({s.op_type}): {s.reason}")
     return 0
+
+
+def _grouped_server(layer) -> str:
+    """What serves a grouped layer (1 < groups < channels): not searched."""
+    from . import _kernels
+    cg, kg = layer.c // layer.groups, layer.k // layer.groups
+    if _kernels.grouped_lanes_supported(cg, kg, layer.groups):
+        return "grouped kernel (AVX-512), not searched"
+    return "grouped: generic kernel, not searched"
 
 
 def _table_or_quick_step1(args: argparse.Namespace, isa: Isa, specs=None):

@@ -35,6 +35,9 @@ class KernelKind(str, Enum):
     GENERIC = "generic"
     #: the depthwise kernel (groups == channels, one output channel per group)
     DEPTHWISE = "depthwise"
+    #: the grouped kernel (2, 4, 8 or 16 channels a group, as many in as out: the output
+    #: channels of several groups in the vector lanes; ResNeXt's grouped layers)
+    GROUPED = "grouped"
     #: the NCHW 1x1 kernel (stride 1, no padding, one group: a matrix product per image
     #: in torch's layout)
     POINTWISE = "pointwise"

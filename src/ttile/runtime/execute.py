@@ -74,7 +74,8 @@ def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.
     """``choice`` bound to run on NHWC x into NHWC y with the epilogue ``fused``
     (Fused.kwargs; its residual is the call's argument, not bound); ``weights`` are in
     the kernel's format (panels of ``choice.panel``, RSCK for panel 0; (R, S, 1, C) for
-    the NHWC depthwise kernel; KCRS for the vector generic kernel, grouped). Binding once
+    the NHWC depthwise kernel; KCRS for the vector generic kernel, grouped; blocks of 16
+    output channels for the grouped kernel). Binding once
     is what lets a ``Conv2d`` called again skip every decision below (a few
     microseconds of Python per call)."""
     kind, spec = choice.kind, plan.spec
@@ -94,7 +95,8 @@ def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.
                 searched(x[i:i + 1], y[i:i + 1], None if residual is None
                          else residual[i:i + 1])
         return image_by_image
-    if not choice.panel and kind not in (KernelKind.WINOGRAD, KernelKind.DEPTHWISE):
+    if not choice.panel and kind not in (KernelKind.WINOGRAD, KernelKind.DEPTHWISE,
+                                         KernelKind.GROUPED):
         # the portable generic kernel (no vector family to name)
         return lambda x, y, residual: _kernels.conv2d_generic_nhwc(
             x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads,
@@ -105,6 +107,11 @@ def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.
         return lambda x, y, residual: _kernels.conv2d_winograd(
             x, weights, y, pad_top, pad_left, nthreads, bias=bias, residual=residual,
             activation=activation, slope=slope, isa=isa, tile=choice.tile)
+    if kind is KernelKind.GROUPED:
+        return lambda x, y, residual: _kernels.conv2d_grouped(
+            x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads, groups=groups,
+            dil_h=dil_h, dil_w=dil_w, bias=bias, residual=residual, activation=activation,
+            slope=slope)
     if kind is KernelKind.DEPTHWISE:
         return lambda x, y, residual: _kernels.conv2d_depthwise(
             x, weights, y, stride_h, stride_w, pad_top, pad_left, nthreads, dil_h=dil_h,

@@ -40,6 +40,8 @@ def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
             else aligned_copy(w.transpose(3, 2, 0, 1))
     if plan.family is Family.DENSE:
         return None
+    if choice.kind is KernelKind.GROUPED:
+        return grouped_weights(w, layout)
     if choice.kind is KernelKind.DEPTHWISE:
         if choice.nchw or layout == "NHWC":
             return w   # (C, 1, R, S) for the NCHW kernel, (R, S, 1, C) for the NHWC one
@@ -47,6 +49,17 @@ def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
     if choice.panel:  # KCRS (K, C/groups, R, S)
         return w if layout == "NCHW" else aligned_copy(w.transpose(3, 2, 0, 1))
     return aligned_copy(w.transpose(2, 3, 1, 0)) if layout == "NCHW" else w
+
+
+def grouped_weights(w: np.ndarray, layout: str) -> np.ndarray:
+    """The grouped kernel's weights (kernels/grouped_avx512.c): (K/16, R, S, cg * 16),
+    each block of 16 output channels' taps and steps contiguous (read in place from RSCK,
+    a step's 16 weights were K floats apart: the block's 16 steps fell in two L1 sets
+    on 512-channel layers), from RSCK (R, S, cg, K) or torch's KCRS (K, cg, R, S)."""
+    rsck = w if layout == "NHWC" else w.transpose(2, 3, 1, 0)
+    r, s, cg, k = rsck.shape
+    return aligned_copy(rsck.reshape(r, s, cg, k // 16, 16).transpose(3, 0, 1, 2, 4)
+                        .reshape(k // 16, r, s, cg * 16))
 
 
 def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
