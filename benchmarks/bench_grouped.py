@@ -1,0 +1,116 @@
+"""Grouped convolutions (1 < groups < channels) per call: ttile against torch,
+onnxruntime and OpenVINO on the grouped layers of AlexNet (groups of 2), ShuffleNet v1
+(grouped 1x1 layers, 3 and 8 groups) and ResNeXt-50 32x4d (32 groups of 4 to 32
+channels).
+
+Not a test: run it by hand with the ``bench`` extra installed::
+
+    python benchmarks/bench_grouped.py --threads 1 2
+
+Each layer: ``ttile.Conv2d(w, groups=g, layout="NHWC")`` (weights packed once) on an NHWC
+input, the engines on the same NCHW input and KCRS weights (``ttile.peers.runner``),
+every output checked against ttile's first, then timed in ``--reps`` rounds that
+interleave the contenders in a seeded shuffled order, each timed call right after an
+untimed one of its own; medians. "best / ttile" > 1: ttile faster.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import numpy as np
+
+import ttile
+from ttile import peers
+
+#: (name, input channels, output channels, input size, filter, stride, groups)
+LAYERS = [
+    ("AlexNet-conv2", 96, 256, 27, 5, 1, 2),
+    ("AlexNet-conv4", 384, 384, 13, 3, 1, 2),
+    ("AlexNet-conv5", 384, 256, 13, 3, 1, 2),
+    ("ShuffleNet-g3-s2-reduce", 240, 60, 28, 1, 1, 3),
+    ("ShuffleNet-g3-s2-expand", 60, 240, 28, 1, 1, 3),
+    ("ShuffleNet-g3-s3-reduce", 480, 120, 14, 1, 1, 3),
+    ("ShuffleNet-g3-s3-expand", 120, 480, 14, 1, 1, 3),
+    ("ShuffleNet-g8-s2-reduce", 384, 96, 28, 1, 1, 8),
+    ("ShuffleNet-g8-s2-expand", 96, 384, 28, 1, 1, 8),
+    ("ResNeXt50-s1", 128, 128, 56, 3, 1, 32),
+    ("ResNeXt50-s2-first", 256, 256, 56, 3, 2, 32),
+    ("ResNeXt50-s2", 256, 256, 28, 3, 1, 32),
+    ("ResNeXt50-s3-first", 512, 512, 28, 3, 2, 32),
+    ("ResNeXt50-s3", 512, 512, 14, 3, 1, 32),
+    ("ResNeXt50-s4-first", 1024, 1024, 14, 3, 2, 32),
+    ("ResNeXt50-s4", 1024, 1024, 7, 3, 1, 32),
+]
+
+
+def bench_layer(layer, threads: int, reps: int, rng) -> dict:
+    name, c, k, hw, r, stride, groups = layer
+    pad = r // 2
+    x = rng.uniform(-1, 1, (1, hw, hw, c)).astype(np.float32)
+    w = rng.uniform(-1, 1, (r, r, c // groups, k)).astype(np.float32)
+    conv = ttile.Conv2d(w, stride=stride, padding=pad, groups=groups, layout="NHWC",
+                        threads=threads)
+    expected = conv(x).transpose(0, 3, 1, 2)
+    x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    w_kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+    runs = {"ttile": lambda: conv(x)}
+    for peer in peers.available():
+        run = peers.runner(peer, x_nchw, w_kcrs, (stride, stride), (pad,) * 4, groups, threads)
+        if run is not None:
+            if not np.allclose(run(), expected, rtol=1e-3, atol=1e-3):
+                raise AssertionError(f"{name}: {peer.value} disagrees with ttile")
+            runs[peer.value] = run
+    times = {label: [] for label in runs}
+    order = list(runs)
+    shuffle = random.Random(0).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for label in order:
+            runs[label]()
+            t0 = time.perf_counter()
+            runs[label]()
+            times[label].append(time.perf_counter() - t0)
+    ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
+    engines = [label for label in ms if label != "ttile"]
+    best = min(ms[label] for label in engines) if engines else float("nan")
+    plan = ttile.plan(x.shape, w.shape, stride=stride, padding=pad, groups=groups,
+                      layout="NHWC", threads=threads, prepacked=True)
+    return dict(name=name, ms=ms, ratio=best / ms["ttile"], kind=plan.kind.value)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args(argv)
+    cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].split("\n")[0]
+    print(f"# {cpu.strip()}; per call, NHWC for ttile, NCHW for the engines; medians of "
+          f"{args.reps} interleaved rounds")
+    for threads in args.threads:
+        try:
+            import torch
+            torch.set_num_threads(threads)
+        except ImportError:
+            pass
+        rng = np.random.default_rng(0)
+        rows = [bench_layer(layer, threads, args.reps, rng) for layer in LAYERS]
+        labels = list(rows[0]["ms"])
+        print(f"\n{threads} thread(s)\n")
+        print("| layer | served by | " + " | ".join(f"{l} ms" for l in labels)
+              + " | best / ttile |")
+        print("|---|---|" + "---|" * len(labels) + "---|")
+        for row in rows:
+            print(f"| {row['name']} | {row['kind']} | "
+                  + " | ".join(f"{row['ms'].get(l, float('nan')):.3f}" for l in labels)
+                  + f" | {row['ratio']:.2f} |", flush=True)
+        ratios = [row["ratio"] for row in rows]
+        print(f"\ngeomean best / ttile: {float(np.exp(np.mean(np.log(ratios)))):.2f}; "
+              f"lowest {min(ratios):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
