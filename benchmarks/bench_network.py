@@ -7,7 +7,8 @@ Not a test: run it by hand with torch, onnxruntime and onnx installed::
 
 The networks are defined here with torch.nn from their published architectures
 (torchvision's compiled ops do not load with the CPU torch used here): ResNet-18 and -50
-(He et al. 2016, torchvision's v1.5 layout: stride in the 3x3), MobileNetV2 (Sandler et
+(He et al. 2016, torchvision's v1.5 layout: stride in the 3x3), ResNeXt-50 32x4d (its
+3x3 layers in 32 groups), MobileNetV2 (Sandler et
 al. 2018, width 1.0) and a YOLO-style backbone (Darknet-19 of YOLOv2/YOLO9000: conv + batch
 norm + leaky ReLU 0.1, max pools). Random weights and batch norm statistics, eval mode,
 224x224 inputs.
@@ -102,14 +103,15 @@ def build(name: str):
     class Bottleneck(nn.Module):
         expansion = 4
 
-        def __init__(self, cin, planes, stride):
+        def __init__(self, cin, planes, stride, groups=1, width_per_group=64):
             super().__init__()
             out = planes * 4
-            self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(planes)
-            self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(planes)
-            self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+            width = planes * width_per_group // 64 * groups   # ResNeXt: wider, grouped 3x3
+            self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False)
+            self.bn2 = nn.BatchNorm2d(width)
+            self.conv3 = nn.Conv2d(width, out, 1, bias=False)
             self.bn3 = nn.BatchNorm2d(out)
             self.relu = nn.ReLU(inplace=True)
             self.downsample = (conv_bn(cin, out, 1, stride)
@@ -122,6 +124,10 @@ def build(name: str):
             out = self.bn3(self.conv3(out))
             out += identity
             return self.relu(out)
+
+    class ResNeXtBottleneck(Bottleneck):
+        def __init__(self, cin, planes, stride):   # ResNeXt-50 32x4d (Xie et al. 2017)
+            super().__init__(cin, planes, stride, groups=32, width_per_group=4)
 
     def resnet(block, counts):
         layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
@@ -177,6 +183,7 @@ def build(name: str):
 
     model = {"resnet18": lambda: resnet(BasicBlock, (2, 2, 2, 2)),
              "resnet50": lambda: resnet(Bottleneck, (3, 4, 6, 3)),
+             "resnext50": lambda: resnet(ResNeXtBottleneck, (3, 4, 6, 3)),
              "mobilenet_v2": mobilenet_v2, "yolo": darknet19}[name]()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
