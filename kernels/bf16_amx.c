@@ -20,6 +20,13 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
     (void)p, (void)xb, (void)wb, (void)y, (void)y_bf16, (void)nthreads, (void)ep;
     return -1;   /* built by a compiler without AMX */
 }
+int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,
+                                 const uint16_t *wb, void *y, int y_bf16, int nthreads,
+                                 const ttile_epilogue *ep)
+{
+    (void)p, (void)x, (void)wb, (void)y, (void)y_bf16, (void)nthreads, (void)ep;
+    return -1;
+}
 int ttile_bf16_amx_built(void) { return 0; }
 #else
 #include <immintrin.h>
@@ -172,6 +179,10 @@ typedef struct {
     void *y;
     int64_t a_stride, taps, nq, kc, chunk, block, image, pairs;
     const int64_t *off;
+    /* An unpacked input's last tile, whose rows run past the input's end: its rows in a
+     * zero-padded copy (NULL: the input is packed, with slack after it). */
+    const uint16_t *tail;
+    int64_t tail_n, tail_tile;
 } amx_call;
 
 /* The first rows (tap 0) of pixel-tile pair mi's two tiles, and the second tile's index
@@ -185,6 +196,12 @@ static inline void pair_rows(const amx_call *c, const uint16_t *xb, int64_t mi,
     *t1 = *t0 + 1 < c->t.blocks ? *t0 + 1 : *t0;
     *a0 = xb + *n * c->image + ttile_bf16_block_base(c->p, &c->t, *t0);
     *a1 = xb + *n * c->image + ttile_bf16_block_base(c->p, &c->t, *t1);
+    if (c->tail && *n == c->tail_n) {
+        if (*t0 == c->tail_tile)
+            *a0 = c->tail;
+        if (*t1 == c->tail_tile)
+            *a1 = c->tail;
+    }
 }
 
 /* Reduction steps q0..q1 of every tap into the four accumulator tiles. */
@@ -264,8 +281,9 @@ static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, 
     }
 }
 
-int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
-                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
+static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
+                   void *y, int y_bf16, int nthreads, const ttile_epilogue *ep,
+                   const uint16_t *tail, int64_t tail_n, int64_t tail_tile)
 {
     if (!ttile_amx_request())
         return -1;
@@ -288,6 +306,9 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
     c.block = c.taps * p->cp * 16;   /* weight elements of 16 output channels */
     c.image = p->hp * p->wp * p->cp;
     c.pairs = (c.t.blocks + 1) / 2;
+    c.tail = tail;
+    c.tail_n = tail_n;
+    c.tail_tile = tail_tile;
     int64_t *off = malloc((size_t)c.taps * sizeof(int64_t));
     if (off == 0)
         return -1;
@@ -328,5 +349,38 @@ int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const u
     }
     free(off);
     return 0;
+}
+int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
+                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
+{
+    return amx_run(p, xb, wb, y, y_bf16, nthreads, ep, 0, 0, 0);
+}
+
+/* A 1x1, stride-1, unpadded layer on its bf16 NHWC input as it is (c == cp): the packed
+ * input would be a copy of it (a pass over 1.6 MB for a 56x56x256 input, 136 us of a
+ * 1x1 layer's 450 on a Xeon model 207). The tiles read the input in place; only the last
+ * image's last tile, whose rows would run past the input's end, reads a zero-padded copy
+ * of its rows. */
+int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,
+                                 const uint16_t *wb, void *y, int y_bf16, int nthreads,
+                                 const ttile_epilogue *ep)
+{
+    if (p->r != 1 || p->s != 1 || p->stride_h != 1 || p->stride_w != 1 || p->hp != p->ho
+        || p->wp != p->wo)
+        return -1;
+    const ttile_bf16_tiling t = ttile_bf16_tiling_of(p, 16);
+    const int64_t pixels = p->ho * p->wo, last = t.blocks - 1;
+    if (t.blocks * 16 == pixels)
+        return amx_run(p, x, wb, y, y_bf16, nthreads, ep, 0, 0, 0);
+    const int64_t rows = pixels - last * 16;
+    uint16_t *tail = aligned_alloc(64, (size_t)(16 * p->cp * sizeof(uint16_t) + 63) / 64 * 64);
+    if (tail == 0)
+        return -1;
+    memset(tail, 0, (size_t)16 * p->cp * sizeof(uint16_t));
+    memcpy(tail, x + ((p->n - 1) * pixels + last * 16) * p->cp,
+           (size_t)(rows * p->cp) * sizeof(uint16_t));
+    const int status = amx_run(p, x, wb, y, y_bf16, nthreads, ep, tail, p->n - 1, last);
+    free(tail);
+    return status;
 }
 #endif

@@ -163,6 +163,11 @@ void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
  * is written then. */
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
                         void *y, int y_bf16, int nthreads, const ttile_epilogue *ep);
+/* The same on an unpacked bf16 NHWC input x (a 1x1, stride-1, unpadded layer whose c is
+ * cp): read in place, nothing packed; -1 for any other layer. */
+int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,
+                                 const uint16_t *wb, void *y, int y_bf16, int nthreads,
+                                 const ttile_epilogue *ep);
 /* Seconds for `iterations` rounds of 24 independent vdpbf16ps (64 flops each) on this
  * thread (bf16_avx512.c; AVX512_BF16 CPUs only). */
 double ttile_dot_bf16_peak_seconds(int64_t iterations);

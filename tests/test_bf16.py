@@ -462,3 +462,26 @@ def test_dot_products_measured_against_fma(monkeypatch):
     assert "vdpbf16ps ran at 1 GFLOP/s against fp32 FMA's 2" in bf16.missing_instructions()
     monkeypatch.setattr(bf16, "_dot_verdict", (True, 2.0, 1.0))
     assert bf16.kernel_kind(Isa.AVX512F) is KernelKind.DOT_BF16
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX-BF16 on this CPU (or Linux refused the "
+                                        "tile state)")
+@pytest.mark.parametrize("shape", [(1, 7, 9, 64, 48), (2, 5, 6, 32, 40), (1, 4, 8, 128, 64)],
+                         ids=["63-pixel-tail", "two-images-30-pixels", "no-tail"])
+def test_unpacked_bf16_input_of_a_1x1_layer_read_in_place(shape):
+    """A 1x1, stride-1, unpadded layer on bf16 NHWC input reads the input where it is
+    (no packed copy), its last tile's rows from a zero-padded copy: the input fenced by a
+    guard page faults on any read past it, and the result equals the packed path's (the
+    fp32 input rounded to the same values)."""
+    n, h, wd, c, k = shape
+    rng = np.random.default_rng(11)
+    x32 = bf16.round_to_bf16(rng.standard_normal((n, h, wd, c)).astype(np.float32))
+    w = rng.standard_normal((1, 1, c, k)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    gx = guarded_copy(x32.astype(ml_dtypes.bfloat16), "end")
+    y = ttile.conv2d(gx.array, w, b, layout="NHWC", activation="relu", precision="bf16")
+    assert gx.canary_intact()
+    packed = ttile.conv2d(x32, w, b, layout="NHWC", activation="relu", precision="bf16")
+    np.testing.assert_array_equal(y.astype(np.float32), bf16.round_to_bf16(packed))
+    want, tol = expected(x32, w, (1, 1), (0,) * 4, bias=b, activation="relu")
+    assert_close(y.astype(np.float32), want, tol + np.abs(want) * 2.0 ** -8)

@@ -1445,6 +1445,9 @@ cdef extern from "ttile_bf16.h" nogil:
     int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const unsigned short *xb,
                             const unsigned short *wb, void *y, int y_bf16, int nthreads,
                             const ttile_epilogue *ep)
+    int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const unsigned short *x,
+                                     const unsigned short *wb, void *y, int y_bf16,
+                                     int nthreads, const ttile_epilogue *ep)
     int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const unsigned short *xb,
                                const unsigned short *wb, void *y, int y_bf16, int nthreads,
                                const ttile_epilogue *ep)
@@ -1654,7 +1657,15 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
             raise RuntimeError("the AVX512_BF16 kernel needs a CPU with AVX512_BF16")
     else:
         raise ValueError(f"unknown bf16 kernel {kernel}")
-    if xb is None:
+    # a 1x1, stride-1, unpadded AMX layer on bf16 NHWC input whose channels need no
+    # padding reads that input in place (ttile_conv_bf16_amx_unpacked): no packed copy
+    cdef bint unpacked = (x_bf16 and not nchw and folded is None and kernel == BF16_KERNEL_AMX
+                          and p.r == 1 and p.s == 1 and p.stride_h == 1 and p.stride_w == 1
+                          and pad_top == 0 and pad_left == 0 and p.hp == h and p.wp == w
+                          and p.ho == h and p.wo == w and c == p.cp)
+    if unpacked:
+        xb = None
+    elif xb is None:
         xb = np.empty(ttile_bf16_input_elems(&p), dtype=np.uint16)
     else:
         _check_bf16_array(xb, "xb", ttile_bf16_input_elems(&p), 0)
@@ -1663,19 +1674,22 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
         if np.may_share_memory(xb, x) or np.may_share_memory(xb, y) \
                 or np.may_share_memory(xb, wb):
             raise ValueError("xb overlaps another argument")
-    cdef unsigned short *xbp = <unsigned short *>cnp.PyArray_DATA(xb)
+    cdef unsigned short *xbp = NULL if unpacked else <unsigned short *>cnp.PyArray_DATA(xb)
     cdef const unsigned short *wbp = <const unsigned short *>cnp.PyArray_DATA(wb)
     cdef const void *xp = cnp.PyArray_DATA(x)
     cdef void *yp = cnp.PyArray_DATA(y)
     cdef int status = 0
     with nogil:
-        if fs:
+        if unpacked:
+            status = ttile_conv_bf16_amx_unpacked(&p, <const unsigned short *>xp, wbp, yp,
+                                                  y_bf16, nthreads, &ep)
+        elif fs:
             status = ttile_bf16_pack_input_folded(&p, xp, x_bf16, nchw, c, h, w, pad_top,
                                                   pad_left, fs, fstride, fdil, xbp, nthreads)
         else:
             ttile_bf16_pack_input(&p, xp, x_bf16, nchw, c, h, w, pad_top, pad_left, xbp,
                                   nthreads)
-        if status != 0:
+        if status != 0 or unpacked:
             pass
         elif kernel == _BF16_KERNEL_AMX:
             status = ttile_conv_bf16_amx(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
