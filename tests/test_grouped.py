@@ -78,3 +78,19 @@ def test_the_entry_point_refuses_mismatched_weights():
     with pytest.raises(ValueError, match="does not serve"):
         _kernels.conv2d_grouped(x, np.zeros((4, 3, 3, 512), np.float32), y, 1, 1, 1, 1, 1,
                                 groups=2)
+
+
+@pytest.mark.parametrize("side", ["end", "start"])
+def test_the_grouped_kernel_stays_in_bounds(side):
+    """Input and output against an inaccessible page: a read or write past either faults;
+    the canary around them stays (padding and the last row's tail blocks included)."""
+    from guarded import guarded_copy
+    rng = np.random.default_rng(9)
+    x = rng.uniform(-1, 1, (1, 7, 13, 64)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 3, 4, 64)).astype(np.float32)
+    gx = guarded_copy(x, side)
+    gy = guarded_copy(np.zeros((1, 7, 13, 64), np.float32), side)
+    ttile.conv2d(gx.array, w, None, 1, 1, 1, 16, layout="NHWC", out=gy.array)
+    assert gx.canary_intact() and gy.canary_intact()
+    problem = conv_mismatch(gy.array, x, w, (1, 1), (1, 1, 1, 1), "NHWC", (1, 1), 16)
+    assert problem is None, problem

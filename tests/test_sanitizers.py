@@ -39,17 +39,18 @@ ROOT = Path(__file__).resolve().parent.parent
 #: needs torch, which the sanitized environment does not have; the tests of the shipped
 #: sets need the kernels this build leaves out.)
 SUBSET = ["tests/test_guard_pages.py", "tests/test_codegen.py", "tests/test_codegen_avx2.py",
-          "tests/test_inverted_residual.py",
+          "tests/test_inverted_residual.py", "tests/test_grouped.py",
           "tests/test_random_shapes.py", "tests/test_bad_input.py",
           "tests/test_runtime.py::test_first_call_tunes_and_caches",
           "tests/test_runtime.py::test_conv2d_layer_matches_conv2d",
           "tests/test_runtime.py::test_conv2d_layer_is_safe_to_share_between_threads"]
 #: What CI runs sanitized (the whole subset took 8.4 of CI's 21 minutes on a Xeon model
-#: 167): the bounds guards, bad input, the fused inverted residual kernel's bounds and
+#: 167): the bounds guards, bad input, the grouped kernel, the fused inverted residual
+#: kernel's bounds and
 #: reference checks, generated kernels of both thread counts through
 #: the code generator's reference check, one run-time tuning and Conv2d. Random shapes
 #: and the AVX2 family's generated kernels run sanitized with ``-m slow``.
-CI_SUBSET = ["tests/test_guard_pages.py", "tests/test_bad_input.py",
+CI_SUBSET = ["tests/test_guard_pages.py", "tests/test_bad_input.py", "tests/test_grouped.py",
              "tests/test_inverted_residual.py::test_the_fused_block_stays_in_bounds",
              "tests/test_inverted_residual.py::test_the_fused_block_matches_the_float64_reference",
              "tests/test_codegen.py::test_generated_kernel_matches_reference",

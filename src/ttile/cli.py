@@ -300,15 +300,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                      pads, layer.groups, threads)
                 if run is not None and np.allclose(run(), expected, rtol=1e-3, atol=1e-3):
                     runs[peer] = run
-            times = {name: [] for name in runs}
-            names = list(runs)
-            for _ in range(args.reps):
-                order.shuffle(names)
-                for name in names:
-                    runs[name]()              # warm, then timed
-                    t0 = time.perf_counter()
-                    runs[name]()
-                    times[name].append(time.perf_counter() - t0)
+            times = _interleaved_times(runs, args.reps, order)
             seconds = statistics.median(times["ttile"])
             total_flops += layer.flops
             total_seconds += seconds
@@ -343,6 +335,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"run-time tuning: {tuned_here} layer(s) tuned in this run" if args.tuning != "never"
           else "run-time tuning: off")
     return 1 if wrong else 0
+
+
+def _interleaved_times(runs: dict, reps: int, order) -> dict:
+    """Seconds of each run over ``reps`` rounds, the runs in an order ``order`` (a
+    seeded random.Random) shuffles each round, each timed call right after an untimed
+    one of its own (the previous contender's threads may still spin)."""
+    times = {name: [] for name in runs}
+    names = list(runs)
+    for _ in range(reps):
+        order.shuffle(names)
+        for name in names:
+            runs[name]()              # warm, then timed
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _cmd_run_onnx(args: argparse.Namespace) -> int:
@@ -395,18 +403,9 @@ def _cmd_run_onnx(args: argparse.Namespace) -> int:
         f"{'ok' if error <= bound else 'WRONG'} ({error:.1e} of the largest value, " \
         f"bound {bound:.0e})"
     print(f"check against onnxruntime: {verdict}")
-    times = {name: [] for name in runs}
-    order = random.Random(0)
-    names = list(runs)
-    for name in names:
-        runs[name]()
-    for _ in range(args.reps):
-        order.shuffle(names)
-        for name in names:
-            runs[name]()              # warm, then timed
-            t0 = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - t0)
+    for run in runs.values():
+        run()
+    times = _interleaved_times(runs, args.reps, random.Random(0))
     ttile_s = statistics.median(times["ttile"])
     print(f"| contender | ms (median of {args.reps}) | its time / ttile's |")
     print("|---|---|---|")
