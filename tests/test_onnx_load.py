@@ -277,3 +277,46 @@ def test_several_inputs_and_outputs():
     assert _error(features, expected[0]) < 1e-4 and _error(probabilities, expected[1]) < 1e-4
     with pytest.raises(TypeError, match="takes 2 input"):
         served(x.numpy())
+
+
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_the_dynamo_exporters_pooling_and_flatten_are_served(keepdims):
+    """torch's dynamo exporter writes a global average pooling as ReduceMean over axes
+    (-1, -2) (an input since opset 18) and the flatten after it as a Reshape to
+    (batch, -1): both served, the whole model by ttile, as onnxruntime computes it. A
+    reshape that is not such a flatten stays onnxruntime's."""
+    rng = np.random.default_rng(12)
+    w = rng.uniform(-0.5, 0.5, (32, 3, 3, 3)).astype(np.float32)
+    fc = rng.uniform(-0.5, 0.5, (10, 32)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("ReduceMean", ["r", "axes"], ["m"], keepdims=keepdims)]
+    if keepdims:
+        nodes.append(helper.make_node("Reshape", ["m", "flat"], ["v"], allowzero=1))
+    nodes.append(helper.make_node("Gemm", ["v" if keepdims else "m", "fc"], ["y"], transB=1))
+    graph = helper.make_graph(
+        nodes, "dynamo-like", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(fc, "fc"),
+         numpy_helper.from_array(np.array([-1, -2], np.int64), "axes"),
+         numpy_helper.from_array(np.array([1, 32], np.int64), "flat")])
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]) \
+        .SerializeToString()
+    served = ttile.onnx.load(data, threads=1)
+    assert served.segments == 0 and served.declined == (), served.declined
+    x = rng.uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)
+    assert _error(served(x), _onnxruntime(data, x)[0]) < 1e-4
+    # a reshape to something else runs on onnxruntime
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Reshape", ["c", "shape"], ["y"])], "reshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 256])],
+        [numpy_helper.from_array(w, "w"),
+         numpy_helper.from_array(np.array([1, 32, 256], np.int64), "shape")])
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]) \
+        .SerializeToString()
+    served = ttile.onnx.load(data, threads=1)
+    assert [d.op_type for d in served.declined] == ["Reshape"]
+    assert _error(served(x), _onnxruntime(data, x)[0]) < 1e-4

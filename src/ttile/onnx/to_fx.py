@@ -10,9 +10,11 @@ Served (mapped to torch, then replaced by ttile units):
 * ``Relu``, ``LeakyRelu``, ``Sigmoid``, ``Clip`` (constant bounds: (0, 6) is ReLU6,
   (0, none) ReLU) and ``x * Sigmoid(x)`` (SiLU) -> the matching activation module;
 * ``Add`` and two-input ``Sum`` of two computed values -> ``operator.add`` (a residual);
-* ``MaxPool`` (2-D, symmetric padding), ``GlobalAveragePool``, ``Flatten(axis=1)`` and
-  ``Gemm`` with constant weights (the classifier) -> ``nn.MaxPool2d``,
-  ``nn.AdaptiveAvgPool2d(1)``, ``nn.Flatten``, ``nn.Linear``.
+* ``MaxPool`` (2-D, symmetric padding), ``GlobalAveragePool`` (or ``ReduceMean`` over
+  the spatial axes, as torch's dynamo exporter writes it), ``Flatten(axis=1)`` (or a
+  ``Reshape`` of a 4-D value to (batch, -1)) and ``Gemm`` with constant weights (the
+  classifier) -> ``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d(1)``, ``nn.Flatten``,
+  ``nn.Linear``.
 
 The semantics of everything else stay onnxruntime's: those nodes keep their ONNX form in
 a sub-model of their own, so no operator is re-implemented here. A node the mapping
@@ -263,6 +265,37 @@ class _Builder:
                                                           (w.shape[0],))))
         return linear
 
+    def reduce_mean(self, node, a) -> bool:
+        """A mean over the two spatial axes: a global average pooling (and a flatten
+        where the axes are not kept)."""
+        shape = self._shape(node.input[0])
+        if shape is None or len(shape) != 4:
+            raise _Decline("not a mean over a 4-D input of known rank")
+        axes = a.get("axes")
+        if len(node.input) > 1 and node.input[1]:
+            axes = self._const(node.input[1], "axes").tolist()
+        if axes is None or sorted(int(x) % 4 for x in axes) != [2, 3]:
+            raise _Decline(f"a mean over axes {axes}, not the spatial ones")
+        pooled = self.graph.call_module(self._module("avg_pool", nn.AdaptiveAvgPool2d(1)),
+                                        (self._value(node.input[0]),))
+        if not int(a.get("keepdims", 1)):
+            pooled = self.graph.call_module(self._module("flatten", nn.Flatten(1)), (pooled,))
+        self.values[node.output[0]] = pooled
+        return True
+
+    def reshape(self, node, a) -> bool:
+        """A reshape to (batch, everything else) of a 4-D value: a flatten, the same
+        elements in the same order."""
+        shape = self._shape(node.input[0])
+        target = [int(x) for x in self._const(node.input[1], "shape").reshape(-1)]
+        if shape is None or len(shape) != 4 or None in shape or len(target) != 2:
+            raise _Decline("not a flatten of a 4-D value")
+        n, rest = shape[0], shape[1] * shape[2] * shape[3]
+        batch_ok = target[0] == n or (target[0] == 0 and not a.get("allowzero", 0))
+        if not batch_ok or target[1] not in (-1, rest):
+            raise _Decline(f"a reshape to {target}, not (batch, -1)")
+        return self._call(node, "flatten", nn.Flatten(1), [node.input[0]])
+
     def serve(self, node) -> bool:
         """Adds ``node`` (and a node it absorbs) to the graph as torch modules; False
         where onnxruntime is to run it (the reason recorded)."""
@@ -303,6 +336,10 @@ class _Builder:
             if shape is None or len(shape) != 4:
                 raise _Decline("not a 2-D pooling")
             return self._call(node, "avg_pool", nn.AdaptiveAvgPool2d(1), [node.input[0]])
+        if op == "ReduceMean":   # torch's dynamo exporter writes global pooling so
+            return self.reduce_mean(node, a)
+        if op == "Reshape":      # and flattening after it (x.view(n, -1)) so
+            return self.reshape(node, a)
         if op == "Flatten":
             if int(a.get("axis", 1)) != 1:
                 raise _Decline(f"axis {a.get('axis')}")
@@ -424,8 +461,8 @@ def translate(prepared: PreparedGraph, threads: Optional[int] = None) -> Transla
 
 
 _SERVED_OPS = frozenset({"Conv", "BatchNormalization", "Relu", "LeakyRelu", "Clip", "Sigmoid",
-                         "Add", "Sum", "MaxPool", "GlobalAveragePool", "Flatten", "Gemm",
-                         "Identity", "Dropout"})
+                         "Add", "Sum", "MaxPool", "GlobalAveragePool", "ReduceMean", "Flatten",
+                         "Reshape", "Gemm", "Identity", "Dropout"})
 
 
 def _servable_hint(node) -> bool:
