@@ -11,10 +11,11 @@
  * output channel. With 16 channels per group (one group a vector) the permutation is a
  * broadcast, loaded straight from memory.
  *
- * Weights: RSCK with C = cg, (R, S, cg, K): the 16 output channels of a block are
- * consecutive, as the lanes want them. A pixel block of up to 8 outputs along a row
- * shares each weight vector: 8 accumulators, 8 input vectors, the permutation indices
- * and one weight vector fit the 32 registers. */
+ * Weights: (K/16, R, S, cg * 16), each block of 16 output channels' taps and steps
+ * contiguous (runtime/packing.py's grouped_weights), a step's 16 weights one vector. A
+ * pixel block of up to 8 outputs along a row (6 with 8 channels a group) shares each
+ * weight vector: its accumulators, inputs, the permutation indices and one weight
+ * vector fit the 32 registers, with no spill. */
 #include <immintrin.h>
 #include <stdint.h>
 
