@@ -22,13 +22,14 @@ def test_a_large_problem_keeps_the_threads_it_asks_for():
 
 def test_a_registry_verdict_serves_only_its_own_thread_count():
     entry = next(e for e in registry.KERNELS if e.threads == 2)
-    spec = entry.spec
+    spec, isa = entry.spec, entry.isa
     with registry.pretend_cpu(entry.cpu):
-        assert registry.lookup(spec, 2) is entry
+        assert registry.lookup(spec, 2, isa=isa) is entry
         for threads in (1, 3, 8):
-            found = registry.lookup(spec, threads)
+            found = registry.lookup(spec, threads, isa=isa)
             assert found is None or (found.threads == threads and found is not entry)
-        assert registry.lookup(spec, 3) is None and registry.lookup(spec, 8) is None
+        assert registry.lookup(spec, 3, isa=isa) is None
+        assert registry.lookup(spec, 8, isa=isa) is None
 
 
 @pytest.mark.parametrize("threads", [1, 3, 7, 16, 64])

@@ -13,7 +13,9 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:-$root/wheelhouse}" && cd "${1:-$root/wheelhouse}" && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-# (a build folder of its own, not the checkout's build/ that `pip install .` keeps)
-python -m build --wheel -C build-dir="$work/build" --outdir "$work/dist" "$root"
+# (a build folder of its own, not the checkout's build/ that `pip install .` keeps; every
+# CPU's kernel set, where `pip install .` compiles the building machine's: CMakeLists.txt)
+python -m build --wheel -C build-dir="$work/build" -C cmake.define.TTILE_KERNEL_SETS=all \
+    --outdir "$work/dist" "$root"
 python -m auditwheel repair --wheel-dir "$out" "$work"/dist/*.whl
 ls "$out"/*.whl

@@ -986,7 +986,8 @@ def read_seconds(cnp.ndarray buffer, int64_t reps, int isa=_ISA_AVX512F):
 
 def registry_entries():
     """The registry: one dict per entry compiled into this extension, kernels and
-    generic-kernel verdicts alike (``has_kernel``)."""
+    generic-kernel verdicts alike (``has_kernel``: its kernel is in this build; a searched
+    verdict names its ``scheme``)."""
     out = []
     cdef int i
     for i in range(ttile_tuned_kernel_count):
@@ -1357,7 +1358,9 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     cdef const ttile_tuned_kernel *e = &ttile_tuned_kernels[index]
     _check_run(x, y, nthreads, e.isa)
     if e.fn == NULL:
-        raise ValueError(f"registry entry {index} is a generic-kernel verdict, not a kernel")
+        raise ValueError(f"registry entry {index} has no kernel in this build: a "
+                         "generic-kernel verdict, or a set this build left out "
+                         "(CMake's TTILE_KERNEL_SETS)")
     if nchw_out and e.fn_nchw == NULL:
         raise ValueError(f"registry entry {index} has no NCHW entry point")
     _check_packed(w, e.k, e.panel)

@@ -79,8 +79,8 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
             write_if_changed(path, f"/* layer: {entry.layer} */\n" + source.code)
             written.append(path)
             names.add(source.name)
-            declarations += [f"void {name}(const float *, const float *, float *, int, "
-                             f"const ttile_epilogue *);"
+            declarations += [f"__attribute__((weak)) void {name}(const float *, const float *, "
+                             f"float *, int, const ttile_epilogue *);"
                              for name in (source.name, source.nchw_name) if name]
         rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, {source.panel}, "
                     f"{source.name}, {source.nchw_name or 'NULL'},\n     {_c_string(entry.layer)}, "

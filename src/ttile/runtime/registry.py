@@ -50,6 +50,9 @@ class TunedEntry:
     warm_gflops: float   # the kernel beside the generic kernel, warm (0: never compared)
     generic_gflops: float  # the generic kernel there, warm when compared (0: unknown)
     nchw: bool = False   # the kernel has an NCHW-output entry point (run_tuned nchw_out)
+    #: The kernel is in this build: a build compiles its own CPU's sets (CMake's
+    #: TTILE_KERNEL_SETS), the other sets' searched verdicts are here without their code.
+    compiled: bool = True
 
     @cached_property
     def microkernels(self) -> str:
@@ -68,18 +71,23 @@ class TunedEntry:
 
 
 def _read() -> tuple[TunedEntry, ...]:
+    # a verdict for a searched kernel names its scheme; the generic kernel's names none
     return tuple(TunedEntry(index=e["index"], spec=ConvSpec(**{f: e[f] for f in _SPEC_FIELDS}),
                             cpu=e["cpu"], threads=e["threads"], isa=_ISAS[e["isa"]],
-                            kind=KernelKind.TUNED if e["has_kernel"] else KernelKind.GENERIC,
+                            kind=KernelKind.TUNED if e["scheme"] else KernelKind.GENERIC,
                             panel=e["panel"], layer=e["layer"], scheme=e["scheme"],
                             gflops=e["gflops"], warm_gflops=e["warm_gflops"],
-                            generic_gflops=e["generic_gflops"], nchw=e["has_nchw"])
+                            generic_gflops=e["generic_gflops"], nchw=e["has_nchw"],
+                            compiled=e["has_kernel"] or not e["scheme"])
                  for e in _kernels.registry_entries())
 
 
 ENTRIES: tuple[TunedEntry, ...] = _read()
-#: Searched kernels only (the verdicts that carry a kernel).
-KERNELS: tuple[TunedEntry, ...] = tuple(e for e in ENTRIES if e.kind is KernelKind.TUNED)
+#: The searched kernels this build carries (the verdicts whose kernel is compiled in),
+#: AVX-512F's first (the family a CPU that has it serves by default), then AVX2's.
+KERNELS: tuple[TunedEntry, ...] = tuple(sorted(
+    (e for e in ENTRIES if e.kind is KernelKind.TUNED and e.compiled),
+    key=lambda e: (e.isa is not Isa.AVX512F, e.index)))
 _BY_KEY: dict[tuple[ConvSpec, str, int, Isa], TunedEntry] = {
     (e.spec, e.cpu, e.threads, e.isa): e for e in ENTRIES}
 _serving_cpu: Optional[str] = None
@@ -166,7 +174,10 @@ def lookup(spec: ConvSpec, threads: int, cpu: Optional[str] = None,
         cpu = serving_set(isa).cpu
         if cpu is None:
             return None
-    return _BY_KEY.get((spec, cpu, threads, isa))
+    entry = _BY_KEY.get((spec, cpu, threads, isa))
+    # a searched verdict whose kernel this build left out (another CPU's set) decides
+    # nothing here: the call is served as if the set had no verdict for it
+    return entry if entry is None or entry.compiled else None
 
 
 def cpus() -> list[str]:
