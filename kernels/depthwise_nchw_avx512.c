@@ -51,123 +51,21 @@ dwn_load(const float *row, int64_t base, const int SW, __mmask16 m0, __mmask16 m
     return _mm512_permutex2var_ps(a, even, b);
 }
 
-/* One register block: output rows oh0 .. oh0 + rows - 1 (rows <= DWN_ROWS) of one plane,
- * nv (1 or 2) vectors of 16 outputs from column ow0; masks[v][s][0..1] are the load masks
- * of vector v and tap s (ignored when `full`). Stores the rows, then applies the epilogue
- * to them. */
-static inline __attribute__((always_inline)) void
-dwn_block(const float *xp, const float *wk, float *yp, int64_t H, int64_t W, int64_t WO,
-          int64_t oh0, int rows, int64_t ow0, const int nv, const int R, const int S,
-          const int SH, const int SW, const int DH, const int DW, int64_t PT, int64_t PL,
-          const __mmask16 masks[DWN_VECS][8][2], __mmask16 store0, __mmask16 store1,
-          const int full, const ttile_epilogue *ep, const float *res_plane, int64_t channel)
-{
-    __m512 acc[DWN_ROWS][DWN_VECS];
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < DWN_ROWS; i++)
-        _Pragma("GCC unroll 2")
-        for (int v = 0; v < DWN_VECS; v++)
-            acc[i][v] = _mm512_setzero_ps();
-    /* input rows rr = 0 .. span - 1 from the block's first: row rr is tap r = (rr - i*SH)
-     * / DH of output row i */
-    const int span = (DWN_ROWS - 1) * SH + (R - 1) * DH + 1;
-    const int64_t ih0 = oh0 * SH - PT;
-    _Pragma("GCC unroll 16")
-    for (int rr = 0; rr < span; rr++) {
-        const int64_t ih = ih0 + rr;
-        if (ih < 0 || ih >= H)
-            continue;
-        const float *row = xp + ih * W;
-        /* More taps than registers (5 x 5: 25 weights beside 8 accumulators): a pointer
-         * the compiler cannot see through keeps it from hoisting every broadcast out of
-         * this loop and spilling them; each FMA then broadcasts its weight from L1. */
-        const float *wr = wk;
-        if (R * S > 12)
-            __asm__("" : "+r"(wr));
-        _Pragma("GCC unroll 8")
-        for (int s = 0; s < S; s++) {
-            __m512 in[DWN_VECS];
-            _Pragma("GCC unroll 2")
-            for (int v = 0; v < nv; v++)
-                in[v] = dwn_load(row, (ow0 + 16 * v) * SW - PL + s * DW, SW, masks[v][s][0],
-                                 masks[v][s][1], full);
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < DWN_ROWS; i++) {
-                const int d = rr - i * SH;
-                if (i >= rows || d < 0 || d % DH != 0 || d / DH >= R)
-                    continue;
-                const __m512 wv = _mm512_set1_ps(wr[(d / DH) * S + s]);
-                _Pragma("GCC unroll 2")
-                for (int v = 0; v < nv; v++)
-                    acc[i][v] = _mm512_fmadd_ps(in[v], wv, acc[i][v]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < DWN_ROWS; i++) {
-        if (i >= rows)
-            break;
-        float *y_row = yp + (oh0 + i) * WO + ow0;
-        _mm512_mask_storeu_ps(y_row, store0, acc[i][0]);
-        if (nv > 1)
-            _mm512_mask_storeu_ps(y_row + 16, store1, acc[i][1]);
-    }
-    if (ep != NULL) {
-        __asm__ volatile("" ::: "memory");
-        const int64_t n_out = WO - ow0 < 16 * nv ? WO - ow0 : 16 * nv;
-        ttile_epilogue ep_plane = *ep;
-        if (ep->residual)
-            ep_plane.residual = res_plane;
-        for (int i = 0; i < rows; i++)
-            ttile_epilogue_row512(&ep_plane, yp, (oh0 + i) * WO + ow0, n_out, channel, 1);
-    }
-}
+#define DWN_BLOCK dwn_block_fixed
+#define DWN_PLANE dwn_plane_fixed
+#define DWN_TAP_ROWS_UNROLL _Pragma("GCC unroll 16")
+#define DWN_TAP_COLUMNS_UNROLL _Pragma("GCC unroll 8")
+#include "depthwise_nchw_block.inc"
+#undef DWN_BLOCK
+#undef DWN_PLANE
+#undef DWN_TAP_ROWS_UNROLL
+#undef DWN_TAP_COLUMNS_UNROLL
+#define DWN_BLOCK dwn_block_any
+#define DWN_PLANE dwn_plane_any_sizes
+#define DWN_TAP_ROWS_UNROLL _Pragma("GCC unroll 1")
+#define DWN_TAP_COLUMNS_UNROLL _Pragma("GCC unroll 8")
+#include "depthwise_nchw_block.inc"
 
-/* Rows [oh_lo, oh_hi) of one plane, block by block. */
-static inline __attribute__((always_inline)) void
-dwn_plane(const float *xp, const float *wk, float *yp, int64_t H, int64_t W, int64_t HO,
-          int64_t WO, int64_t oh_lo, int64_t oh_hi, const int R, const int S, const int SH,
-          const int SW, const int DH, const int DW, int64_t PT, int64_t PL,
-          const ttile_epilogue *ep, const float *res_plane, int64_t channel)
-{
-    (void)HO;
-    for (int64_t ow0 = 0; ow0 < WO; ow0 += 16 * DWN_VECS) {
-        const int nv = WO - ow0 > 16 ? 2 : 1;
-        __mmask16 masks[DWN_VECS][8][2];
-        int full = 1;
-        for (int v = 0; v < nv; v++)
-            for (int s = 0; s < S && s < 8; s++) {
-                const int64_t base = (ow0 + 16 * v) * SW - PL + s * DW;
-                masks[v][s][0] = dwn_range_mask(base, W);
-                masks[v][s][1] = SW == 2 ? dwn_range_mask(base + 16, W) : 0;
-                full &= masks[v][s][0] == 0xFFFF && (SW == 1 || masks[v][s][1] == 0xFFFF);
-            }
-        const __mmask16 store0 = dwn_range_mask(ow0, WO);
-        const __mmask16 store1 = dwn_range_mask(ow0 + 16, WO);
-        for (int64_t oh0 = oh_lo; oh0 < oh_hi; oh0 += DWN_ROWS) {
-            const int rows = oh_hi - oh0 < DWN_ROWS ? (int)(oh_hi - oh0) : DWN_ROWS;
-            if (rows < DWN_ROWS) {   /* the plane's last rows: run-time row count */
-                if (nv == 2)
-                    dwn_block(xp, wk, yp, H, W, WO, oh0, rows, ow0, 2, R, S, SH, SW, DH, DW,
-                              PT, PL, masks, store0, store1, 0, ep, res_plane, channel);
-                else
-                    dwn_block(xp, wk, yp, H, W, WO, oh0, rows, ow0, 1, R, S, SH, SW, DH, DW,
-                              PT, PL, masks, store0, store1, 0, ep, res_plane, channel);
-            } else if (nv == 2 && full)
-                dwn_block(xp, wk, yp, H, W, WO, oh0, rows, ow0, 2, R, S, SH, SW, DH, DW, PT,
-                          PL, masks, store0, store1, 1, ep, res_plane, channel);
-            else if (nv == 2)
-                dwn_block(xp, wk, yp, H, W, WO, oh0, rows, ow0, 2, R, S, SH, SW, DH, DW, PT,
-                          PL, masks, store0, store1, 0, ep, res_plane, channel);
-            else if (full)
-                dwn_block(xp, wk, yp, H, W, WO, oh0, rows, ow0, 1, R, S, SH, SW, DH, DW, PT,
-                          PL, masks, store0, store1, 1, ep, res_plane, channel);
-            else
-                dwn_block(xp, wk, yp, H, W, WO, oh0, rows, ow0, 1, R, S, SH, SW, DH, DW, PT,
-                          PL, masks, store0, store1, 0, ep, res_plane, channel);
-        }
-    }
-}
 
 /* One function per compiled kind: R x S taps, stride SH x SW, no dilation. */
 #define DWN_KIND(R_, S_, ST_)                                                          \
@@ -176,8 +74,8 @@ static void dwn_plane_##R_##x##S_##_s##ST_(const float *xp, const float *wk, flo
         int64_t PT, int64_t PL, const ttile_epilogue *ep, const float *res_plane,      \
         int64_t channel)                                                               \
 {                                                                                      \
-    dwn_plane(xp, wk, yp, H, W, HO, WO, oh_lo, oh_hi, R_, S_, ST_, ST_, 1, 1, PT, PL,  \
-              ep, res_plane, channel);                                                 \
+    dwn_plane_fixed(xp, wk, yp, H, W, HO, WO, oh_lo, oh_hi, R_, S_, ST_, ST_, 1, 1, PT, \
+                    PL, ep, res_plane, channel);                                       \
 }
 DWN_KIND(3, 3, 1) DWN_KIND(3, 3, 2) DWN_KIND(5, 5, 1) DWN_KIND(5, 5, 2)
 
@@ -190,11 +88,11 @@ static void dwn_plane_any(const float *xp, const float *wk, float *yp, int64_t H
                           int64_t channel)
 {
     if (SW == 1)
-        dwn_plane(xp, wk, yp, H, W, HO, WO, oh_lo, oh_hi, R, S, SH, 1, DH, DW, PT, PL, ep,
-                  res_plane, channel);
+        dwn_plane_any_sizes(xp, wk, yp, H, W, HO, WO, oh_lo, oh_hi, R, S, SH, 1, DH, DW, PT,
+                            PL, ep, res_plane, channel);
     else
-        dwn_plane(xp, wk, yp, H, W, HO, WO, oh_lo, oh_hi, R, S, SH, 2, DH, DW, PT, PL, ep,
-                  res_plane, channel);
+        dwn_plane_any_sizes(xp, wk, yp, H, W, HO, WO, oh_lo, oh_hi, R, S, SH, 2, DH, DW, PT,
+                            PL, ep, res_plane, channel);
 }
 
 int ttile_depthwise_nchw_supported(const ttile_conv_shape *sh)
