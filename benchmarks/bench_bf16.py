@@ -45,12 +45,12 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_semantics import median_seconds  # noqa: E402 (beside this file)
 
 LAYER_CONTENDERS = ("ttile", "ttile NCHW", "ttile Conv2d", "ttile bf16 arrays", "OpenVINO default",
                     "OpenVINO bf16", "torch autocast", "torch bf16")
@@ -60,14 +60,7 @@ PEERS = ("OpenVINO default", "OpenVINO bf16", "torch")
 
 
 def _timed(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, reps, warmup=5) * 1e3
 
 
 def _layer_runner(label: str, layer, threads: int, reference: bool = True):

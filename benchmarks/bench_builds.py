@@ -38,20 +38,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 WORKER_FLAG = "--worker"
-
-
-def _median_call(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _registry_cases(np, ttile, _kernels):
@@ -114,6 +103,7 @@ def worker(reps: int, outputs: Path, only: str = "") -> dict[str, float]:
     """Time every case under the build this process imports; save each case's output."""
     import numpy as np
     import ttile
+    from bench_semantics import median_seconds
     from ttile import _kernels
     ttile.use_tuned_kernels(False)
     ttile.set_tuning("never")
@@ -123,7 +113,7 @@ def worker(reps: int, outputs: Path, only: str = "") -> dict[str, float]:
         for name, fn, y in cases:
             if not name.startswith(only):
                 continue
-            times[name] = _median_call(fn, reps)
+            times[name] = median_seconds(fn, reps)
             results[name] = np.array(y, copy=True)
     np.savez(outputs, **{str(i): results[k] for i, k in enumerate(sorted(results))})
     return times

@@ -65,7 +65,7 @@ from typing import Optional
 import numpy as np
 
 import ttile
-from bench_semantics import PROCESS_CPUS, Cache, pin, rounds
+from bench_semantics import PROCESS_CPUS, Cache, median_seconds, pin, rounds
 from ttile.peers import Peer, onnx_runner
 
 
@@ -278,14 +278,8 @@ def alone(name: str, batch: int, threads: int, reps: int, label: str) -> dict:
     with torch.no_grad():
         fn = contender(label, model, model_cl, x, x_cl, threads)
         check_output(name, label, fn, model(x))
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return dict(label=label, ms=statistics.median(times) * 1e3)
+        seconds = median_seconds(fn, reps, warmup=5)
+    return dict(label=label, ms=seconds * 1e3)
 
 
 def alone_in_children(name: str, batch: int, threads: int, reps: int, labels,

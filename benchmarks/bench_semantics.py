@@ -118,6 +118,19 @@ def rounds(runs: dict, reps: int, cache: Cache = Cache.WARM) -> dict:
     return times
 
 
+def median_seconds(fn, reps: int, warmup: int = 1) -> float:
+    """The median time of ``reps`` calls of ``fn`` after ``warmup`` untimed ones, for a
+    contender timed alone (``rounds`` interleaves several)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def paired(times: dict, numerators: tuple, denominator: str) -> float:
     """Median over rounds of min(numerators in the round) / denominator in the round."""
     return statistics.median(min(t[:-1]) / t[-1]
