@@ -4,7 +4,9 @@
  * Semantics (OpenVINO's and torch autocast's): inputs and weights rounded to bf16
  * (round to nearest even, as ml_dtypes and torch round), products accumulated in fp32,
  * the epilogue (bias, residual, activation) applied in fp32 before the store; the output
- * is stored as fp32, or rounded to bf16 for a network that keeps its activations in bf16.
+ * is stored as fp32, or rounded to bf16 for a network that keeps its activations in bf16
+ * (the AMX kernel's bf16 stores flush results below 2^-126 in magnitude to zero:
+ * bf16_amx.c).
  *
  * Packed input: the images in NHWC with their zero padding written out, so that a kernel
  * reads every tap of every output with one address formula and no bounds test:
