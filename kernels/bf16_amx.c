@@ -325,7 +325,7 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
     c.kc = p->kc;
     c.chunk = p->kc * 16;
     c.block = c.taps * p->cp * 16;   /* weight elements of 16 output channels */
-    c.image = p->hp * p->wp * p->cp;
+    c.image = ttile_bf16_image_elems(p);
     c.pairs = (c.t.blocks + 1) / 2;
     c.tail = tail;
     c.tail_n = tail_n;

@@ -72,7 +72,7 @@ int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,
     if (off == 0)
         return -1;
     ttile_bf16_tap_offsets(p, off);
-    const int64_t image = p->hp * p->wp * p->cp;
+    const int64_t image = ttile_bf16_image_elems(p);
     const int64_t kquads = (p->kp + 63) / 64;   /* blocks of 64 channels, the last maybe 32 */
     const int64_t quad_bytes = block * 4 * (int64_t)sizeof(uint16_t);
     int64_t group = ttile_generic_cache_bytes() / quad_bytes;

@@ -93,10 +93,75 @@ static void pack_row_nchw(const ttile_bf16_problem *p, const float *image, int64
     }
 }
 
+/* One row of a phase plane (ttile_bf16.h): wp pixels, pixel j from column 2 j + first
+ * of the input row (zero outside 0..w-1); NHWC (fp32 or bf16) or, with `nchw`, the
+ * input's row `y` of an NCHW image. */
+static void pack_row_phase(const ttile_bf16_problem *p, const void *src, int x_bf16,
+                           int nchw, int64_t c, int64_t h, int64_t w, int64_t y,
+                           int64_t first, uint16_t *out)
+{
+    const int64_t cp = p->cp;
+    for (int64_t j = 0; j < p->wp; j++) {
+        uint16_t *o = out + j * cp;
+        const int64_t col = 2 * j + first;
+        if (col < 0 || col >= w) {
+            memset(o, 0, (size_t)cp * sizeof(uint16_t));
+            continue;
+        }
+        if (nchw) {
+            const float *image = (const float *)src;
+            for (int64_t ch = 0; ch < c; ch++)
+                o[ch] = ttile_bf16_round(image[(ch * h + y) * w + col]);
+            memset(o + c, 0, (size_t)(cp - c) * sizeof(uint16_t));
+            continue;
+        }
+        for (int64_t ch = 0; ch < cp; ch += 16) {
+            const __mmask16 m = ttile_bf16_kmask(ch, c);
+            __m256i v;
+            if (x_bf16)
+                v = _mm256_maskz_loadu_epi16(m, (const uint16_t *)src + col * c + ch);
+            else
+                v = ttile_bf16_round512(_mm512_maskz_loadu_ps(m, (const float *)src + col * c + ch));
+            _mm256_mask_storeu_epi16(o + ch, ttile_bf16_kmask(ch, cp), v);
+        }
+    }
+}
+
+/* The phase planes of a stride-2 problem (p->phases): plane (a, b) row i is the padded
+ * image's row 2 i + a, its pixels the columns b, b + 2, ... */
+static void pack_input_phases(const ttile_bf16_problem *p, const void *x, int x_bf16,
+                              int nchw, int64_t c, int64_t h, int64_t w, int64_t pad_top,
+                              int64_t pad_left, uint16_t *xb, int nthreads)
+{
+    const int64_t row = p->wp * p->cp, pr = ttile_bf16_plane_rows(p);
+    const int64_t pc = ttile_bf16_plane_cols(p), rows = p->n * pr * pc * p->hp;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t n = i / (pr * pc * p->hp), plane = i / p->hp % (pr * pc);
+        const int64_t a = plane / pc, b = plane % pc;
+        const int64_t y = 2 * (i % p->hp) + a - pad_top;
+        uint16_t *out = xb + i * row;
+        if (y < 0 || y >= h)
+            memset(out, 0, (size_t)row * sizeof(uint16_t));
+        else if (nchw)
+            pack_row_phase(p, (const float *)x + n * c * h * w, 0, 1, c, h, w, y,
+                           b - pad_left, out);
+        else
+            pack_row_phase(p, (const char *)x + ((n * h + y) * w * c) * elem, x_bf16, 0, c,
+                           h, w, y, b - pad_left, out);
+    }
+    memset(xb + rows * row, 0, (size_t)ttile_bf16_input_slack(p) * sizeof(uint16_t));
+}
+
 void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16, int nchw,
                            int64_t c, int64_t h, int64_t w, int64_t pad_top,
                            int64_t pad_left, uint16_t *xb, int nthreads)
 {
+    if (p->phases) {
+        pack_input_phases(p, x, x_bf16, nchw, c, h, w, pad_top, pad_left, xb, nthreads);
+        return;
+    }
     const int64_t row = p->wp * p->cp, rows = p->n * p->hp;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)

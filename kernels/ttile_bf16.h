@@ -14,6 +14,16 @@
  * followed by `ttile_bf16_input_slack` zero elements that the last rows of a tile may
  * read (their results are discarded). cp is a multiple of the reduction chunk kc.
  *
+ * Stride 2 with `phases` set: the padded image split into its phase planes, the pixels
+ * of even and odd rows and columns apart,
+ *     xb[n][a][b][hp][wp][cp]   plane (a, b) pixel (i, j) = padded pixel (2i + a, 2j + b)
+ * for a < min(2, r) and b < min(2, s) (a 1x1 filter reads plane (0, 0) alone: the image
+ * subsampled), hp and wp being a plane's extents. Tap (r, s) of output (oh, ow) is then
+ * pixel (oh + r/2, ow + s/2) of plane (r%2, s%2): consecutive outputs are consecutive
+ * pixels of a plane, even across output rows, so a tile's 16 rows are 16 outputs as at
+ * stride 1 (ttile_bf16_tiling) instead of the outputs of one row, which left 9 of 16
+ * rows empty on a 7x7 output and 2 of 16 on 14x14 and 28x28.
+ *
  * Packed weights: output channels in blocks of 16 (kp a multiple of 32, padded with
  * zeros), pairs of input channels interleaved, as AMX's B tiles and vdpbf16ps read them:
  *     wb[kp/16][r][s][cp/kc][kc/2][16][2]
@@ -33,7 +43,25 @@ typedef struct {
     int64_t kp;                  /* packed output channels: k rounded up to 32 */
     int64_t r, s;                /* filter */
     int64_t stride_h, stride_w, dil_h, dil_w;
+    int64_t phases;              /* 1: stride 2 (both), dilation 1, in phase planes; else 0 */
 } ttile_bf16_problem;
+
+/* The phase planes a packed image holds, along rows and along columns (1 without phases). */
+static inline int64_t ttile_bf16_plane_rows(const ttile_bf16_problem *p)
+{
+    return p->phases ? (p->r < 2 ? p->r : 2) : 1;
+}
+
+static inline int64_t ttile_bf16_plane_cols(const ttile_bf16_problem *p)
+{
+    return p->phases ? (p->s < 2 ? p->s : 2) : 1;
+}
+
+/* Elements of one packed image (all its planes). */
+static inline int64_t ttile_bf16_image_elems(const ttile_bf16_problem *p)
+{
+    return ttile_bf16_plane_rows(p) * ttile_bf16_plane_cols(p) * p->hp * p->wp * p->cp;
+}
 
 /* Round to nearest even, NaN kept quiet (the bit pattern ml_dtypes gives). */
 static inline uint16_t ttile_bf16_round(float f)
@@ -64,7 +92,7 @@ static inline int64_t ttile_bf16_input_slack(const ttile_bf16_problem *p)
 
 static inline int64_t ttile_bf16_input_elems(const ttile_bf16_problem *p)
 {
-    return p->n * p->hp * p->wp * p->cp + ttile_bf16_input_slack(p);
+    return p->n * ttile_bf16_image_elems(p) + ttile_bf16_input_slack(p);
 }
 
 static inline int64_t ttile_bf16_weight_elems(const ttile_bf16_problem *p)
@@ -92,12 +120,12 @@ typedef struct {
 static inline ttile_bf16_tiling ttile_bf16_tiling_of(const ttile_bf16_problem *p, int64_t width)
 {
     ttile_bf16_tiling t;
-    t.virtual_rows = p->stride_h == 1 && p->stride_w == 1;
+    t.virtual_rows = (p->stride_h == 1 && p->stride_w == 1) || p->phases;
     t.width = width;
     t.blocks_per_row = (p->wo + width - 1) / width;
     t.blocks = t.virtual_rows ? ((p->ho - 1) * p->wp + p->wo + width - 1) / width
                               : p->ho * t.blocks_per_row;
-    t.pixel_stride = p->stride_w * p->cp;
+    t.pixel_stride = (p->phases ? 1 : p->stride_w) * p->cp;
     return t;
 }
 
@@ -126,12 +154,16 @@ static inline int ttile_bf16_pixel(const ttile_bf16_problem *p, const ttile_bf16
     return *oh < p->ho && *ow < p->wo;
 }
 
-/* The tap offsets of the packed input, r-major: (r dil_h wp + s dil_w) cp. */
+/* The tap offsets of the packed input, r-major: (r dil_h wp + s dil_w) cp, or with
+ * phases, plane (r%2, s%2)'s start plus (r/2 wp + s/2) cp. */
 static inline void ttile_bf16_tap_offsets(const ttile_bf16_problem *p, int64_t *off)
 {
+    const int64_t plane = p->hp * p->wp * p->cp, cols = ttile_bf16_plane_cols(p);
     for (int64_t r = 0; r < p->r; r++)
         for (int64_t s = 0; s < p->s; s++)
-            off[r * p->s + s] = (r * p->dil_h * p->wp + s * p->dil_w) * p->cp;
+            off[r * p->s + s] = p->phases
+                ? ((r % 2) * cols + s % 2) * plane + ((r / 2) * p->wp + s / 2) * p->cp
+                : (r * p->dil_h * p->wp + s * p->dil_w) * p->cp;
 }
 
 /* Packing (kernels/bf16_layout.c, AVX-512F). The input: x NHWC (or NCHW when `nchw`),

@@ -58,8 +58,12 @@ def assert_close(actual, want, tol):
 SHAPES = [
     (1, 7, 7, 64, 64, 3, 3, 1, 1, 1),       # 7x7 map: virtual rows across the padding
     (2, 14, 13, 48, 40, 3, 3, 1, 1, 1),     # K tail, odd width, batch 2, steps of 24
-    (1, 15, 15, 32, 96, 3, 3, 2, 1, 1),     # stride 2
+    (1, 15, 15, 32, 96, 3, 3, 2, 1, 1),     # stride 2 (phase planes)
     (1, 16, 16, 64, 16, 1, 1, 2, 0, 1),     # 1x1 stride 2, a K of 16 (half a pair)
+    (2, 14, 14, 64, 64, 3, 3, 2, 1, 1),     # stride 2, 7x7 out, batch 2: tiles across images' rows
+    (1, 13, 10, 32, 32, 3, 3, 2, 0, 1),     # stride 2 unpadded, h != w, odd h
+    (1, 17, 17, 48, 40, 5, 5, 2, 2, 1),     # 5x5 stride 2: taps two plane pixels on
+    (1, 28, 28, 256, 64, 1, 1, 2, 0, 1),    # 1x1 stride 2: plane (0, 0) alone
     (1, 9, 11, 64, 33, 3, 3, 1, 2, 2),      # dilation 2
     (1, 20, 20, 3, 64, 7, 7, 2, 3, 1),      # the first layer: folded
     (2, 21, 19, 3, 40, 3, 3, 1, 1, 1),      # folded, stride 1
@@ -265,11 +269,16 @@ def test_bad_arguments():
 @pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="the packing needs AVX-512F")
 def test_extension_refuses_bad_problems():
     w = np.zeros((3, 3, 8, 16), np.float32)
-    good = (1, 6, 6, 16, 8, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1)
+    good = (1, 6, 6, 16, 8, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1, 0)
     _kernels.bf16_pack_weights(w, good)
-    for bad in ((1, 6, 6, 16, 8, 8, 8, 6, 32, 3, 3, 1, 1, 1, 1),   # kc does not divide cp
-                (1, 6, 6, 16, 8, 8, 8, 8, 16, 3, 3, 1, 1, 1, 1),   # kp not a multiple of 32
-                (1, 6, 6, 16, 7, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1),   # hp too small
+    for bad in ((1, 6, 6, 16, 8, 8, 8, 6, 32, 3, 3, 1, 1, 1, 1, 0),   # kc does not divide cp
+                (1, 6, 6, 16, 8, 8, 8, 8, 16, 3, 3, 1, 1, 1, 1, 0),   # kp not a multiple of 32
+                (1, 6, 6, 16, 7, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1, 0),   # hp too small
+                (1, 6, 6, 16, 8, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1, 1),   # phases at stride 1
+                (1, 6, 6, 16, 7, 7, 8, 8, 32, 3, 3, 2, 2, 2, 2, 1),   # phases with dilation
+                (1, 6, 6, 16, 6, 7, 8, 8, 32, 3, 3, 2, 2, 1, 1, 1),   # a plane too short
+                (1, 6, 6, 16, 7, 7, 8, 8, 32, 3, 3, 2, 2, 1, 1, 2),   # phases neither 0 nor 1
+                (1, 6, 6, 16, 8, 8, 8, 8, 32, 3, 3, 1, 1, 1, 1),      # 15 fields
                 (1, 6, 6, 16, 8, 8)):
         with pytest.raises(ValueError):
             _kernels.bf16_pack_weights(w, bad)

@@ -1430,6 +1430,7 @@ cdef extern from "ttile_bf16.h" nogil:
         int64_t kc, kp
         int64_t r, s
         int64_t stride_h, stride_w, dil_h, dil_w
+        int64_t phases
     int64_t ttile_bf16_input_elems(const ttile_bf16_problem *p)
     int64_t ttile_bf16_weight_elems(const ttile_bf16_problem *p)
     void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16,
@@ -1501,18 +1502,26 @@ def amx_usable():
 
 cdef int _bf16_problem(ttile_bf16_problem *p, tuple fields) except -1:
     """Fill and check a packed problem from (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
-    stride_h, stride_w, dil_h, dil_w)."""
-    if len(fields) != 15:
-        raise ValueError("a bf16 problem has 15 fields")
+    stride_h, stride_w, dil_h, dil_w, phases)."""
+    if len(fields) != 16:
+        raise ValueError("a bf16 problem has 16 fields")
     (p.n, p.ho, p.wo, p.k, p.hp, p.wp, p.cp, p.kc, p.kp, p.r, p.s, p.stride_h, p.stride_w,
-     p.dil_h, p.dil_w) = fields
+     p.dil_h, p.dil_w, p.phases) = fields
     if min(p.n, p.ho, p.wo, p.k, p.r, p.s, p.stride_h, p.stride_w, p.dil_h, p.dil_w) < 1:
         raise ValueError(f"bad bf16 problem {fields}")
     if p.kc < 2 or p.kc > 32 or p.kc % 2 or p.cp < p.kc or p.cp % p.kc \
             or p.kp < p.k or p.kp % 32:
         raise ValueError(f"bad bf16 packing {fields}: kc even <= 32 dividing cp, "
                          f"kp a multiple of 32 >= k")
-    if p.hp < (p.ho - 1) * p.stride_h + (p.r - 1) * p.dil_h + 1 \
+    if p.phases not in (0, 1) or (p.phases and (p.stride_h != 2 or p.stride_w != 2
+                                                or p.dil_h != 1 or p.dil_w != 1)):
+        raise ValueError(f"bad bf16 problem {fields}: phase planes are for stride 2 "
+                         f"without dilation")
+    if p.phases:   # hp, wp: a phase plane's extents
+        if p.hp < p.ho + (p.r - 1) // 2 or p.wp < p.wo + (p.s - 1) // 2:
+            raise ValueError(f"bf16 problem {fields}: the phase planes are too small for "
+                             f"the output")
+    elif p.hp < (p.ho - 1) * p.stride_h + (p.r - 1) * p.dil_h + 1 \
             or p.wp < (p.wo - 1) * p.stride_w + (p.s - 1) * p.dil_w + 1:
         raise ValueError(f"bf16 problem {fields}: the packed input is too small for the "
                          f"output")
@@ -1629,11 +1638,13 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     if folded is not None:
         fs, fstride, fdil = folded
         if p.s != 1 or p.stride_w != 1 or p.dil_w != 1 or fs < 1 or fstride < 1 or fdil < 1 \
-                or fs * c > p.cp or p.wp != p.wo:
+                or fs * c > p.cp or p.wp != p.wo or p.phases:
             raise ValueError(f"bad folded bf16 problem {problem} for {folded}")
+    # (phase planes hold the padded rows and columns the taps read, whatever the input's
+    # extent: the packing tests each one)
     if c < 1 or (folded is None and c > p.cp) or h < 1 or w < 1 or pad_top < 0 \
-            or pad_left < 0 or pad_top + h > p.hp \
-            or (folded is None and pad_left + w > p.wp) or nthreads < 1:
+            or pad_left < 0 or (not p.phases and pad_top + h > p.hp) \
+            or (folded is None and not p.phases and pad_left + w > p.wp) or nthreads < 1:
         raise ValueError(f"input ({c}, {h}, {w}) padded ({pad_top}, {pad_left}) does not "
                          f"fit the bf16 problem {problem}")
     _check_bf16_array(x, "x", p.n * c * h * w, 1)

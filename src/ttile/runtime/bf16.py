@@ -129,9 +129,11 @@ _AMX_REFUSED = ("AMX refused: Linux did not grant the tile state (arch_prctl "
 class Bf16Packing:
     """How one dense problem is packed for a bf16 kernel (``kernels/ttile_bf16.h``).
 
-    ``problem`` is the extension's 15 fields (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
-    stride_h, stride_w, dil_h, dil_w) of the problem as the kernel computes it; a folded
-    layer's (``folded``: the layer's s, stride_w and dil_w) has s, stride_w and dil_w 1.
+    ``problem`` is the extension's 16 fields (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
+    stride_h, stride_w, dil_h, dil_w, phases) of the problem as the kernel computes it; a
+    folded layer's (``folded``: the layer's s, stride_w and dil_w) has s, stride_w and
+    dil_w 1; a stride-2 layer's input is packed in phase planes (``phases`` 1: hp and wp
+    are then a plane's extents).
     ``weights_key`` is what the packed weights depend on (not the input's size)."""
 
     kind: KernelKind
@@ -166,11 +168,16 @@ def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
     hp = max(spec.pad_top + spec.h, (ho - 1) * spec.stride_h + (spec.r - 1) * spec.dilation_h + 1)
     if fold:
         problem = (spec.n, ho, wo, spec.k, hp, wo, cp, kc, kp, spec.r, 1, spec.stride_h, 1,
-                   spec.dilation_h, 1)
+                   spec.dilation_h, 1, 0)
         return Bf16Packing(kind, spec, problem, (spec.s, spec.stride_w, spec.dilation_w))
+    if spec.stride_h == spec.stride_w == 2 and spec.dilation_h == spec.dilation_w == 1:
+        # phase planes: a tile's 16 rows are 16 outputs across output rows, as at stride 1
+        problem = (spec.n, ho, wo, spec.k, ho + (spec.r - 1) // 2, wo + (spec.s - 1) // 2,
+                   cp, kc, kp, spec.r, spec.s, 2, 2, 1, 1, 1)
+        return Bf16Packing(kind, spec, problem, None)
     wp = max(spec.pad_left + spec.w, (wo - 1) * spec.stride_w + (spec.s - 1) * spec.dilation_w + 1)
     problem = (spec.n, ho, wo, spec.k, hp, wp, cp, kc, kp, spec.r, spec.s, spec.stride_h,
-               spec.stride_w, spec.dilation_h, spec.dilation_w)
+               spec.stride_w, spec.dilation_h, spec.dilation_w, 0)
     return Bf16Packing(kind, spec, problem, None)
 
 
