@@ -597,3 +597,68 @@ def test_layout_tiles_stay_in_bounds(isa, side, shape):
         _kernels.pack_weights_kcrs(gw.array, panel, 2, gp.array, isa=flag)
         assert gp.canary_intact() and gw.canary_intact()
         np.testing.assert_array_equal(gp.array, expected)
+
+
+#: (n, h, w, c, k, r, s, stride, pad): the bf16 kernels' packings - stride 1 over the
+#: packed width, stride-2 phase planes (3x3, 5x5, a 1x1 reading one plane, odd sizes, a
+#: batch), a folded first layer and a 1x1 layer on its bf16 input in place.
+BF16_SHAPES = [
+    (1, 9, 11, 24, 40, 3, 3, 1, 1),
+    (2, 14, 14, 64, 48, 3, 3, 2, 1),
+    (1, 13, 10, 32, 32, 3, 3, 2, 0),
+    (1, 11, 11, 40, 24, 5, 5, 2, 2),
+    (1, 15, 15, 64, 40, 1, 1, 2, 0),
+    (1, 20, 20, 3, 32, 7, 7, 2, 3),
+    (1, 7, 9, 64, 40, 1, 1, 1, 0),
+]
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", BF16_SHAPES, ids=lambda c: f"n{c[0]}h{c[1]}c{c[3]}k{c[4]}r{c[5]}s{c[7]}")
+@pytest.mark.parametrize("kind", ["amx", "dot"])
+def test_bf16_kernels_stay_in_bounds(kind, case, side):
+    """The bf16 kernels' reads of the packed input (its slack included), the input they
+    pack, the packed weights and the epilogue's operands, and their writes, against guard
+    pages: bf16 input and output (the network's case) with bias, residual and ReLU."""
+    from ttile.core.kinds import KernelKind
+    from ttile.runtime import bf16
+    if kind == "amx" and not _kernels.amx_usable():
+        pytest.skip("no AMX-BF16 on this CPU (or Linux refused the tile state)")
+    if kind == "dot" and not _kernels.cpu_has_avx512bf16():
+        pytest.skip("no AVX512_BF16 on this CPU")
+    n, h, w, c, k, r, s, stride, pad = case
+    spec = ConvSpec(n=n, k=k, c=c, h=h, w=w, r=r, s=s, stride_h=stride, stride_w=stride,
+                    pad_top=pad, pad_bottom=pad, pad_left=pad, pad_right=pad)
+    pack = bf16.packing(spec, KernelKind.AMX if kind == "amx" else KernelKind.DOT_BF16)
+    code = _kernels.BF16_KERNEL_AMX if kind == "amx" else _kernels.BF16_KERNEL_AVX512
+    rng = np.random.default_rng(5)
+    x = _kernels.bf16_round(rng.uniform(-1, 1, (n, h, w, c)).astype(np.float32))
+    wb = bf16.pack_weights(rng.uniform(-1, 1, (r, s, c, k)).astype(np.float32), "NHWC",
+                           pack, 1)
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    out_shape = spec.output_shape()
+    residual = _kernels.bf16_round(rng.uniform(-1, 1, out_shape).astype(np.float32))
+    elems = _kernels.bf16_input_elems(pack.problem)
+    results = []
+    for fenced in (False, True):
+        for threads in (1, 2):
+            if fenced:
+                gx, gw = guarded_copy(x, side), guarded_copy(wb, side)
+                gb, gr = guarded_copy(bias, side), guarded_copy(residual, side)
+                gxb = guarded_copy(np.zeros(elems, np.uint16), side)
+                gy = guarded_copy(np.zeros(out_shape, np.uint16), side)
+                arrays = [a.array for a in (gx, gw, gb, gr, gxb, gy)]
+            else:
+                arrays = [x, wb, bias, residual, np.zeros(elems, np.uint16),
+                          np.zeros(out_shape, np.uint16)]
+            ax, aw, ab, ar, axb, ay = arrays
+            _kernels.conv2d_bf16(ax, False, aw, ay, pack.problem, c, h, w, pad, pad, code,
+                                 threads, bias=ab, residual=ar, activation=1,
+                                 folded=pack.folded, xb=axb)
+            if fenced:
+                assert gy.canary_intact(), "the kernel wrote outside its output"
+                for fence in (gx, gw, gb, gr, gxb):
+                    assert fence.canary_intact(), "the kernel wrote into an input's fence"
+            results.append(ay.copy())
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
