@@ -240,11 +240,13 @@ static inline __m512 ttile_bf16_widen512(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* The lanes of 16 output channels from k on, of kreal. */
+/* The lanes of 16 output channels from k on, of kreal (none past kreal: the packing's
+ * padded blocks load zeros). */
 static inline __mmask16 ttile_bf16_kmask(int64_t k, int64_t kreal)
 {
     const int64_t left = kreal - k;
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+    return left >= 16 ? (__mmask16)0xFFFF
+                      : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
 }
 
 /* 16 accumulated outputs stored through the epilogue, at element i of y (fp32 or bf16;
