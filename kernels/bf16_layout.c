@@ -49,6 +49,20 @@ void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
     }
 }
 
+/* One packed pixel (cp channels, c..cp-1 zero) from an NHWC pixel of c channels (fp32,
+ * rounded, or bf16). */
+static inline void pack_pixel_nhwc(const void *pixel, int x_bf16, int64_t c, int64_t cp,
+                                   uint16_t *o)
+{
+    for (int64_t ch = 0; ch < cp; ch += 16) {
+        const __mmask16 m = ttile_bf16_kmask(ch, c);
+        const __m256i v = x_bf16 ? _mm256_maskz_loadu_epi16(m, (const uint16_t *)pixel + ch)
+                                 : ttile_bf16_round512(
+                                       _mm512_maskz_loadu_ps(m, (const float *)pixel + ch));
+        _mm256_mask_storeu_epi16(o + ch, ttile_bf16_kmask(ch, cp), v);
+    }
+}
+
 /* One packed row (wp pixels of cp channels) from an NHWC row of w pixels of c channels
  * (fp32 or bf16), pad_left zero pixels before it. */
 static void pack_row_nhwc(const ttile_bf16_problem *p, const void *row, int x_bf16,
@@ -56,18 +70,10 @@ static void pack_row_nhwc(const ttile_bf16_problem *p, const void *row, int x_bf
 {
     const int64_t cp = p->cp;
     memset(out, 0, (size_t)(pad_left * cp) * sizeof(uint16_t));
-    for (int64_t j = 0; j < w; j++) {
-        uint16_t *o = out + (pad_left + j) * cp;
-        for (int64_t ch = 0; ch < cp; ch += 16) {
-            const __mmask16 m = ttile_bf16_kmask(ch, c);
-            __m256i v;
-            if (x_bf16)
-                v = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j * c + ch);
-            else
-                v = ttile_bf16_round512(_mm512_maskz_loadu_ps(m, (const float *)row + j * c + ch));
-            _mm256_mask_storeu_epi16(o + ch, ttile_bf16_kmask(ch, cp), v);
-        }
-    }
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (int64_t j = 0; j < w; j++)
+        pack_pixel_nhwc((const char *)row + j * c * elem, x_bf16, c, cp,
+                        out + (pad_left + j) * cp);
     const int64_t right = p->wp - pad_left - w;
     if (right > 0)
         memset(out + (pad_left + w) * cp, 0, (size_t)(right * cp) * sizeof(uint16_t));
@@ -115,15 +121,8 @@ static void pack_row_phase(const ttile_bf16_problem *p, const void *src, int x_b
             memset(o + c, 0, (size_t)(cp - c) * sizeof(uint16_t));
             continue;
         }
-        for (int64_t ch = 0; ch < cp; ch += 16) {
-            const __mmask16 m = ttile_bf16_kmask(ch, c);
-            __m256i v;
-            if (x_bf16)
-                v = _mm256_maskz_loadu_epi16(m, (const uint16_t *)src + col * c + ch);
-            else
-                v = ttile_bf16_round512(_mm512_maskz_loadu_ps(m, (const float *)src + col * c + ch));
-            _mm256_mask_storeu_epi16(o + ch, ttile_bf16_kmask(ch, cp), v);
-        }
+        pack_pixel_nhwc((const char *)src + col * c * (x_bf16 ? sizeof(uint16_t) : sizeof(float)),
+                        x_bf16, c, cp, o);
     }
 }
 
