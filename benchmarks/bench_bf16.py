@@ -17,7 +17,10 @@ each engine in accuracy.
 Contenders, per layer (NHWC input for ttile, the layer's weights fixed):
 
 * ``ttile``: ``ttile.conv2d(x, w, layout="NHWC", precision="bf16")`` per call (fp32
-  arrays in and out; the weights packed on the first call and reused while unchanged),
+  arrays in and out; the weights packed on the first call and reused while their bf16
+  rounding is unchanged, which each call checks), ``ttile bf16 per call``: the same call
+  on ``ml_dtypes.bfloat16`` input and weights, giving a bf16 output (``torch bf16``'s
+  arrays),
   ``ttile NCHW``: the same call in torch's layout (NCHW input, KCRS weights),
   ``ttile Conv2d``: a ``ttile.Conv2d(..., precision="bf16")`` made once, and ``ttile bf16
   arrays``: that layer on an ``ml_dtypes.bfloat16`` input, giving a bf16 output (what
@@ -26,7 +29,12 @@ Contenders, per layer (NHWC input for ttile, the layer's weights fixed):
   says what OpenVINO picked), ``OpenVINO bf16`` with ``INFERENCE_PRECISION_HINT`` bf16;
 * ``torch autocast``: ``F.conv2d`` on channels_last fp32 tensors under
   ``torch.autocast("cpu", torch.bfloat16)``, and ``torch bf16``: on channels_last bf16
-  tensors (no casts in the call); the better of the two is torch's time.
+  tensors (no casts in the call).
+
+Each peer is compared with the ttile call whose arrays are its own: ``torch bf16`` with
+``ttile bf16 per call``, the others (fp32 arrays in and out) with ``ttile``; "vs best
+peer" is the least of those ratios. "fp32 arrays vs fastest" compares ``ttile`` with the
+fastest peer whatever its arrays (a bf16 output is half the bytes to write).
 
 Per network (batch 1, 224x224, the networks of ``bench_network.py``): ``ttile``
 (``ttile.torch.convert(model, example_input=x, precision="bf16")`` on the channels_last
@@ -52,11 +60,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_semantics import median_seconds  # noqa: E402 (beside this file)
 
-LAYER_CONTENDERS = ("ttile", "ttile NCHW", "ttile Conv2d", "ttile bf16 arrays", "OpenVINO default",
-                    "OpenVINO bf16", "torch autocast", "torch bf16")
+LAYER_CONTENDERS = ("ttile", "ttile bf16 per call", "ttile NCHW", "ttile Conv2d",
+                    "ttile bf16 arrays", "OpenVINO default", "OpenVINO bf16",
+                    "torch autocast", "torch bf16")
 NETWORK_CONTENDERS = ("ttile", "OpenVINO default", "OpenVINO bf16", "torch autocast",
                       "ttile fp32", "OpenVINO f32", "onnxruntime")
-PEERS = ("OpenVINO default", "OpenVINO bf16", "torch")
+PEERS = ("OpenVINO default", "OpenVINO bf16", "torch autocast", "torch bf16")
+#: The ttile contender with a peer's arrays (the others' are fp32 in and out: "ttile").
+SAME_ARRAYS = {"torch bf16": "ttile bf16 per call"}
 
 
 def _timed(fn, reps: int) -> float:
@@ -84,6 +95,14 @@ def _layer_runner(label: str, layer, threads: int, reference: bool = True):
             return ttile.conv2d(x_nhwc, w_rsck, stride=stride, padding=pad, layout="NHWC",
                                 threads=threads, precision="bf16")
         nchw = (lambda y: y.transpose(0, 3, 1, 2))
+    elif label == "ttile bf16 per call":
+        import ml_dtypes
+        xb, wb = x_nhwc.astype(ml_dtypes.bfloat16), w_rsck.astype(ml_dtypes.bfloat16)
+
+        def call():
+            return ttile.conv2d(xb, wb, stride=stride, padding=pad, layout="NHWC",
+                                threads=threads, precision="bf16")
+        nchw = (lambda y: y.astype(np.float32).transpose(0, 3, 1, 2))
     elif label == "ttile NCHW":
         def call():
             return ttile.conv2d(x, w, stride=stride, padding=pad, threads=threads,
@@ -201,11 +220,12 @@ def in_children(mode: str, contenders, names, threads: int, reps: int, rounds: i
     return results
 
 
-def _peer_ms(round_: dict, peer: str, name: str) -> float:
-    if peer == "torch":
-        return min(round_[label][name]["ms"] for label in ("torch autocast", "torch bf16")
-                   if label in round_)
-    return round_[peer][name]["ms"]
+def _ratio(round_: dict, peer: str, name: str) -> float:
+    """The peer's time over that of the ttile call with its arrays (> 1: ttile faster)."""
+    mine = SAME_ARRAYS.get(peer, "ttile")
+    if mine not in round_:
+        mine = "ttile"
+    return round_[peer][name]["ms"] / round_[mine][name]["ms"]
 
 
 def geomean(values) -> float:
@@ -219,35 +239,37 @@ def table(mode: str, results: list[dict], names, threads: int, ov_default: str) 
     ttile_label = "ttile"
     order = LAYER_CONTENDERS if mode == "layers" else NETWORK_CONTENDERS
     labels = [label for label in order if label in results[0]]
-    peers_here = [p for p in PEERS if p in results[0] or (p == "torch" and any(
-        label.startswith("torch") for label in labels))]
+    peers_here = [p for p in PEERS if p in results[0]]
     medians = {label: {name: statistics.median(r[label][name]["ms"] for r in results)
                        for name in names} for label in labels}
     errors = {label: {name: results[0][label][name]["error"] for name in names}
               for label in labels}
     head = ["| " + ("layer" if mode == "layers" else "network") + " | threads | "
             + " | ".join(f"{label} ms (error)" for label in labels) + " | "
-            + " | ".join(f"vs {p}" for p in peers_here) + " | vs best peer |",
-            "|---|---|" + "---|" * (len(labels) + len(peers_here) + 1)]
+            + " | ".join(f"vs {p}" for p in peers_here)
+            + " | vs best peer | fp32 arrays vs fastest |",
+            "|---|---|" + "---|" * (len(labels) + len(peers_here) + 2)]
     lines = list(head)
-    ratios = {p: [] for p in peers_here + ["best"]}
+    ratios = {p: [] for p in peers_here + ["best", "fastest"]}
     for name in names:
         row = [name, str(threads)]
         row += [f"{medians[label][name]:.3f} ({errors[label][name]:.1e})"
                 for label in labels]
         for peer in peers_here:
-            ratio = statistics.median(_peer_ms(r, peer, name) / r[ttile_label][name]["ms"]
-                                      for r in results)
+            ratio = statistics.median(_ratio(r, peer, name) for r in results)
             ratios[peer].append(ratio)
             row.append(f"{ratio:.2f}")
-        best = statistics.median(min(_peer_ms(r, p, name) for p in peers_here)
-                                 / r[ttile_label][name]["ms"] for r in results)
+        best = statistics.median(min(_ratio(r, p, name) for p in peers_here)
+                                 for r in results)
+        fastest = statistics.median(min(r[p][name]["ms"] for p in peers_here)
+                                    / r[ttile_label][name]["ms"] for r in results)
         ratios["best"].append(best)
-        row.append(f"**{best:.2f}**")
+        ratios["fastest"].append(fastest)
+        row += [f"**{best:.2f}**", f"{fastest:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("| geomean | " + str(threads) + " | " + " | ".join("" for _ in labels)
                  + " | " + " | ".join(f"{geomean(ratios[p]):.2f}" for p in peers_here)
-                 + f" | **{geomean(ratios['best']):.2f}** |")
+                 + f" | **{geomean(ratios['best']):.2f}** | {geomean(ratios['fastest']):.2f} |")
     lines.append("")
     lines.append(f"OpenVINO's default precision here: {ov_default}. Ratios > 1: ttile "
                  f"faster; errors against the {'float64' if mode == 'layers' else 'fp32 torch'}"

@@ -49,6 +49,33 @@ void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
     }
 }
 
+int ttile_bf16_same_rounded(const float *src, const uint16_t *bits, int64_t n, int nthreads)
+{
+    /* Whether n floats, rounded as the packing rounds them, are the n bf16 values `bits`
+     * holds: a per-call bf16 conv2d's check that the weights it packed are still the
+     * caller's (src/ttile/runtime/weight_cache.py). A bf16 kernel reads the rounded
+     * values only, so this reads the caller's fp32 weights and half their bytes again,
+     * where a copy of the fp32 bytes was as many again; a change the rounding hides
+     * changes nothing the kernel computes. Chunks in one static share per thread, as
+     * ttile_same_bytes does (the same thread reads the same lines every call). */
+    const int64_t chunk = 16384, chunks = (n + chunk - 1) / chunk;
+    int differ = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1) \
+    reduction(| : differ)
+    for (int64_t b = 0; b < chunks; b++) {
+        const int64_t end = (b + 1) * chunk < n ? (b + 1) * chunk : n;
+        __mmask16 changed = 0;
+        for (int64_t i = b * chunk; i < end; i += 16) {
+            const __mmask16 m = ttile_bf16_kmask(i, end);
+            changed |= _mm256_mask_cmpneq_epi16_mask(
+                m, ttile_bf16_round512(_mm512_maskz_loadu_ps(m, src + i)),
+                _mm256_maskz_loadu_epi16(m, bits + i));
+        }
+        differ |= changed != 0;
+    }
+    return !differ;
+}
+
 /* One packed pixel (cp channels, c..cp-1 zero) from an NHWC pixel of c channels (fp32,
  * rounded, or bf16). */
 static inline void pack_pixel_nhwc(const void *pixel, int x_bf16, int64_t c, int64_t cp,

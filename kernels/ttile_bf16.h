@@ -190,6 +190,8 @@ void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */
 void ttile_bf16_from_f32(const float *src, uint16_t *dst, int64_t n, int nthreads);
 void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads);
+/* Whether src's n floats round to the n bf16 values of `bits` (1) or not (0). */
+int ttile_bf16_same_rounded(const float *src, const uint16_t *bits, int64_t n, int nthreads);
 /* fp32 -> fp32 holding the bf16-rounded values (what an fp32 kernel multiplies to compute
  * precision="bf16"), n elements; dst may be src. */
 void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads);

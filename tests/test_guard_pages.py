@@ -528,6 +528,10 @@ def test_the_weight_checks_stay_inside_their_arrays(side, k, panel):
             assert _kernels.packed_matches(gw.array, gp.array, threads, flag)
     for threads in (1, 3):
         assert _kernels.same_bytes(gw.array, gc.array, threads)
+    if "avx512f" in AVAILABLE_ISAS:   # a bf16 call's check: its rounded copy
+        gb = guarded_copy(_kernels.bf16_round(w), side)
+        for threads in (1, 3):
+            assert _kernels.bf16_same_rounded(gw.array, gb.array, threads)
 
 
 @pytest.mark.parametrize("isa", ["portable"] + (["avx512f"] if "avx512f" in AVAILABLE_ISAS

@@ -232,3 +232,98 @@ def test_a_searched_kernel_packing_apart_reuses_on_one_thread(fresh_cache, monke
     assert fresh_cache.misses == 1 and fresh_cache.hits == 1
     np.testing.assert_array_equal(first, second)
     assert_conv_close(second, x, w, (found.stride, found.stride), (pad,) * 4)
+
+
+# ---------------------------------------------------------------------------------------
+# bf16 calls: the packed weights are the rounded weights, compared rounded (Check.BF16)
+
+def _bf16_kernel_or_skip():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    plan = ttile.plan((1, 9, 9, 64), (3, 3, 64, 128), padding=1, layout="NHWC",
+                      precision="bf16")
+    if plan.kind not in (ttile.KernelKind.AMX, ttile.KernelKind.DOT_BF16):
+        pytest.skip("no bf16 kernel on this CPU (the fp32 kernels serve bf16 calls)")
+    return ml_dtypes
+
+
+def _bf16_call(x, w, threads=2):
+    return ttile.conv2d(x, w, padding=1, layout="NHWC", threads=threads, precision="bf16")
+
+
+def _bf16_fresh(x, w):
+    """The same call with nothing reused: a layer made from a copy of the weights."""
+    return ttile.Conv2d(w.copy(), padding=1, layout="NHWC", threads=2, precision="bf16")(x)
+
+
+def test_bf16_calls_reuse_packed_weights_until_their_rounding_changes(fresh_cache):
+    _bf16_kernel_or_skip()
+    x, w = _problem(seed=7)
+    first = _bf16_call(x, w)
+    second = _bf16_call(x, w)
+    assert fresh_cache.misses == 1 and fresh_cache.hits == 1
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(second, _bf16_fresh(x, w))
+    # the low bit of a weight whose rounding it does not reach: the kernel computes the
+    # same, so the packing is kept
+    flat = w.reshape(-1)
+    hidden = int(np.argmax((flat.view(np.uint32) & 0xFFFF) < 0x4000))
+    flat.view(np.uint32)[hidden] ^= np.uint32(1)
+    third = _bf16_call(x, w)
+    assert fresh_cache.misses == 1 and fresh_cache.hits == 2
+    np.testing.assert_array_equal(third, _bf16_fresh(x, w))
+    # a change the rounding keeps, in the last weight: packed again
+    flat.view(np.uint32)[-1] ^= np.uint32(1 << 20)
+    fourth = _bf16_call(x, w)
+    assert fresh_cache.misses == 2
+    np.testing.assert_array_equal(fourth, _bf16_fresh(x, w))
+    assert not np.array_equal(fourth, third)
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_bf16_weights_arrays_are_reused_too(fresh_cache, layout):
+    ml_dtypes = _bf16_kernel_or_skip()
+    x, w = _problem(seed=8)
+    if layout == "NCHW":
+        x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        w = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+    wb = w.astype(ml_dtypes.bfloat16)
+
+    def call():
+        return ttile.conv2d(x, wb, padding=1, layout=layout, threads=2, precision="bf16")
+
+    first, second = call(), call()
+    assert fresh_cache.misses == 1 and fresh_cache.hits == 1
+    np.testing.assert_array_equal(first, second)
+    # the same as the fp32 weights they were rounded from
+    np.testing.assert_array_equal(second, ttile.conv2d(x, w, padding=1, layout=layout,
+                                                       threads=2, precision="bf16"))
+    wb.view(np.uint16).reshape(-1)[wb.size // 2] ^= np.uint16(1 << 3)
+    third = call()
+    assert fresh_cache.misses == 3   # the fp32 call above was a miss of its own
+    np.testing.assert_array_equal(third, ttile.conv2d(
+        x, wb.astype(np.float32), padding=1, layout=layout, threads=2, precision="bf16"))
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 16384, 16385, 100003])
+def test_bf16_same_rounded(n):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if not ttile.has_avx512f():
+        pytest.skip("the bf16 conversions need AVX-512F")
+    a = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    bits = a.astype(ml_dtypes.bfloat16).view(np.uint16)
+    for threads in (1, 2, 3):
+        assert _kernels.bf16_same_rounded(a, bits, threads)
+        for i in {0, n // 2, n - 1}:
+            changed = bits.copy()
+            changed[i] ^= np.uint16(1)
+            assert not _kernels.bf16_same_rounded(a, changed, threads)
+            below = a.copy()   # a bit the rounding drops: the same values
+            below.view(np.uint32)[i] ^= np.uint32(1 << 2)
+            assert _kernels.bf16_same_rounded(below, bits, threads) == (
+                below.astype(ml_dtypes.bfloat16).view(np.uint16)[i] == bits[i])
+    nan = np.full(3, np.nan, np.float32)
+    assert _kernels.bf16_same_rounded(nan, nan.astype(ml_dtypes.bfloat16).view(np.uint16), 1)
+    with pytest.raises(ValueError):
+        _kernels.bf16_same_rounded(a, bits[:-1].copy() if n > 1 else np.zeros(2, np.uint16))
+    with pytest.raises(TypeError):
+        _kernels.bf16_same_rounded(a, a)

@@ -1446,6 +1446,8 @@ cdef extern from "ttile_bf16.h" nogil:
     void ttile_bf16_from_f32(const float *src, unsigned short *dst, int64_t n, int nthreads)
     void ttile_bf16_to_f32(const unsigned short *src, float *dst, int64_t n, int nthreads)
     void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
+    int ttile_bf16_same_rounded(const float *src, const unsigned short *bits, int64_t n,
+                                int nthreads)
     int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const unsigned short *xb,
                             const unsigned short *wb, void *y, int y_bf16, int nthreads,
                             const ttile_epilogue *ep)
@@ -1559,6 +1561,24 @@ def bf16_round(cnp.ndarray src, int nthreads=1, out=None):
                             <unsigned short *>cnp.PyArray_DATA(dst), cnp.PyArray_SIZE(src),
                             nthreads)
     return dst
+
+
+def bf16_same_rounded(cnp.ndarray src, cnp.ndarray bits, int nthreads=1) -> bool:
+    """Whether float32 ``src``, rounded to bf16 (nearest even), holds the values of the bf16
+    bits ``bits`` (uint16 of src's size), compared bit for bit in parallel without the GIL:
+    a bf16 kernel's packed weights are still those of the caller's fp32 array."""
+    _check_f32_contiguous(src, "src")
+    _check_bf16_array(bits, "bits", cnp.PyArray_SIZE(src), 0)
+    if nthreads < 1:
+        raise ValueError("nthreads must be >= 1")
+    if ttile_cpu_has_avx512f() != 1:
+        raise RuntimeError("the bf16 conversions need AVX-512F")
+    cdef int same
+    with nogil:
+        same = ttile_bf16_same_rounded(<const float *>cnp.PyArray_DATA(src),
+                                       <const unsigned short *>cnp.PyArray_DATA(bits),
+                                       cnp.PyArray_SIZE(src), nthreads)
+    return same == 1
 
 
 def bf16_round_f32(cnp.ndarray src, int nthreads=1, out=None):

@@ -127,6 +127,15 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
     return execute(call, selection, x_arr, weights, nthreads, fused, y)
 
 
+def _own_bf16_weights(w) -> Optional[np.ndarray]:
+    """``w`` itself where a bf16 call may keep its packed weights for it: the caller's
+    own C-contiguous float32 or bfloat16 numpy array (a converted copy is new on every
+    call); None otherwise."""
+    if type(w) is not np.ndarray or not (w.flags.c_contiguous and w.flags.aligned):
+        return None
+    return w if w.dtype == np.float32 or bf16.is_bfloat16(w) else None
+
+
 def _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads, activation,
                  negative_slope, residual, out, precision) -> np.ndarray:
     """conv2d with a precision other than fp32 (``ttile.runtime.bf16``)."""
@@ -136,19 +145,22 @@ def _conv2d_bf16(x, w, bias, stride, padding, dilation, groups, layout, threads,
                       residual=residual, out=out)
     if not bf16.is_bfloat16(x):
         x = as_float32(x, "input")   # once: the calls below take it as it is
-    w_arr = as_float32(w, "weights")
-    call = call_plan(np.shape(x), w_arr.shape, stride, padding, layout, dilation, groups)
+    own = _own_bf16_weights(w)
+    w_arr = None if own is not None else as_float32(w, "weights")
+    call = call_plan(np.shape(x), np.shape(w), stride, padding, layout, dilation, groups)
     nthreads = call.fit(thread_count(threads))
     choice = bf16.choose(call.spec, call.groups, get_isa())
     packed = None
-    if choice.pack is not None and w_arr is w:
-        # the caller's own array: its packed weights are reused while it holds the
-        # bytes they were packed from (``weight_cache``), as fp32 calls' are
+    if choice.pack is not None and own is not None:
+        # the caller's own array: its packed weights are reused while it holds, rounded
+        # to bf16, the values they were packed from (``weight_cache``)
         pack = choice.pack
         packed = weight_cache.CACHE.packed(
-            w_arr, ("bf16", layout) + pack.weights_key,
+            own, ("bf16", layout) + pack.weights_key,
             lambda source: bf16.pack_weights(source, layout, pack, nthreads), nthreads,
-            rsck=False)
+            weight_cache.Check.BF16)
+    if packed is None and w_arr is None:
+        w_arr = as_float32(w, "weights")
     if choice.pack is None:   # the fp32 kernels on the rounded values
         bf16.warn_missing(choice)
         w_rounded = bf16.round_to_bf16(w_arr)

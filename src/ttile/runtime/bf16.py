@@ -22,6 +22,7 @@ bf16-rounded inputs (``round_to_bf16``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -147,8 +148,10 @@ class Bf16Packing:
         return (self.kind, p[6], p[7], p[8], p[9], p[10], self.folded is not None)
 
 
+@functools.lru_cache(maxsize=512)
 def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
-    """The packing of ``spec`` (one group, groups 1) for bf16 kernel ``kind``.
+    """The packing of ``spec`` (one group, groups 1) for bf16 kernel ``kind`` (a pure
+    function of the two, kept for the shapes a process calls again: per-call conv2d).
 
     The reduction step kc: AMX takes up to 32 channels a step (a tile row is 64 bytes);
     the channels are split into equal even steps, so that few are padding (144 channels:

@@ -124,8 +124,9 @@ def call_weights(w: np.ndarray, callers: bool, plan: CallPlan,
                 packed = weight_cache.CACHE.packed(
                     w, (plan.layout, packed_kind, packed_selection.choice.panel,
                         packed_selection.choice.tile), pack,
-                    nthreads, rsck=plan.layout == "NHWC"
-                    and packed_kind is not KernelKind.WINOGRAD, isa=layout_isa())
+                    nthreads, weight_cache.Check.PANELS if plan.layout == "NHWC"
+                    and packed_kind is not KernelKind.WINOGRAD else weight_cache.Check.COPY,
+                    isa=layout_isa())
                 if packed is not None:
                     return packed, packed_selection
     if choice.kind is KernelKind.WINOGRAD and not winograd.transform_per_call(w.nbytes):

@@ -30,7 +30,12 @@ a pass of its own: 0.86-0.95 at every thread count (0.34-0.71 at 2 threads on a 
 Checking against the panels took 0.81-1.05 of the time of checking against a copy on
 that Xeon (0.98-1.08 on the Zen 4), and half the memory: so it is done for RSCK.
 
-Only the caller's own float32 C-contiguous arrays are cached (a converted copy is new on
+A bf16 call's packed weights hold the weights rounded to bf16, and the kernel reads
+nothing else: the cache keeps a bf16 copy of the rounded weights and compares the
+caller's array, rounded, with it (:attr:`Check.BF16`), so a change the rounding hides
+keeps the packing, and a caller's bf16 weights (``ml_dtypes.bfloat16``) are cached too.
+
+Only the caller's own C-contiguous float32 (and, for bf16 calls, bfloat16) arrays are cached (a converted copy is new on
 every call), and only weights of at least :data:`MIN_BYTES`; the cache holds at most
 ``max_bytes`` (copies and packed weights together, least recently used dropped first;
 ``ttile.set_weight_cache``). Thread-safe: entries are never written after they are made.
@@ -40,6 +45,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Hashable, Optional
 
 import numpy as np
@@ -59,17 +65,34 @@ MAX_CHANGES = 2
 MAX_VOLATILE = 256
 
 
+class Check(Enum):
+    """How a later call's weights are compared with what was packed."""
+
+    #: RSCK fp32 weights against the panels themselves (their rows cut into panels).
+    PANELS = "panels"
+    #: Against a private copy of the bytes packed (weights packing transposes or transforms).
+    COPY = "copy"
+    #: Rounded to bf16, against a private copy of the bf16 values packed: a bf16 kernel
+    #: reads nothing else, so a change the rounding hides needs no new packing, and the
+    #: copy is half the bytes of an fp32 one (of the caller's fp32 or bf16 array alike).
+    BF16 = "bf16"
+
+
 @dataclass(frozen=True)
 class _Entry:
     packed: np.ndarray             # read-only
-    source: Optional[np.ndarray]   # a private copy of the bytes packed (KCRS weights)
+    source: Optional[np.ndarray]   # the private copy compared with (Check.COPY, BF16)
+    check: Check
     changes: int                   # times the caller's array was found changed before
 
     def matches(self, w: np.ndarray, nthreads: int, isa: Optional[int]) -> bool:
-        """Whether ``w`` holds, bit for bit, the weights ``packed`` was made from
-        (``isa``: that of the layout conversions, None for AVX-512 where the CPU has it)."""
-        if self.source is None:   # RSCK: the panels hold w's rows as they are
+        """Whether ``w`` holds the weights ``packed`` was made from, bit for bit (or, for
+        Check.BF16, their bf16 rounding does; ``isa``: that of the layout conversions,
+        None for AVX-512 where the CPU has it)."""
+        if self.check is Check.PANELS:
             return _kernels.packed_matches(w, self.packed, nthreads, isa)
+        if self.check is Check.BF16 and w.dtype == np.float32:
+            return _kernels.bf16_same_rounded(w, self.source, nthreads)
         return _kernels.same_bytes(self.source, w, nthreads)
 
     @property
@@ -90,13 +113,15 @@ class WeightCache:
         self.misses = 0
 
     def packed(self, w: np.ndarray, fmt: Hashable, pack: Callable[[np.ndarray], np.ndarray],
-               nthreads: int, rsck: bool, isa: Optional[int] = None) -> Optional[np.ndarray]:
+               nthreads: int, check: Check, isa: Optional[int] = None) -> Optional[np.ndarray]:
         """The packed weights of ``w`` in format ``fmt`` (what ``pack`` makes of an array
-        of w's bytes), from the cache when w holds the bytes they were packed from; None
-        when w is not to be cached (too small or too large, or found changing): the
-        caller packs it itself then. ``rsck``: w is RSCK and ``pack`` writes the panels of
-        ``_kernels.pack_weights``, which are compared with w directly; otherwise (torch's
-        KCRS, transposed by packing) a copy of w is kept to compare with."""
+        of w's values, float32), from the cache when w holds the values they were packed
+        from; None when w is not to be cached (too small or too large, or found
+        changing): the caller packs it itself then. ``check`` says how w is compared on
+        later calls: Check.PANELS for RSCK weights that ``pack`` cuts into the panels of
+        ``_kernels.pack_weights`` (compared with w directly); Check.COPY keeps a copy of
+        w (torch's KCRS, transposed by packing); Check.BF16 a copy of w rounded to bf16
+        (w float32, or bf16 as ``ml_dtypes.bfloat16``), for a bf16 kernel's packing."""
         nbytes = w.nbytes
         if nbytes < MIN_BYTES or 4 * nbytes > self.max_bytes:   # copy + packed <= half
             return None
@@ -124,12 +149,20 @@ class WeightCache:
         self.misses += 1
         # packed from the copy, the two agree whatever w does meanwhile; without one,
         # the next call compares w with what the panels hold, whatever that is
-        source = None if rsck else aligned_copy(w)
-        packed = pack(w if source is None else source)
+        if check is Check.PANELS:
+            source = None
+            packed = pack(w)
+        elif check is Check.COPY:
+            source = aligned_copy(w)
+            packed = pack(source)
+        else:
+            source = _kernels.bf16_round(w, nthreads) if w.dtype == np.float32 else \
+                w.view(np.uint16).copy()
+            packed = pack(_kernels.bf16_widen(source, nthreads))
         packed.flags.writeable = False
         if source is not None:
             source.flags.writeable = False
-        entry = _Entry(packed, source, changes)
+        entry = _Entry(packed, source, check, changes)
         with self._lock:
             self._drop(key)
             self._entries[key] = entry
