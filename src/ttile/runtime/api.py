@@ -86,9 +86,10 @@ def conv2d(x, w, bias=None, stride: IntPair = 1, padding: Union[IntPair, str] = 
             autocast). Served by AMX or AVX512_BF16 kernels where the CPU has them, else
             by the fp32 kernels on the rounded values (one warning). fp32 arrays give an
             fp32 output; bf16 arrays (``ml_dtypes.bfloat16``) a bf16 output. The
-            weights are packed for the bf16 kernel on the first call and reused while
-            the same array holds the same values (``ttile.set_weight_cache``), as an
-            fp32 call's are; :class:`ttile.Conv2d` packs them once.
+            weights (float32 or bfloat16) are packed for the bf16 kernel on the first
+            call and reused while the same array, rounded to bf16, holds the same
+            values: each call checks that against a bf16 copy, in parallel
+            (``ttile.set_weight_cache``); :class:`ttile.Conv2d` packs them once.
 
     A problem with no kernel tuned into ttile is tuned on its first call (a search of
     at most 20 s by default, then cached on disk for later processes), in the
