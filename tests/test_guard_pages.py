@@ -666,3 +666,52 @@ def test_bf16_kernels_stay_in_bounds(kind, case, side):
             results.append(ay.copy())
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
+
+
+#: (n, c, h, w, r, stride, pad): NCHW fp32 inputs the bf16 packing transposes in blocks
+#: of 16 channels by 16 pixels: whole blocks at the array's end, channel and pixel tails,
+#: stride-2 phase planes whose gathered columns run past the row.
+BF16_NCHW_SHAPES = [
+    (1, 32, 5, 32, 3, 1, 1),
+    (1, 35, 6, 37, 3, 1, 1),
+    (2, 16, 9, 33, 3, 2, 1),
+    (1, 20, 7, 32, 1, 2, 0),
+    (1, 48, 4, 16, 1, 1, 0),
+]
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("case", BF16_NCHW_SHAPES, ids=lambda c: "x".join(map(str, c)))
+def test_bf16_nchw_packing_stays_in_bounds(case, side):
+    """The bf16 kernels packing an NCHW fp32 input read its planes' rows and nothing past
+    them, whole 16 x 16 blocks at the array's edge included."""
+    from ttile.core.kinds import KernelKind
+    from ttile.runtime import bf16
+    if not _kernels.amx_usable() and not _kernels.cpu_has_avx512bf16():
+        pytest.skip("no bf16 kernel on this CPU")
+    kind = KernelKind.AMX if _kernels.amx_usable() else KernelKind.DOT_BF16
+    code = _kernels.BF16_KERNEL_AMX if kind is KernelKind.AMX else _kernels.BF16_KERNEL_AVX512
+    n, c, h, w, r, stride, pad = case
+    k = 32
+    spec = ConvSpec(n=n, k=k, c=c, h=h, w=w, r=r, s=r, stride_h=stride, stride_w=stride,
+                    pad_top=pad, pad_bottom=pad, pad_left=pad, pad_right=pad)
+    pack = bf16.packing(spec, kind)
+    rng = np.random.default_rng(6)
+    x = rng.uniform(-1, 1, (n, c, h, w)).astype(np.float32)
+    wt = rng.uniform(-1, 1, (r, r, c, k)).astype(np.float32)
+    wb = bf16.pack_weights(wt, "NHWC", pack, 1)
+    elems = _kernels.bf16_input_elems(pack.problem)
+    gx = guarded_copy(x, side)
+    results = []
+    for threads in (1, 2):
+        y = np.zeros(spec.output_shape(), np.float32)
+        _kernels.conv2d_bf16(gx.array, True, wb, y, pack.problem, c, h, w, pad, pad, code,
+                             threads, folded=pack.folded, xb=np.zeros(elems, np.uint16))
+        assert gx.canary_intact()
+        results.append(y)
+    y_nhwc = np.zeros(spec.output_shape(), np.float32)
+    _kernels.conv2d_bf16(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), False, wb, y_nhwc,
+                         pack.problem, c, h, w, pad, pad, code, 1, folded=pack.folded,
+                         xb=np.zeros(elems, np.uint16))
+    for got in results:   # the same packed input as from the NHWC copy: the same bits
+        np.testing.assert_array_equal(got, y_nhwc)
