@@ -15,9 +15,10 @@
 
 #if defined(TTILE_NO_AMX)
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
-                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
+                        void *y, int y_bf16, int y_nchw, int nthreads,
+                        const ttile_epilogue *ep)
 {
-    (void)p, (void)xb, (void)wb, (void)y, (void)y_bf16, (void)nthreads, (void)ep;
+    (void)p, (void)xb, (void)wb, (void)y, (void)y_bf16, (void)y_nchw, (void)nthreads, (void)ep;
     return -1;   /* built by a compiler without AMX */
 }
 int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,
@@ -181,6 +182,7 @@ typedef struct {
     store_run_fn store_run;
     int empty, y_bf16;
     void *y;
+    int y_nchw;          /* fp32 y and residual in NCHW (store_nchw) */
     int64_t a_stride, taps, nq, kc, chunk, block, image, pairs;
     const int64_t *off;
     /* An unpacked input's last tile, whose rows run past the input's end: its rows in a
@@ -269,6 +271,92 @@ static int tile_rows(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, in
     return consecutive;
 }
 
+/* A tile's pixels as runs of consecutive places in their NCHW planes. */
+typedef struct {
+    int count;                 /* runs */
+    int64_t at[16];            /* a run's first element in channel 0's plane */
+    __mmask16 lanes[16];       /* its lanes */
+    __mmask16 first[16];       /* as many first lanes */
+} nchw_runs;
+
+/* The runs of a tile's pixels from their NHWC offsets (tile_rows' rows; < 0: not an
+ * output), once per pair of tiles as the rows are. */
+static void nchw_runs_of(const ttile_bf16_problem *p, const int64_t *rows, nchw_runs *r)
+{
+    const int64_t hw = p->ho * p->wo, k = p->k;
+    int64_t at[16];   /* pixel i of channel 0: (image k) hw + its place in the plane */
+    for (int i = 0; i < 16; i++) {
+        at[i] = -1;
+        if (rows[i] >= 0) {
+            const int64_t pixel = rows[i] / k, image = pixel / hw;
+            at[i] = image * k * hw + (pixel - image * hw);
+        }
+    }
+    r->count = 0;
+    for (int i = 0; i < 16;) {
+        if (at[i] < 0) {
+            i++;
+            continue;
+        }
+        int j = i + 1;
+        while (j < 16 && at[j] == at[i] + (j - i))
+            j++;
+        r->at[r->count] = at[i];
+        r->lanes[r->count] = (__mmask16)(((1u << j) - 1u) & ~((1u << i) - 1u));
+        r->first[r->count] = (__mmask16)((1u << (j - i)) - 1u);
+        r->count++;
+        i = j;
+    }
+}
+
+/* A pixel tile's 16 x 32 accumulators (acc: two 16 x 16 blocks 256 floats apart) for
+ * output channels k0 .. k0 + 31 (those below k) to an fp32 NCHW y through the epilogue:
+ * each 16 x 16 block transposed in registers, so that a vector is one channel's 16
+ * pixels. A tile's pixels are one run of consecutive places in their planes, or, where
+ * the tile crosses output rows (virtual rows skip the padded columns) or images, a few:
+ * each run is compressed to the vector's first lanes and stored (its residual loaded and
+ * expanded back) with a mask. */
+static void store_nchw(const amx_call *c, const nchw_runs *runs, int64_t k0, const float *acc)
+{
+    const ttile_bf16_problem *p = c->p;
+    const int64_t hw = p->ho * p->wo, k = p->k;
+    const ttile_epilogue *ep = c->ep;
+    float *y = (float *)c->y;
+    const int whole = runs->count == 1 && runs->first[0] == (__mmask16)0xFFFF;
+    for (int b = 0; b < 2 && k0 + 16 * b < k; b++) {
+        const int64_t kb = k0 + 16 * b;
+        const int nk = k - kb < 16 ? (int)(k - kb) : 16;
+        __m512 v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = _mm512_load_ps(acc + b * 256 + i * 16);
+        ttile_transpose16_512(v);
+        for (int j = 0; j < nk; j++) {
+            const int64_t plane = (kb + j) * hw;
+            __m512 t = v[j];
+            if (ep->bias)
+                t = _mm512_add_ps(t, _mm512_set1_ps(ep->bias[kb + j]));
+            if (ep->residual) {
+                __m512 r = _mm512_setzero_ps();
+                if (whole)
+                    r = _mm512_loadu_ps(ep->residual + plane + runs->at[0]);
+                else
+                    for (int u = 0; u < runs->count; u++)
+                        r = _mm512_mask_expand_ps(r, runs->lanes[u], _mm512_maskz_loadu_ps(
+                                                      runs->first[u],
+                                                      ep->residual + plane + runs->at[u]));
+                t = _mm512_add_ps(t, r);
+            }
+            t = ttile_activate512(ep->activation, ep->negative_slope, t);
+            if (whole)
+                _mm512_storeu_ps(y + plane + runs->at[0], t);
+            else
+                for (int u = 0; u < runs->count; u++)
+                    _mm512_mask_storeu_ps(y + plane + runs->at[u], runs->first[u],
+                                          _mm512_maskz_compress_ps(runs->lanes[u], t));
+        }
+    }
+}
+
 /* One pixel tile's two accumulator tiles (first, first + 1) for channel pair kq to the
  * output: straight to an fp32 y where its rows are 16 consecutive outputs, all 32
  * channels real and no epilogue; else through acc, by the straight-line epilogue where
@@ -277,7 +365,11 @@ static int tile_rows(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, in
     do {                                                                                  \
         const int64_t *rows = out->rows[WHICH];                                           \
         const int consecutive = out->consecutive[WHICH];                                  \
-        if (full && consecutive && !c->y_bf16 && c->empty) {                              \
+        if (c->y_nchw) {                                                                  \
+            _tile_stored(FIRST, ACC, 64);                                                 \
+            _tile_stored(SECOND, ACC + 256, 64);                                          \
+            store_nchw(c, &out->runs[WHICH], 32 * kq, ACC);                               \
+        } else if (full && consecutive && !c->y_bf16 && c->empty) {                       \
             _tile_stored(FIRST, yf + rows[0] + 32 * kq, ystride);                         \
             _tile_stored(SECOND, yf + rows[0] + 32 * kq + 16, ystride);                   \
         } else {                                                                          \
@@ -298,6 +390,7 @@ typedef struct {
     int64_t n, t0, t1;
     int consecutive[2];
     int64_t rows[2][16];
+    nchw_runs runs[2];   /* with an NCHW output */
 } pair_outputs;
 
 static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, int64_t kq,
@@ -313,6 +406,10 @@ static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, 
         out->t1 = t1;
         out->consecutive[0] = tile_rows(p, &c->t, n, t0, out->rows[0]);
         out->consecutive[1] = tile_rows(p, &c->t, n, t1, out->rows[1]);
+        if (c->y_nchw) {
+            nchw_runs_of(p, out->rows[0], &out->runs[0]);
+            nchw_runs_of(p, out->rows[1], &out->runs[1]);
+        }
     }
     int64_t tile = t0;
     FINISH_TILE(0, 1, acc, 0);
@@ -323,7 +420,7 @@ static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, 
 }
 
 static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
-                   void *y, int y_bf16, int nthreads, const ttile_epilogue *ep,
+                   void *y, int y_bf16, int y_nchw, int nthreads, const ttile_epilogue *ep,
                    const uint16_t *tail, int64_t tail_n, int64_t tail_tile)
 {
     if (!ttile_amx_request())
@@ -337,8 +434,11 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
     c.ep = ep;
     c.empty = ttile_epilogue_is_empty(ep);
     c.store_run = store_run_for(ep, y_bf16);
+    if (y_nchw && y_bf16)
+        return -1;   /* NCHW outputs are fp32 */
     c.y = y;
     c.y_bf16 = y_bf16;
+    c.y_nchw = y_nchw;
     c.a_stride = c.t.pixel_stride * (int64_t)sizeof(uint16_t);
     c.taps = p->r * p->s;
     c.nq = p->cp / p->kc;
@@ -397,9 +497,10 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
     return 0;
 }
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
-                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep)
+                        void *y, int y_bf16, int y_nchw, int nthreads,
+                        const ttile_epilogue *ep)
 {
-    return amx_run(p, xb, wb, y, y_bf16, nthreads, ep, 0, 0, 0);
+    return amx_run(p, xb, wb, y, y_bf16, y_nchw, nthreads, ep, 0, 0, 0);
 }
 
 /* A 1x1, stride-1, unpadded layer on its bf16 NHWC input as it is (c == cp): the packed
@@ -417,7 +518,7 @@ int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,
     const ttile_bf16_tiling t = ttile_bf16_tiling_of(p, 16);
     const int64_t pixels = p->ho * p->wo, last = t.blocks - 1;
     if (t.blocks * 16 == pixels)
-        return amx_run(p, x, wb, y, y_bf16, nthreads, ep, 0, 0, 0);
+        return amx_run(p, x, wb, y, y_bf16, 0, nthreads, ep, 0, 0, 0);
     const int64_t rows = pixels - last * 16;
     uint16_t *tail = aligned_alloc(64, (size_t)(16 * p->cp * sizeof(uint16_t) + 63) / 64 * 64);
     if (tail == 0)
@@ -425,7 +526,7 @@ int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,
     memset(tail, 0, (size_t)16 * p->cp * sizeof(uint16_t));
     memcpy(tail, x + ((p->n - 1) * pixels + last * 16) * p->cp,
            (size_t)(rows * p->cp) * sizeof(uint16_t));
-    const int status = amx_run(p, x, wb, y, y_bf16, nthreads, ep, tail, p->n - 1, last);
+    const int status = amx_run(p, x, wb, y, y_bf16, 0, nthreads, ep, tail, p->n - 1, last);
     free(tail);
     return status;
 }

@@ -198,9 +198,11 @@ void ttile_bf16_round_f32(const float *src, float *dst, int64_t n, int nthreads)
 
 /* The kernels: y NHWC (n, ho, wo, k), fp32 or, with `y_bf16`, bf16 (the residual then
  * bf16 too). Return 0, or -1 when the CPU (or, for AMX, the OS) refuses them: nothing
- * is written then. */
+ * is written then. The AMX kernel writes, with `y_nchw`, an fp32 y (and reads an fp32
+ * residual) in NCHW (n, k, ho, wo) instead: no pass of its own to convert the output. */
 int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
-                        void *y, int y_bf16, int nthreads, const ttile_epilogue *ep);
+                        void *y, int y_bf16, int y_nchw, int nthreads,
+                        const ttile_epilogue *ep);
 /* The same on an unpacked bf16 NHWC input x (a 1x1, stride-1, unpadded layer whose c is
  * cp): read in place, nothing packed; -1 for any other layer. */
 int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const uint16_t *x,

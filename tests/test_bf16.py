@@ -212,6 +212,46 @@ def test_conv2d_and_layer(case, isa):
         assert plan.kind is kind and plan.note.startswith("bf16")
 
 
+# (n, c, h, w, k, r, stride, pad, activation, residual?): NCHW outputs the AMX kernel
+# writes itself - 16 x 16 blocks transposed, stored whole where a tile's pixels are
+# consecutive in their planes, scattered where tiles cross output rows (7x7 and 14x14
+# maps, a batch), a K tail, the activations without a straight-line store
+NCHW_OUT_CASES = [
+    (1, 32, 16, 16, 64, 3, 1, 1, "relu", True),
+    (2, 24, 7, 7, 40, 3, 1, 1, None, True),
+    (1, 64, 14, 14, 48, 1, 1, 0, "relu6", False),
+    (1, 16, 15, 15, 33, 3, 2, 1, "silu", True),
+    (1, 3, 20, 20, 32, 7, 2, 3, "leaky_relu", False),
+    (3, 40, 9, 11, 16, 3, 1, 1, "sigmoid", True),
+]
+
+
+@pytest.mark.parametrize("case", NCHW_OUT_CASES, ids=str)
+def test_nchw_output_is_the_nhwc_output_transposed(case):
+    """An NCHW call's output, written NCHW by the kernel (AMX), is the NHWC call's output
+    transposed, bit for bit: the same sums, the same epilogue in the same order."""
+    if not HAS_AMX:
+        pytest.skip("no AMX-BF16 on this CPU (or Linux refused the tile state)")
+    n, c, h, w, k, r, stride, pad, act, with_res = case
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = rng.standard_normal((k, c, r, r)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    ho, wo = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
+    res = rng.standard_normal((n, k, ho, wo)).astype(np.float32) if with_res else None
+    y = ttile.conv2d(x, wt, b, stride, pad, activation=act, residual=res, precision="bf16")
+    y_nhwc = ttile.conv2d(np.ascontiguousarray(x.transpose(0, 2, 3, 1)),
+                          np.ascontiguousarray(wt.transpose(2, 3, 1, 0)), b, stride, pad,
+                          layout="NHWC", activation=act,
+                          residual=None if res is None else np.ascontiguousarray(
+                              res.transpose(0, 2, 3, 1)), precision="bf16")
+    np.testing.assert_array_equal(y, y_nhwc.transpose(0, 3, 1, 2))
+    out = np.full((n, k, ho, wo), np.nan, np.float32)
+    assert ttile.Conv2d(wt, b, stride, pad, activation=act, precision="bf16")(
+        x, residual=res, out=out) is out
+    np.testing.assert_array_equal(out, y)
+
+
 def test_grouped_and_depthwise_are_served_on_rounded_values():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 8, 10, 10)).astype(np.float32)

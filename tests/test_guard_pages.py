@@ -715,3 +715,14 @@ def test_bf16_nchw_packing_stays_in_bounds(case, side):
                          xb=np.zeros(elems, np.uint16))
     for got in results:   # the same packed input as from the NHWC copy: the same bits
         np.testing.assert_array_equal(got, y_nhwc)
+    if kind is KernelKind.AMX:   # its NCHW output and residual, fenced too
+        out = spec.output_shape()
+        nchw_out = (out[0], out[3], out[1], out[2])
+        res = rng.uniform(-1, 1, nchw_out).astype(np.float32)
+        gr = guarded_copy(res, side)
+        gy = guarded_copy(np.zeros(nchw_out, np.float32), side)
+        _kernels.conv2d_bf16(gx.array, True, wb, gy.array, pack.problem, c, h, w, pad, pad,
+                             code, 2, residual=gr.array, folded=pack.folded,
+                             xb=np.zeros(elems, np.uint16), y_nchw=True)
+        assert gy.canary_intact() and gr.canary_intact() and gx.canary_intact()
+        np.testing.assert_array_equal(gy.array, y_nhwc.transpose(0, 3, 1, 2) + res)

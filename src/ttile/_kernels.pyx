@@ -1449,8 +1449,8 @@ cdef extern from "ttile_bf16.h" nogil:
     int ttile_bf16_same_rounded(const float *src, const unsigned short *bits, int64_t n,
                                 int nthreads)
     int ttile_conv_bf16_amx(const ttile_bf16_problem *p, const unsigned short *xb,
-                            const unsigned short *wb, void *y, int y_bf16, int nthreads,
-                            const ttile_epilogue *ep)
+                            const unsigned short *wb, void *y, int y_bf16, int y_nchw,
+                            int nthreads, const ttile_epilogue *ep)
     int ttile_conv_bf16_amx_unpacked(const ttile_bf16_problem *p, const unsigned short *x,
                                      const unsigned short *wb, void *y, int y_bf16,
                                      int nthreads, const ttile_epilogue *ep)
@@ -1642,11 +1642,13 @@ def bf16_pack_weights(cnp.ndarray w, tuple problem, int nthreads=1):
 def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple problem,
                 int64_t c, int64_t h, int64_t w, int64_t pad_top, int64_t pad_left,
                 int kernel, int nthreads, *, bias=None, residual=None, int activation=0,
-                float slope=0.01, tuple folded=None, cnp.ndarray xb=None):
+                float slope=0.01, tuple folded=None, cnp.ndarray xb=None,
+                bint y_nchw=False):
     """A bf16 convolution: x (fp32 NHWC or NCHW, or bf16 bits NHWC) of c channels, h x w,
     packed with pad_top/pad_left zeros, convolved with the packed weights ``wb`` by
     ``kernel`` (BF16_KERNEL_AMX or BF16_KERNEL_AVX512) into y (N, Ho, Wo, K), fp32 or bf16
-    bits, the epilogue fused (a residual has y's type and shape).
+    bits, the epilogue fused (a residual has y's type and shape). With ``y_nchw`` (the
+    AMX kernel, an fp32 y), y and the residual are (N, K, Ho, Wo) instead.
 
     ``folded``: None, or the layer's (s, stride_w, dil_w) when ``problem`` is its folded
     form (ttile_bf16_pack_input_folded: the columns of the filter as channels). ``xb``:
@@ -1674,6 +1676,8 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     _check_bf16_array(wb, "wb", ttile_bf16_weight_elems(&p), 0)
     _check_bf16_array(y, "y", p.n * p.ho * p.wo * p.k, 1)
     cdef int y_bf16 = cnp.PyArray_TYPE(y) == cnp.NPY_UINT16
+    if y_nchw and (y_bf16 or kernel != BF16_KERNEL_AMX):
+        raise ValueError("an NCHW output is the AMX kernel's, and fp32")
     cdef ttile_epilogue ep
     _epilogue(&ep, bias, None, activation, slope, y, p.k)   # bias and activation checked
     cdef cnp.ndarray res
@@ -1693,8 +1697,8 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
         raise ValueError(f"unknown bf16 kernel {kernel}")
     # a 1x1, stride-1, unpadded AMX layer on bf16 NHWC input whose channels need no
     # padding reads that input in place (ttile_conv_bf16_amx_unpacked): no packed copy
-    cdef bint unpacked = (x_bf16 and not nchw and folded is None and kernel == BF16_KERNEL_AMX
-                          and p.r == 1 and p.s == 1 and p.stride_h == 1 and p.stride_w == 1
+    cdef bint unpacked = (x_bf16 and not nchw and not y_nchw and folded is None
+                          and kernel == BF16_KERNEL_AMX and p.r == 1 and p.s == 1 and p.stride_h == 1 and p.stride_w == 1
                           and pad_top == 0 and pad_left == 0 and p.hp == h and p.wp == w
                           and p.ho == h and p.wo == w and c == p.cp)
     if unpacked:
@@ -1726,7 +1730,7 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
         if status != 0 or unpacked:
             pass
         elif kernel == _BF16_KERNEL_AMX:
-            status = ttile_conv_bf16_amx(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
+            status = ttile_conv_bf16_amx(&p, xbp, wbp, yp, y_bf16, y_nchw, nthreads, &ep)
         else:
             status = ttile_conv_bf16_avx512(&p, xbp, wbp, yp, y_bf16, nthreads, &ep)
     if status != 0:

@@ -202,14 +202,25 @@ def pack_weights(weights: np.ndarray, layout: str, pack: Bf16Packing,
 
 def run(pack: Bf16Packing, x: np.ndarray, nchw: bool, wb: np.ndarray, y: np.ndarray,
         threads: int, bias: Optional[np.ndarray], residual: Optional[np.ndarray],
-        activation: int, slope: float) -> None:
+        activation: int, slope: float, y_nchw: bool = False) -> None:
     """The bf16 kernel of ``pack`` on x (fp32 NHWC, fp32 NCHW with ``nchw``, or bf16 bits
-    NHWC) into y (NHWC, fp32 or bf16 bits; ``residual`` of y's type and shape)."""
+    NHWC) into y (NHWC, fp32 or bf16 bits; ``residual`` of y's type and shape; with
+    ``y_nchw``, fp32 NCHW: see :func:`writes_nchw`)."""
     spec = pack.spec
     _kernels.conv2d_bf16(x, nchw, wb, y, pack.problem, spec.c, spec.h, spec.w,
                          spec.pad_top, spec.pad_left, _KERNEL_CODES[pack.kind], threads,
                          bias=bias, residual=residual, activation=activation, slope=slope,
-                         folded=pack.folded, xb=_input_buffer(pack))
+                         folded=pack.folded, xb=_input_buffer(pack), y_nchw=y_nchw)
+
+
+def writes_nchw(pack: Bf16Packing) -> bool:
+    """Whether the kernel of ``pack`` writes an fp32 NCHW output itself (the AMX kernel
+    does, transposing its tiles in registers; for the dot-product kernel an NCHW call
+    converts the NHWC output in a pass of its own). Against that pass, NCHW layers took
+    0.57-0.99 of the time (1x1 and first layers, 136x136 to 544x544 maps) and 1.03-1.05 on
+    padded 3x3 layers of 28x28-56x56, whose tiles cross output rows (Xeon model 207, 1
+    thread, interleaved)."""
+    return pack.kind is KernelKind.AMX
 
 
 def _input_buffer(pack: Bf16Packing) -> Optional[np.ndarray]:
@@ -350,6 +361,15 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
     without its residual, ``residual`` as the caller gave it)."""
     xa, nchw, bf16_in = _input_arrays(x, layout)
     bf16_io = is_bfloat16(out) if out is not None else bf16_in   # the output's type
+    if layout == "NCHW" and not bf16_io and writes_nchw(pack):
+        # the kernel writes the NCHW output (and reads an NCHW residual) itself
+        y = out if out is not None else aligned_empty(call.out_shape)
+        res = None if residual is None else (
+            round_to_bf16(residual) if is_bfloat16(residual) else as_float32(residual,
+                                                                             "residual"))
+        run(pack, xa, nchw, wb, y, nthreads, fused.bias, res, fused.activation.code,
+            fused.negative_slope, y_nchw=True)
+        return y
     direct = out is not None and layout == "NHWC"
     if direct:
         y = bf16_bits(out) if bf16_io else out
