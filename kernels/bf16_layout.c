@@ -298,11 +298,13 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
             if (x_bf16)
                 memcpy(in, (const uint16_t *)x + (n * h + y) * w * c,
                        (size_t)(w * c) * sizeof(uint16_t));
-            else if (nchw)
-                for (int64_t ch = 0; ch < c; ch++)
-                    for (int64_t j = 0; j < w; j++)
-                        in[j * c + ch] = ttile_bf16_round(
-                            ((const float *)x)[((n * c + ch) * h + y) * w + j]);
+            else if (nchw)   /* pixels of c channels: 16 x 16 blocks, transposed */
+                for (int64_t c0 = 0; c0 < c; c0 += 16)
+                    for (int64_t j0 = 0; j0 < w; j0 += 16)
+                        pack_block_nchw((const float *)x + n * c * h * w, c, h, w, y, c0, c,
+                                        j0, 0, _mm512_setzero_si512(),
+                                        ttile_bf16_kmask(j0, w), w - j0 < 16 ? w - j0 : 16,
+                                        in + j0 * c);
             else
                 ttile_bf16_from_f32((const float *)x + (n * h + y) * w * c, in, w * c, 1);
             for (int64_t ow = 0; ow < p->wo; ow++) {

@@ -217,9 +217,8 @@ def writes_nchw(pack: Bf16Packing) -> bool:
     """Whether the kernel of ``pack`` writes an fp32 NCHW output itself (the AMX kernel
     does, transposing its tiles in registers; for the dot-product kernel an NCHW call
     converts the NHWC output in a pass of its own). Against that pass, NCHW layers took
-    0.57-0.99 of the time (1x1 and first layers, 136x136 to 544x544 maps) and 1.03-1.05 on
-    padded 3x3 layers of 28x28-56x56, whose tiles cross output rows (Xeon model 207, 1
-    thread, interleaved)."""
+    0.37-0.86 of the time (1x1 and first layers, 56x56 to 544x544 maps), and as long on
+    3x3 layers of 7x7-56x56 (Xeon model 207, 1 thread, bias + ReLU, interleaved)."""
     return pack.kind is KernelKind.AMX
 
 
