@@ -1102,6 +1102,20 @@ def empty_aligned(tuple shape, cnp.ndarray line_of=None):
     return buffer[start:start + size].reshape(shape)
 
 
+def empty_aligned_bits(tuple shape):
+    """A new uint16 array (bf16 bits) of ``shape`` starting on a 64-byte cache line: the
+    AMX kernel's tiles load 64-byte rows of its packed input and weights, and numpy's
+    own arrays, 16 bytes into a line, made every row span two lines (a 1x1 layer of 1024
+    channels on a 14x14 map took 1.5x the time with its packed input, weights and
+    output so placed; Xeon model 207, interleaved)."""
+    cdef Py_ssize_t size = 1
+    for extent in shape:
+        size *= <Py_ssize_t>extent
+    if size < 0:
+        raise ValueError(f"negative extent in {shape}")
+    return empty_aligned(((size + 1) // 2,)).view(np.uint16)[:size].reshape(shape)
+
+
 cdef cnp.ndarray _output(object out, tuple shape, str name):
     """``out`` checked to be a writeable C-contiguous float32 array of ``shape``, or a new
     line-aligned one (callers pass reused scratch buffers)."""
@@ -1550,7 +1564,7 @@ def bf16_round(cnp.ndarray src, int nthreads=1, out=None):
         raise RuntimeError("the bf16 conversions need AVX-512F")
     cdef cnp.ndarray dst
     if out is None:
-        dst = np.empty((<object>src).shape, dtype=np.uint16)
+        dst = empty_aligned_bits((<object>src).shape)
     else:
         dst = out
         _check_bf16_array(dst, "out", cnp.PyArray_SIZE(src), 0)
@@ -1631,7 +1645,7 @@ def bf16_pack_weights(cnp.ndarray w, tuple problem, int nthreads=1):
     r, s, c, k = shape
     if k != p.k or r != p.r or s != p.s or c > p.cp:
         raise ValueError(f"weights {shape} do not match the bf16 problem {problem}")
-    cdef cnp.ndarray wb = np.empty(ttile_bf16_weight_elems(&p), dtype=np.uint16)
+    cdef cnp.ndarray wb = empty_aligned_bits((ttile_bf16_weight_elems(&p),))
     cdef int64_t channels = c
     with nogil:
         ttile_bf16_pack_weights(&p, <const float *>cnp.PyArray_DATA(w), channels,
@@ -1704,7 +1718,7 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     if unpacked:
         xb = None
     elif xb is None:
-        xb = np.empty(ttile_bf16_input_elems(&p), dtype=np.uint16)
+        xb = empty_aligned_bits((ttile_bf16_input_elems(&p),))
     else:
         _check_bf16_array(xb, "xb", ttile_bf16_input_elems(&p), 0)
         if not cnp.PyArray_ISWRITEABLE(xb):

@@ -373,7 +373,7 @@ def run_packed(call, pack: Bf16Packing, x, wb: np.ndarray, layout: str, nthreads
     if direct:
         y = bf16_bits(out) if bf16_io else out
     else:
-        y = np.empty(call.nhwc_out_shape, np.uint16) if bf16_io else \
+        y = _kernels.empty_aligned_bits(call.nhwc_out_shape) if bf16_io else \
             aligned_empty(call.nhwc_out_shape)
     res = _residual_nhwc(residual, layout, bf16_io, nthreads)
     run(pack, xa, nchw, wb, y, nthreads, fused.bias, res, fused.activation.code,
@@ -417,7 +417,7 @@ class Bf16Bound:
         self.plan = plan
         self.bits = bits
         spec = pack.spec
-        xb = np.empty(_kernels.bf16_input_elems(pack.problem), np.uint16)
+        xb = _kernels.empty_aligned_bits((_kernels.bf16_input_elems(pack.problem),))
         args = (pack.problem, spec.c, spec.h, spec.w, spec.pad_top, spec.pad_left,
                 _KERNEL_CODES[pack.kind], nthreads)
         options = dict(bias=fused.bias, activation=fused.activation.code,
