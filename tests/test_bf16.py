@@ -68,6 +68,8 @@ SHAPES = [
     (1, 20, 20, 3, 64, 7, 7, 2, 3, 1),      # the first layer: folded
     (2, 21, 19, 3, 40, 3, 3, 1, 1, 1),      # folded, stride 1
     (1, 12, 12, 5, 24, 3, 3, 1, 1, 1),      # folded, odd channels
+    (1, 15, 14, 3, 24, 3, 3, 1, 2, 2),      # folded, dilation 2
+    (1, 17, 16, 4, 16, 5, 5, 2, 2, 1),      # folded, 5x5 stride 2
     (1, 10, 10, 144, 32, 1, 1, 1, 0, 1),    # steps of 30 (144 = 5 x 30 rounded)
     (1, 8, 8, 16, 48, 3, 3, 1, 1, 1),       # 16 channels: one step of 16
     (1, 6, 6, 7, 8, 1, 1, 1, 0, 1),         # 1x1 with few channels (not folded)
