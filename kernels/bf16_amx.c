@@ -258,15 +258,20 @@ static inline void reduce_one(const amx_call *c, const uint16_t *a0, const uint1
 }
 
 /* The element of y where each of pixel tile `tile`'s rows goes (-1: past the output), and
- * whether they are 16 consecutive outputs. */
+ * whether they are 16 consecutive outputs; with `places`, also each row's element in
+ * channel 0's plane of an NCHW y (-1: past the output). */
 static int tile_rows(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
-                     int64_t tile, int64_t *rows)
+                     int64_t tile, int64_t *rows, int64_t *places)
 {
     int64_t oh, ow;
     ttile_bf16_pixel(p, t, tile, 0, &oh, &ow);
     int consecutive = 1;
+    const int64_t image = n * p->k * p->ho * p->wo;
     for (int i = 0; i < 16; i++) {
-        rows[i] = oh < p->ho && ow < p->wo ? ((n * p->ho + oh) * p->wo + ow) * p->k : -1;
+        const int inside = oh < p->ho && ow < p->wo;
+        rows[i] = inside ? ((n * p->ho + oh) * p->wo + ow) * p->k : -1;
+        if (places)
+            places[i] = inside ? image + oh * p->wo + ow : -1;
         if (rows[i] < 0 || (i > 0 && rows[i] != rows[i - 1] + p->k))
             consecutive = 0;
         if (++ow == p->wp && t->virtual_rows) {
@@ -285,23 +290,11 @@ typedef struct {
     __mmask16 first[16];       /* as many first lanes */
 } nchw_runs;
 
-/* The runs of pixel tile `tile` of image n, once per pair of tiles as the rows are (its
- * places found as tile_rows finds its rows: from the rows by division, 32 a pair of
- * tiles, this took a fifth of a 32-channel layer's time). */
-static void nchw_runs_of(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
-                         int64_t tile, nchw_runs *r)
+/* The runs of a tile's places (tile_rows'), once per pair of tiles as the rows are (from
+ * the rows by division, 32 a pair of tiles, this took a fifth of a 32-channel layer's
+ * time). */
+static void nchw_runs_of(const int64_t *at, nchw_runs *r)
 {
-    int64_t oh, ow;
-    ttile_bf16_pixel(p, t, tile, 0, &oh, &ow);
-    int64_t at[16];   /* pixel i of channel 0: (image k) hw + its place in the plane */
-    const int64_t first = n * p->k * p->ho * p->wo;
-    for (int i = 0; i < 16; i++) {
-        at[i] = oh < p->ho && ow < p->wo ? first + oh * p->wo + ow : -1;
-        if (++ow == p->wp && t->virtual_rows) {
-            ow = 0;
-            oh++;
-        }
-    }
     r->count = 0;
     for (int i = 0; i < 16;) {
         if (at[i] < 0) {
@@ -414,11 +407,14 @@ static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, 
         out->n = n;
         out->t0 = t0;
         out->t1 = t1;
-        out->consecutive[0] = tile_rows(p, &c->t, n, t0, out->rows[0]);
-        out->consecutive[1] = tile_rows(p, &c->t, n, t1, out->rows[1]);
+        int64_t places[2][16];
+        out->consecutive[0] = tile_rows(p, &c->t, n, t0, out->rows[0],
+                                        c->y_nchw ? places[0] : 0);
+        out->consecutive[1] = tile_rows(p, &c->t, n, t1, out->rows[1],
+                                        c->y_nchw ? places[1] : 0);
         if (c->y_nchw) {
-            nchw_runs_of(p, &c->t, n, t0, &out->runs[0]);
-            nchw_runs_of(p, &c->t, n, t1, &out->runs[1]);
+            nchw_runs_of(places[0], &out->runs[0]);
+            nchw_runs_of(places[1], &out->runs[1]);
         }
     }
     int64_t tile = t0;
@@ -449,10 +445,10 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
     c.y = y;
     c.y_bf16 = y_bf16;
     c.y_nchw = y_nchw;
-    /* An fp32 output larger than the L2 goes out with non-temporal stores: its lines are
-     * not read for ownership first, and a later call's output does not evict its input
-     * and weights. 1.11-1.62x faster with outputs of 3.2-19 MB, as fast at 1.6 MB, 0.93x
-     * at 0.8 MB (no epilogue, 1 thread, Xeon model 207, 2 MB L2, interleaved). */
+    /* An fp32 output larger than the L2 goes out with non-temporal stores, its lines not
+     * read for ownership first: 1.19-1.62x faster with outputs of 3.2-19 MB (with and
+     * without an epilogue), as fast at 1.6 MB, 0.93x at 0.8 MB (1 thread, Xeon model
+     * 207, 2 MB L2, interleaved). */
     const int64_t l2 = ttile_cpu_l2_bytes();
     c.stream = !y_bf16 && !y_nchw && p->k % 16 == 0 && ((uintptr_t)y & 63) == 0
                && p->n * p->ho * p->wo * p->k * (int64_t)sizeof(float)

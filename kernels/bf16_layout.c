@@ -142,19 +142,26 @@ static inline void pack_block_nchw(const float *image, int64_t c, int64_t h, int
         _mm256_mask_storeu_epi16(out + j * cp + c0, m, ttile_bf16_round512(v[j]));
 }
 
-/* One packed row from an NCHW image (fp32): channel planes of h x w, row `y`. */
-static void pack_row_nchw(const ttile_bf16_problem *p, const float *image, int64_t c,
-                          int64_t h, int64_t w, int64_t y, int64_t pad_left, uint16_t *out)
+/* The w pixels of an NCHW image's row y (fp32, c channel planes of h x w), rounded, to
+ * out, pixel j at out + j cp (its channels c..cp-1 untouched): 16 channels' rows read
+ * along the whole row at a time, 16 read streams (all c rows at once, 64 bytes each,
+ * ran at a third of the speed). */
+static void pack_pixels_nchw(const float *image, int64_t c, int64_t h, int64_t w,
+                             int64_t y, int64_t cp, uint16_t *out)
 {
-    const int64_t cp = p->cp;
-    memset(out, 0, (size_t)(p->wp * cp) * sizeof(uint16_t));
-    /* 16 channels' rows read along the whole row at a time: 16 read streams (all c
-     * rows at once, 64 bytes each, ran at a third of the speed) */
     for (int64_t c0 = 0; c0 < c; c0 += 16)
         for (int64_t j0 = 0; j0 < w; j0 += 16)
             pack_block_nchw(image, c, h, w, y, c0, cp, j0, 0, _mm512_setzero_si512(),
                             ttile_bf16_kmask(j0, w), w - j0 < 16 ? w - j0 : 16,
-                            out + (pad_left + j0) * cp);
+                            out + j0 * cp);
+}
+
+/* One packed row from an NCHW image (fp32): channel planes of h x w, row `y`. */
+static void pack_row_nchw(const ttile_bf16_problem *p, const float *image, int64_t c,
+                          int64_t h, int64_t w, int64_t y, int64_t pad_left, uint16_t *out)
+{
+    memset(out, 0, (size_t)(p->wp * p->cp) * sizeof(uint16_t));
+    pack_pixels_nchw(image, c, h, w, y, p->cp, out + pad_left * p->cp);
 }
 
 /* One row of a phase plane (ttile_bf16.h): wp pixels, pixel j from column 2 j + first
@@ -298,13 +305,8 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
             if (x_bf16)
                 memcpy(in, (const uint16_t *)x + (n * h + y) * w * c,
                        (size_t)(w * c) * sizeof(uint16_t));
-            else if (nchw)   /* pixels of c channels: 16 x 16 blocks, transposed */
-                for (int64_t c0 = 0; c0 < c; c0 += 16)
-                    for (int64_t j0 = 0; j0 < w; j0 += 16)
-                        pack_block_nchw((const float *)x + n * c * h * w, c, h, w, y, c0, c,
-                                        j0, 0, _mm512_setzero_si512(),
-                                        ttile_bf16_kmask(j0, w), w - j0 < 16 ? w - j0 : 16,
-                                        in + j0 * c);
+            else if (nchw)   /* pixels of c channels */
+                pack_pixels_nchw((const float *)x + n * c * h * w, c, h, w, y, c, in);
             else
                 ttile_bf16_from_f32((const float *)x + (n * h + y) * w * c, in, w * c, 1);
             for (int64_t ow = 0; ow < p->wo; ow++) {

@@ -1712,9 +1712,10 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     # a 1x1, stride-1, unpadded AMX layer on bf16 NHWC input whose channels need no
     # padding reads that input in place (ttile_conv_bf16_amx_unpacked): no packed copy
     cdef bint unpacked = (x_bf16 and not nchw and not y_nchw and folded is None
-                          and kernel == BF16_KERNEL_AMX and p.r == 1 and p.s == 1 and p.stride_h == 1 and p.stride_w == 1
-                          and pad_top == 0 and pad_left == 0 and p.hp == h and p.wp == w
-                          and p.ho == h and p.wo == w and c == p.cp)
+                          and kernel == BF16_KERNEL_AMX and p.r == 1 and p.s == 1
+                          and p.stride_h == 1 and p.stride_w == 1 and pad_top == 0
+                          and pad_left == 0 and p.hp == h and p.wp == w and p.ho == h
+                          and p.wo == w and c == p.cp)
     if unpacked:
         xb = None
     elif xb is None:

@@ -35,8 +35,8 @@ nothing else: the cache keeps a bf16 copy of the rounded weights and compares th
 caller's array, rounded, with it (:attr:`Check.BF16`), so a change the rounding hides
 keeps the packing, and a caller's bf16 weights (``ml_dtypes.bfloat16``) are cached too.
 
-Only the caller's own C-contiguous float32 (and, for bf16 calls, bfloat16) arrays are cached (a converted copy is new on
-every call), and only weights of at least :data:`MIN_BYTES`; the cache holds at most
+Only the caller's own C-contiguous float32 (and, for bf16 calls, bfloat16) arrays are
+cached (a converted copy is new on every call), and only weights of at least :data:`MIN_BYTES`; the cache holds at most
 ``max_bytes`` (copies and packed weights together, least recently used dropped first;
 ``ttile.set_weight_cache``). Thread-safe: entries are never written after they are made.
 """
