@@ -140,3 +140,20 @@ def test_a_private_folder_is_fit(tmp_path):
     folder.mkdir(mode=0o700)
     assert cbuild.private_directory_problem(folder) is None
     assert cbuild.build_directory(folder) == folder
+
+
+def test_the_kernels_headers_are_precompiled_once_per_folder(tmp_path, monkeypatch):
+    """A build in a folder precompiles the headers every kernel includes, and its kernel
+    is right; where the headers cannot be precompiled (a missing one here), the build
+    still compiles and runs the kernel, parsing them itself."""
+    if "clang" in cbuild.compiler_version(cbuild.find_compiler()).lower():
+        pytest.skip("clang: the headers are not precompiled")
+    kernel = _kernel()
+    folder = tmp_path / "pch"
+    _run_and_check(cbuild.build([kernel], workdir=folder), kernel)
+    assert len(list(folder.glob("headers_*.h.gch"))) == 1
+
+    monkeypatch.setattr(cbuild, "KERNEL_HEADERS", (*cbuild.KERNEL_HEADERS, "no_such.h"))
+    other = tmp_path / "without"
+    _run_and_check(cbuild.build([kernel], workdir=other), kernel)
+    assert not list(other.glob("headers_*.h.gch"))

@@ -13,6 +13,10 @@ in the folder under the expected name is compiled again unless this process wrot
 (a predictable name in a shared folder would let another user plant code). The disk
 cache of the run-time tuner vouches for its own libraries by checksum
 (:mod:`ttile.runtime.cache`).
+
+The headers every kernel includes (``immintrin.h`` above all: 30 MB of declarations
+parsed per compile) are precompiled once per folder, compiler and flags, which takes
+GCC's compile of a searched kernel down by about a seventh (:func:`precompiled_header`).
 """
 from __future__ import annotations
 
@@ -235,6 +239,56 @@ void {each_timer_name(kernel)}(const float *const *xs, const float *const *ws,
 """
 
 
+#: The headers a generated kernel and its timers include, in this order.
+KERNEL_HEADERS = ("time.h", "immintrin.h", "stdint.h", "string.h")
+
+#: Precompiled headers this process made: (folder, compiler, flags) -> the flags that
+#: include it, () where none could be made.
+_headers: dict[tuple[Path, str, tuple[str, ...]], tuple[str, ...]] = {}
+_headers_lock = threading.Lock()
+
+
+def precompiled_header(compiler: str, flags: tuple[str, ...], workdir: Path
+                       ) -> tuple[str, ...]:
+    """The flags (``-include <header>``) that give a compile in ``workdir`` with
+    ``compiler`` and ``flags`` the kernels' headers precompiled, made on first use; ()
+    with clang or where making it failed (the compile then parses the headers itself).
+
+    A searched kernel's compile spent 0.5-1 s of its 2-4 s parsing ``immintrin.h``
+    (GCC 12 on a Xeon model 207); with the headers precompiled, Yolo9000's 11 best
+    kernels compiled in 86 % of the time. GCC uses a ``.gch`` only when it was made
+    with the same options and ignores it otherwise, reading the header itself, so a
+    stale or foreign one costs time, never correctness; like the libraries, it is
+    made by this process in a private folder."""
+    key = (workdir, compiler, flags)
+    with _headers_lock:
+        if key in _headers:
+            return _headers[key]
+        if "clang" in compiler_version(compiler).lower():
+            _headers[key] = ()
+            return ()
+        _, epilogue = _include_flags()
+        text = "".join(f"#include <{h}>\n" for h in KERNEL_HEADERS) \
+            + f'#include "{EPILOGUE_HEADER}"\n'
+        digest = hashlib.sha1("|".join((compiler, *flags, text, epilogue)).encode()
+                              ).hexdigest()[:16]
+        header = workdir / f"headers_{digest}.h"
+        atomic_write(header, text)
+        tmp_path = workdir / f".{header.name}.{os.getpid()}.gch"
+        try:
+            proc = subprocess.run([compiler, *flags, "-x", "c-header", str(header), "-o",
+                                   str(tmp_path)], capture_output=True, timeout=120)
+            made = proc.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            made = False
+        if made:
+            publish(tmp_path, header.with_name(header.name + ".gch"))
+        else:
+            tmp_path.unlink(missing_ok=True)
+        _headers[key] = ("-include", str(header)) if made else ()
+        return _headers[key]
+
+
 def build(kernels: list[KernelSource], workdir: Path | None = None,
           extra_flags: tuple[str, ...] = (), timers: bool = False,
           timeout: float | None = None) -> BuiltLibrary:
@@ -276,9 +330,10 @@ def build(kernels: list[KernelSource], workdir: Path | None = None,
         atomic_write(c_path, source)
         tmp_path = workdir / f".{lib_path.name}.{os.getpid()}.tmp"
         try:
-            proc = subprocess.run([compiler, *flags, "-shared", "-o", str(tmp_path),
-                                   str(c_path)], capture_output=True, text=True,
-                                  timeout=timeout)
+            headers = precompiled_header(compiler, flags, workdir)
+            proc = subprocess.run([compiler, *flags, *headers, "-shared", "-o",
+                                   str(tmp_path), str(c_path)], capture_output=True,
+                                  text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             tmp_path.unlink(missing_ok=True)
             raise CompileTimeout(f"compiling {c_path} took more than {timeout:g} s", "") \
