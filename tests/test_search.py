@@ -371,6 +371,9 @@ def test_tuner_budget_is_wall_time_with_compiles_and_checks(tmp_path, monkeypatc
     assert groups == [1]
     assert best is not None and best.protocol is Protocol.PAPER
     assert [r.protocol for r in db.records] == [Protocol.SCREEN, Protocol.PAPER]
+    # with no time left each timing makes its fewest calls, and the records say so
+    assert [r.calls for r in db.records] == [3, 3]
+    assert spent.first_seconds is not None and spent.first_seconds > 0
     assert spent.counts[Phase.BUILD] == 1 and spent.counts[Phase.CHECK] == 1
     assert spent.counts[Phase.REFINE] == 1 and spent.seconds[Phase.BUILD] > 0
     assert "of a 0 s budget" in spent.summary() and "1 built" in spent.summary()
@@ -378,9 +381,44 @@ def test_tuner_budget_is_wall_time_with_compiles_and_checks(tmp_path, monkeypatc
     groups.clear()
     two = LayerClock(60.0)
     two.build_rate = 60.0   # a compile per compiler takes the whole budget: two at once
-    tune_layer("tiny", spec, candidates, 1, TuningDatabase(tmp_path / "two", cpu_id="cpu-b"),
-               bench, settings, clock=two)
+    roomy = TuningDatabase(tmp_path / "two", cpu_id="cpu-b")
+    tune_layer("tiny", spec, candidates, 1, roomy, bench, settings, clock=two)
     assert groups and groups[0] <= 2
+    # with time to spare, every timing makes its full count
+    assert {(r.protocol, r.calls) for r in roomy.records} == {(Protocol.SCREEN, 3),
+                                                             (Protocol.PAPER, 5)}
+
+
+def test_a_timing_makes_as_many_calls_as_its_time_holds():
+    """A limit of s seconds holds s / (first call's seconds) calls, never more than asked
+    and never fewer than a quarter of them (three at least); the middle median drops the
+    fastest and slowest in proportion."""
+    from ttile.tuning.bench import calls_within, middle_median
+    assert calls_within(0.2, None, 20) == 20
+    assert calls_within(0.2, 100.0, 20) == 20
+    assert calls_within(0.2, 2.0, 20) == 10
+    assert calls_within(0.2, 0.0, 20) == 5
+    assert calls_within(0.2, 0.0, 7) == 3
+    assert calls_within(0.2, 0.0, 2) == 2
+    assert middle_median([9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 100.0] * 2, 5, 20) \
+        == 5.5
+    # 5 of 20 dropped is 1 of 5: the outliers go
+    assert middle_median([100.0, 1.0, 2.0, 3.0, 0.0], 5, 20) == 2.0
+    assert middle_median([3.0, 1.0], 5, 20) == 2.0
+
+
+@requires_avx512
+def test_the_generic_timing_fits_its_share_of_the_budget():
+    """The generic kernel's reference timing makes the paper's twenty calls when
+    unbounded and its fewest (five) when given no time; its record says how many."""
+    from ttile.core.kinds import Isa
+    from ttile.generator.autotune import generic_record
+    spec = ConvSpec(1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1)
+    bench = LayerBench.make(spec, copy_bytes=1 << 16)
+    full = generic_record("tiny", spec, 1, bench, "cpu-g", Isa.AVX512F)
+    short = generic_record("tiny", spec, 1, bench, "cpu-g", Isa.AVX512F, seconds=0.0)
+    assert (full.calls, short.calls) == (20, 5)
+    assert full.status is OK and short.status is OK and short.seconds > 0
 
 
 @requires_avx512

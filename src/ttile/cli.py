@@ -590,8 +590,8 @@ def _search_depth(args: argparse.Namespace, table, cpu_id: Optional[str] = None
 
 
 def _cmd_network(args: argparse.Namespace) -> int:
-    from .generator.autotune import (LayerClock, Phase, TuneSettings, compare_warm,
-                                     measure_generic, tune_layer)
+    from .generator.autotune import (GENERIC_SHARE, LayerClock, Phase, TuneSettings,
+                                     compare_warm, measure_generic, tune_layer)
     from .generator.emit import databases_in, emit, registry_entries
     from .generator.machine import load_or_measure
     from .generator.microkernels import measure_peak_gflops
@@ -643,7 +643,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
         (lambda message: None)
     progress = _Progress("layers")
     rows = []
-    measured_seconds = fixed_seconds = 0.0   # the layers' budgets, and the work before them
+    # the layers' budgets, the work before them, and the floor within them
+    measured_seconds = fixed_seconds = first_seconds = 0.0
     for done, layer in enumerate(layers):
         spec = layer.spec()
         progress(done, len(layers), layer.name)
@@ -662,16 +663,19 @@ def _cmd_network(args: argparse.Namespace) -> int:
             if ranking is not None:   # the learned ranking's first picks, and only those
                 candidates = rank_order(ranking, spec, candidates, 1, isa,
                                         context)[:rank_measure]
-            # The budget starts here: the scheme space above is the layer's fixed work.
-            clock = LayerClock(budget, fixed_seconds=time.monotonic() - fixed_started)
             bench = LayerBench.make(spec)
+            # The budget starts here: the scheme space, the inputs and their float64
+            # reference above are the layer's fixed work.
+            clock = LayerClock(budget, fixed_seconds=time.monotonic() - fixed_started)
             parallel_counts = [t for t in counts[1:] if t <= spec.useful_threads()]
             for threads in [1, *parallel_counts]:
                 with clock.timing(Phase.GENERIC):
                     if search is not None and threads == 1:
                         search.measure_generic(layer.name, spec, threads)
                     else:
-                        measure_generic(layer.name, spec, threads, database, bench)
+                        measure_generic(layer.name, spec, threads, database, bench,
+                                        seconds=GENERIC_SHARE * budget
+                                        / (1 + len(parallel_counts)))
             # one thread two shares of what is left, each parallel count one (its search
             # starts from the single-thread one's best schemes)
             if search is not None:
@@ -702,6 +706,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
             verbose(f"{layer.name}: {clock.summary()}")
             measured_seconds += time.monotonic() - clock.started
             fixed_seconds += clock.fixed_seconds
+            first_seconds += clock.first_seconds or 0.0
             del bench
         rows.append((layer, {t: database.best(spec, t) for t in counts}))
     progress(len(layers), len(layers), "done")
@@ -760,8 +765,11 @@ def _cmd_network(args: argparse.Namespace) -> int:
     searched = sum(1 for _, best in rows if best is not None)
     if searched and not args.from_records:
         print(f"per layer: {measured_seconds / searched:.1f} s of measurement (budget "
-              f"{budget:g} s) and {fixed_seconds / searched:.1f} s building its scheme "
-              f"space, over {searched} searched layers (--verbose: each layer's)")
+              f"{budget:g} s; the first candidate's compile and check, which no budget "
+              f"skips, {first_seconds / searched:.1f} s of it) and "
+              f"{fixed_seconds / searched:.1f} s of fixed work before it (scheme space, "
+              f"inputs, float64 reference), over {searched} searched layers (--verbose: "
+              f"each layer's)")
     print(f"search time: {elapsed:.0f} s; registry of {len(entries)} verdicts for "
           f"{len(cpus)} CPU(s) written to {args.kernels_dir}; this CPU ({database.cpu_id}), "
           f"{isa.value}: {len(shipped)} searched kernels")
@@ -820,9 +828,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=None,
                         help="wall seconds of measurement per layer, every thread count's: "
                              "the generic kernel's timing, the candidates' compiles, checks "
-                             "and timings, the finalists' re-timing (at least one candidate "
-                             "is measured; the scheme space built before is reported apart; "
-                             "default 90 for the full search, 12 for the quick one)")
+                             "and timings, the finalists' re-timing, each timing with as many "
+                             "calls as the time left holds (at least one candidate is "
+                             "compiled and measured; the scheme space, inputs and reference "
+                             "made before are reported apart; default 90 for the full "
+                             "search, 12 for the quick one)")
     parser.add_argument("--threads", type=int, nargs="+", default=[2],
                         help="thread counts of the parallel variants, e.g. 2 4 16 (each is "
                              "tuned, and served at exactly that count)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import statistics
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,7 +23,8 @@ from ..core.kinds import Isa
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
 from ..tuning.bench import (LayerBench, build_check_time, check_and_time,
-                            generic_packed_copies, head_to_head, run_and_check, time_generic)
+                            generic_packed_copies, head_to_head, middle_median,
+                            run_and_check, time_generic)
 from ..tuning.records import (GENERIC_REVISION, Contender, Protocol, RecordStatus, Strategy,
                               TuningDatabase, TuningRecord, new_comparison_id)
 from .search import Candidate
@@ -50,6 +50,11 @@ class Phase(Enum):
     REFINE = "re-timed"
 
 
+#: The part of a layer's budget that the generic kernel's reference timings take (shared
+#: by its thread counts): the bar every candidate is held to, timed with as many calls as
+#: that holds.
+GENERIC_SHARE = 0.15
+
 #: Compile seconds per candidate and compiler assumed before a layer has built any (a
 #: scheme's kernel takes GCC 1-3 s at -O3).
 FIRST_BUILD_SECONDS = 1.5
@@ -64,12 +69,17 @@ class LayerClock:
     finalists' re-timing all included. The screening compiles no more candidates at once
     than the time left allows (at the compile rate seen so far), and stops when it is
     spent; at least one candidate is always measured, so a layer ends with a result. The
-    work before it (the scheme space: the model and the pruning) is fixed per layer and
-    reported apart (``fixed_seconds``). What a spent budget still runs: one candidate's
-    compile, check and screening, and the fastest one's re-timing (twenty calls)."""
+    work before it (the scheme space: the model and the pruning; the inputs and their
+    float64 reference) is fixed per layer and reported apart (``fixed_seconds``), and so
+    is the floor no budget goes below: the first candidate's compile and check
+    (``first_seconds``: a compile alone takes GCC 1.5-3.5 s on a Xeon model 207). Every timing makes as many calls as the time left
+    holds (the paper's twenty at most, a quarter of them at least). What a spent budget
+    still runs: one candidate's compile, check and screening (three calls), and the
+    fastest one's re-timing (five calls)."""
     budget_seconds: float
     started: float = field(default_factory=time.monotonic)
     fixed_seconds: float = 0.0
+    first_seconds: Optional[float] = None   # to the first candidate's result
     seconds: dict = field(default_factory=lambda: {phase: 0.0 for phase in Phase})
     counts: dict = field(default_factory=lambda: {phase: 0 for phase in Phase})
     build_rate: float = FIRST_BUILD_SECONDS   # wall seconds per candidate and compiler
@@ -101,8 +111,11 @@ class LayerClock:
         spent = time.monotonic() - self.started
         parts = [f"{self.counts[phase]} {phase.value} {self.seconds[phase]:.1f} s"
                  for phase in Phase if self.counts[phase]]
+        first = ("" if self.first_seconds is None else
+                 f", the first candidate's compile and check {self.first_seconds:.1f} s of it")
         return (f"{spent:.1f} s of a {self.budget_seconds:g} s budget ("
-                + "; ".join(parts) + f"); scheme space {self.fixed_seconds:.1f} s before it")
+                + "; ".join(parts) + f"){first}; scheme space, inputs and reference "
+                f"{self.fixed_seconds:.1f} s before it")
 
 
 def _today() -> str:
@@ -110,21 +123,24 @@ def _today() -> str:
 
 
 def generic_record(name: str, spec: ConvSpec, threads: int, bench: LayerBench, cpu: str,
-                   isa: Isa, calls: int = 20, drop: int = 5) -> TuningRecord:
+                   isa: Isa, calls: int = 20, drop: int = 5,
+                   seconds: Optional[float] = None) -> TuningRecord:
     """Time the generic kernel of the family ``isa`` with the paper's cold-cache
-    protocol: its record, measured on ``cpu``.
+    protocol (fewer calls where ``calls`` do not fit in ``seconds``): its record,
+    measured on ``cpu``.
 
     Its weights are packed before timing, as every candidate's are: timed through the
     per-call entry point, it also paid for packing, and a small layer's generic time came
     out 4x too slow (Yolo9000-5: 24 GFLOP/s cold, 101 warm)."""
-    copies = generic_packed_copies(spec, bench.copies, isa)
-    times = sorted(time_generic(spec, copies, threads, calls, isa))
+    # the copies the calls can rotate over, no more: packing is not free
+    copies = generic_packed_copies(spec, bench.copies[:calls + 1], isa)
+    times = time_generic(spec, copies, threads, calls, isa, seconds)
     problem = bench.check(copies[0][2])
-    seconds = statistics.median(times[drop:len(times) - drop])
+    seconds = middle_median(times, drop, calls)
     return TuningRecord(
         layer=name, spec=spec, contender=Contender.GENERIC, scheme="", threads=threads,
         status=RecordStatus.WRONG if problem else RecordStatus.OK, seconds=seconds,
-        gflops=spec.flops / seconds / 1e9, calls=calls, protocol=Protocol.PAPER,
+        gflops=spec.flops / seconds / 1e9, calls=len(times), protocol=Protocol.PAPER,
         strategy=None, microkernels="", cpu=cpu,
         generator_version=GENERATOR_VERSION, measured_on=_today(), detail=problem or "",
         generic_revision=GENERIC_REVISION)
@@ -143,11 +159,13 @@ def scheme_record(name: str, spec: ConvSpec, scheme: str, strategy: Optional[Str
 
 
 def measure_generic(name: str, spec: ConvSpec, threads: int, database: TuningDatabase,
-                    bench: LayerBench, calls: int = 20, drop: int = 5) -> TuningRecord:
+                    bench: LayerBench, calls: int = 20, drop: int = 5,
+                    seconds: Optional[float] = None) -> TuningRecord:
     """Time the generic kernel (of the database's vector family) with the paper's
-    cold-cache protocol and record it (see :func:`generic_record`)."""
+    cold-cache protocol, within ``seconds`` where given, and record it (see
+    :func:`generic_record`)."""
     record = generic_record(name, spec, threads, bench, database.cpu_id, database.isa,
-                            calls, drop)
+                            calls, drop, seconds)
     database.add(record)
     return record
 
@@ -174,6 +192,9 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
     def next_group(attempted: int) -> bool:
         return attempted == 0 or clock.remaining(deadline) > 0
 
+    def time_left() -> float:   # a timing's share: fewer calls where they do not fit
+        return max(0.0, clock.remaining(deadline))
+
     def record(candidate: Candidate, status: RecordStatus, seconds: float, calls: int,
                protocol: Protocol, detail: str = "") -> TuningRecord:
         rec = scheme_record(name, spec, str(candidate.scheme), candidate.strategy,
@@ -184,18 +205,21 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
 
     todo = [c for c in candidates
             if not database.has(spec, str(c.scheme), threads, Protocol.SCREEN)]
+    started = time.monotonic()
     built = {}   # scheme text: (kernel, library) screened here, re-timed without a rebuild
     last = time.monotonic()
     for measured in build_check_time(
             spec, [c.scheme for c in todo], bench, threads, calls=settings.screen_calls,
             batch_size=settings.batch_size, jobs=settings.jobs, command=command,
             slow_seconds=settings.call_timeout_seconds, next_group=next_group,
-            group_size=group_size, isa=database.isa):
+            group_size=group_size, isa=database.isa, seconds=time_left):
         candidate = todo[measured.index]
+        if clock.first_seconds is None:
+            clock.first_seconds = time.monotonic() - started
         clock.add(Phase.BUILD, measured.build_seconds)
         clock.add(Phase.CHECK, measured.check_seconds, int(measured.library is not None))
         clock.build_rate = max(0.1, measured.build_seconds * settings.jobs)
-        record(candidate, measured.status, measured.seconds, settings.screen_calls,
+        record(candidate, measured.status, measured.seconds, measured.calls,
                Protocol.SCREEN, measured.detail)
         if measured.library is not None:
             built[str(candidate.scheme)] = (measured.kernel, measured.library)
@@ -213,29 +237,30 @@ def tune_layer(name: str, spec: ConvSpec, candidates: Sequence[Candidate], threa
             if not database.has(spec, r.scheme, threads, Protocol.PAPER)]
     # The finalists screened in this call are timed in the libraries they were screened
     # in: compiling them again cost a quick ResNet-18 search a quarter of its time.
-    # The fastest always (twenty calls of a kernel already built), the others only while
-    # time is left: without a paper timing, the screening's stands.
+    # The fastest always (a kernel already built: twenty calls, or as many as the time
+    # left holds, five at least), the others only while time is left: without a paper
+    # timing, the screening's stands.
     for rank, candidate in enumerate([c for c in todo if str(c.scheme) in built]):
         if rank and clock.remaining(deadline) <= 0:
             break
         kernel, library = built[str(candidate.scheme)]
         with clock.timing(Phase.REFINE):
-            status, seconds, detail = check_and_time(library, kernel, bench, threads,
-                                                     settings.paper_calls,
-                                                     settings.paper_drop)
-        record(candidate, status, seconds, settings.paper_calls, Protocol.PAPER, detail)
+            timing = check_and_time(library, kernel, bench, threads, settings.paper_calls,
+                                    settings.paper_drop, time_left())
+        record(candidate, timing.status, timing.seconds, timing.calls, Protocol.PAPER,
+               timing.detail)
     todo = [c for c in todo if str(c.scheme) not in built]
     if todo and clock.remaining(deadline) > 0:
         for measured in build_check_time(
                 spec, [c.scheme for c in todo], bench, threads, calls=settings.paper_calls,
                 drop=settings.paper_drop, batch_size=len(todo), jobs=1, command=command,
-                isa=database.isa):
+                isa=database.isa, seconds=time_left):
             clock.add(Phase.BUILD, measured.build_seconds)
             clock.add(Phase.REFINE, measured.check_seconds)
             if measured.status is RecordStatus.BUILD_ERROR:
                 continue  # built fine when screened: nothing worth a record
             record(todo[measured.index], measured.status, measured.seconds,
-                   settings.paper_calls, Protocol.PAPER, measured.detail)
+                   measured.calls, Protocol.PAPER, measured.detail)
     return database.best(spec, threads)
 
 

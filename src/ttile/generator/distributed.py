@@ -141,7 +141,7 @@ def run_task(task: MeasureTask) -> tuple[str, list[TuningRecord]]:
         i = measured.index
         records.append(scheme_record(task.layer, task.spec, task.schemes[i],
                                      task.strategies[i], task.microkernels[i], task.threads,
-                                     measured.status, measured.seconds, task.calls,
+                                     measured.status, measured.seconds, measured.calls,
                                      task.protocol, cpu, measured.detail))
     return cpu, records
 

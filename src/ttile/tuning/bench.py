@@ -7,7 +7,11 @@
   time), runs each once and checks it against the reference, and times only the correct
   ones. A wrong kernel is reported as such, never timed and never dropped silently.
 * :func:`time_generic` times the hand-written generic kernel the way ``conv2d`` runs it
-  (weights packed beforehand), and :func:`head_to_head` times kernels side by side with
+  (weights packed beforehand), and
+* a timing given a time limit makes as many calls as fit it, judged by its first call
+  (:func:`calls_within`), down to a few: a 2 s budget cannot hold twenty 0.2 s calls;
+  every record says how many calls it rests on.
+* :func:`head_to_head` :func:`head_to_head` times kernels side by side with
   it, warm, in interleaved rounds, which is what the ship decision rests on.
 
 The offline generator and the run-time tuner both measure through these functions.
@@ -81,10 +85,13 @@ class LayerBench:
         per_copy = 4 * (x.size + w.size + expected.size)
         count = int(min(max_copies, max(2, -(-copy_bytes // per_copy))))
         # outputs on a line, as every output ttile allocates (the generic kernel streams a
-        # large one only there)
-        copies = [(x, w, _kernels.empty_aligned(expected.shape))]
-        for _ in range(count - 1):
-            copies.append((x.copy(), w.copy(), _kernels.empty_aligned(expected.shape)))
+        # large one only there), and written once: the first kernel timed would otherwise
+        # pay for mapping their pages (Yolo9000-0's first generic calls: 2x slower)
+        copies = []
+        for i in range(count):
+            y = _kernels.empty_aligned(expected.shape)
+            y.fill(0.0)
+            copies.append((x, w, y) if i == 0 else (x.copy(), w.copy(), y))
         return cls(spec, copies, expected, tolerance)
 
     def check(self, y: np.ndarray) -> Optional[str]:
@@ -94,6 +101,37 @@ class LayerBench:
             idx = tuple(int(i) for i in np.argwhere(bad)[0])
             return f"{int(bad.sum())} outputs off, first at {idx}"
         return None
+
+
+def calls_within(first_seconds: float, seconds: Optional[float], most: int) -> int:
+    """How many timed calls (the first, of ``first_seconds``, included) fit in
+    ``seconds``: ``most`` when there is no limit, else as many as fit, but no fewer than
+    a quarter of ``most`` and three, so that a median of the middle calls still means
+    something."""
+    if seconds is None:
+        return most
+    fewest = min(most, max(3, most // 4))
+    fit = int(seconds / max(first_seconds, 1e-9))
+    return max(fewest, min(most, fit))
+
+
+def middle_median(times: Sequence[float], drop: int, most: int) -> float:
+    """The median of ``times`` after dropping the fastest and slowest: ``drop`` of each
+    for ``most`` calls, in proportion for fewer (the paper's 5 of 20, 1 of 5)."""
+    times = sorted(times)
+    drop = drop * len(times) // most if most else 0
+    return statistics.median(times[drop:len(times) - drop] if len(times) > 2 * drop
+                             else times)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A kernel checked and, when right, timed: its status, median seconds per call (0
+    unless ok), what is off, and how many calls were timed."""
+    status: RecordStatus
+    seconds: float
+    detail: str
+    calls: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +144,7 @@ class Measured:
     status: RecordStatus
     seconds: float                  # median per call; 0 unless ok
     detail: str = ""
+    calls: int = 0                  # timed calls the median rests on
     build_seconds: float = 0.0      # its share of its group's compile (wall time)
     check_seconds: float = 0.0      # checking it against the reference and timing it
 
@@ -132,17 +171,20 @@ def run_and_check(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench
 
 
 def check_and_time(library: BuiltLibrary, kernel: KernelSource, bench: LayerBench,
-                   threads: int, calls: int, drop: int = 0
-                   ) -> tuple[RecordStatus, float, str]:
+                   threads: int, calls: int, drop: int = 0,
+                   seconds: Optional[float] = None) -> Timing:
     """Run ``kernel`` once and check it; if right, time ``calls`` cold calls (the library
-    must be built with timers) and return the median after dropping the ``drop``
-    fastest and slowest."""
+    must be built with timers), or as many as fit in ``seconds`` (:func:`calls_within`),
+    and take the median after dropping the fastest and slowest (:func:`middle_median`)."""
     problem = run_and_check(library, kernel, bench, threads)
     if problem:
-        return RecordStatus.WRONG, 0.0, problem
-    times = sorted(library.time_each(kernel, bench.copies, calls, threads))
-    kept = times[drop:len(times) - drop] if len(times) > 2 * drop else times
-    return RecordStatus.OK, statistics.median(kept), ""
+        return Timing(RecordStatus.WRONG, 0.0, problem, 0)
+    times = library.time_each(kernel, bench.copies, 1, threads)
+    count = calls_within(times[0], seconds, calls)
+    if count > 1:   # the next copies first: the first call's is in the caches
+        rotated = bench.copies[1:] + bench.copies[:1]
+        times += library.time_each(kernel, rotated, count - 1, threads)
+    return Timing(RecordStatus.OK, middle_median(times, drop, calls), "", count)
 
 
 def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBench,
@@ -154,7 +196,9 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                      next_kernel: Callable[[int], bool] = lambda timed: True,
                      isa: Isa = Isa.AVX512F,
                      weight_prefetch: bool = False,
-                     group_size: Optional[Callable[[], int]] = None) -> Iterator[Measured]:
+                     group_size: Optional[Callable[[], int]] = None,
+                     seconds: Optional[Callable[[], Optional[float]]] = None
+                     ) -> Iterator[Measured]:
     """Build, check and time ``schemes`` (generated in the vector family ``isa``, with
     ``weight_prefetch`` as :func:`~ttile.core.codegen.generate` takes it) in order; yields
     one :class:`Measured` each.
@@ -164,8 +208,10 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
     candidates in one batch kept one core idle); ``group_size()``, where given, says how
     many of them the next group may hold (a time budget: no more than it leaves time to
     compile). Before each group ``next_group(attempted so far)`` and before each kernel
-    ``next_kernel(correct kernels timed so far)`` may stop the run (a time budget). A
-    kernel slower than ``slow_seconds`` per call is a time-out.
+    ``next_kernel(correct kernels timed so far)`` may stop the run (a time budget), and
+    ``seconds()``, where given, says how long the next kernel's timing may take (fewer
+    calls than ``calls`` where they do not fit: :func:`check_and_time`). A kernel slower
+    than ``slow_seconds`` per call is a time-out.
     """
     attempted = timed = 0
     start = 0
@@ -198,17 +244,18 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                                    build_seconds=build_share)
                     continue
                 check_started = time.monotonic()
-                status, seconds, detail = check_and_time(library, kernel, bench, threads,
-                                                         calls, drop)
+                timing = check_and_time(library, kernel, bench, threads, calls, drop,
+                                        None if seconds is None else seconds())
                 check_seconds = time.monotonic() - check_started
+                status, detail = timing.status, timing.detail
                 if status is RecordStatus.OK and slow_seconds is not None \
-                        and seconds > slow_seconds:
-                    status, detail = RecordStatus.TIMEOUT, f"{seconds:.2f} s per call"
+                        and timing.seconds > slow_seconds:
+                    status, detail = RecordStatus.TIMEOUT, f"{timing.seconds:.2f} s per call"
                 timed += status is RecordStatus.OK
                 yield Measured(index=index, kernel=kernel, library=library, status=status,
-                               seconds=seconds if status is RecordStatus.OK else 0.0,
+                               seconds=timing.seconds if status is RecordStatus.OK else 0.0,
                                detail=detail, build_seconds=build_share,
-                               check_seconds=check_seconds)
+                               check_seconds=check_seconds, calls=timing.calls)
 
 
 def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F) -> Copies:
@@ -230,18 +277,22 @@ def _run_generic(spec: ConvSpec, threads: int, isa: Isa = Isa.AVX512F
 
 
 def time_generic(spec: ConvSpec, copies: Copies, threads: int, calls: int,
-                 isa: Isa = Isa.AVX512F) -> list[float]:
-    """Seconds of each of ``calls`` calls of the generic kernel of family ``isa``,
-    rotating over ``copies`` (weights already packed: :func:`generic_packed_copies`);
-    one untimed call warms up first."""
+                 isa: Isa = Isa.AVX512F, seconds: Optional[float] = None) -> list[float]:
+    """Seconds of each of ``calls`` calls of the generic kernel of family ``isa``, or of
+    as many as fit in ``seconds`` (judged by the first: :func:`calls_within`), rotating
+    over ``copies`` (weights already packed: :func:`generic_packed_copies`); one untimed
+    call warms up first."""
     run = _run_generic(spec, threads, isa)
     run(*copies[0])
-    times = []
-    for i in range(calls):
+
+    def timed(i: int) -> float:
         x, packed, y = copies[i % len(copies)]
         t0 = time.perf_counter()
         run(x, packed, y)
-        times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    times = [timed(1)]
+    times += [timed(i) for i in range(2, 1 + calls_within(times[0], seconds, calls))]
     return times
 
 
