@@ -265,8 +265,17 @@ static int tile_rows(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, in
 {
     int64_t oh, ow;
     ttile_bf16_pixel(p, t, tile, 0, &oh, &ow);
-    int consecutive = 1;
     const int64_t image = n * p->k * p->ho * p->wo;
+    if (oh < p->ho && ow + 15 < p->wo) {   /* 16 pixels inside one output row */
+        const int64_t row0 = ((n * p->ho + oh) * p->wo + ow) * p->k;
+        for (int i = 0; i < 16; i++)
+            rows[i] = row0 + i * p->k;
+        if (places)
+            for (int i = 0; i < 16; i++)
+                places[i] = image + oh * p->wo + ow + i;
+        return 1;
+    }
+    int consecutive = 1;
     for (int i = 0; i < 16; i++) {
         const int inside = oh < p->ho && ow < p->wo;
         rows[i] = inside ? ((n * p->ho + oh) * p->wo + ow) * p->k : -1;
