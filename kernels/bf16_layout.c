@@ -298,9 +298,10 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
         for (int64_t i = 0; i < rows; i++) {
             const int64_t n = i / p->hp, y = i % p->hp - pad_top;
             uint16_t *out = xb + i * row;
-            memset(out, 0, (size_t)row * sizeof(uint16_t));
-            if (y < 0 || y >= h || padded == 0)
+            if (y < 0 || y >= h || padded == 0) {
+                memset(out, 0, (size_t)row * sizeof(uint16_t));
                 continue;
+            }
             uint16_t *in = padded + pad_left * c;
             if (x_bf16)
                 memcpy(in, (const uint16_t *)x + (n * h + y) * w * c,
@@ -311,15 +312,19 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
                 ttile_bf16_from_f32((const float *)x + (n * h + y) * w * c, in, w * c, 1);
             for (int64_t ow = 0; ow < p->wo; ow++) {
                 if (dil_w == 1) {
-                    /* s c contiguous values, in 32-lane pieces (a first layer's 9 or
-                     * 21: one masked load and store, where a memcpy call per pixel
-                     * was most of Yolo9000-0's time) */
+                    /* s c contiguous values and the pixel's padding lanes up to cp as
+                     * zeros, in 32-lane pieces (a first layer's 9 or 21 of 10 or 22:
+                     * one masked load and store; a memcpy call per pixel was most of
+                     * Yolo9000-0's time, and clearing each row first, 3 % of it) */
                     const uint16_t *from = padded + ow * stride_w * c;
-                    for (int64_t e = 0; e < s * c; e += 32) {
-                        const int64_t left = s * c - e;
-                        const __mmask32 m = left >= 32 ? 0xFFFFFFFFu
-                                                       : (__mmask32)((1u << left) - 1u);
-                        _mm512_mask_storeu_epi16(out + ow * cp + e, m,
+                    for (int64_t e = 0; e < cp; e += 32) {
+                        const int64_t values = s * c - e, lanes = cp - e;
+                        const __mmask32 m = values >= 32 ? 0xFFFFFFFFu
+                                            : values <= 0 ? 0u
+                                            : (__mmask32)((1u << values) - 1u);
+                        const __mmask32 store = lanes >= 32 ? 0xFFFFFFFFu
+                                                : (__mmask32)((1u << lanes) - 1u);
+                        _mm512_mask_storeu_epi16(out + ow * cp + e, store,
                                                  _mm512_maskz_loadu_epi16(m, from + e));
                     }
                 } else {
@@ -327,8 +332,11 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
                         memcpy(out + ow * cp + ss * c,
                                padded + (ow * stride_w + ss * dil_w) * c,
                                (size_t)c * sizeof(uint16_t));
+                    memset(out + ow * cp + s * c, 0, (size_t)(cp - s * c) * sizeof(uint16_t));
                 }
             }
+            if (p->wp > p->wo)   /* columns past the output, if the row has any */
+                memset(out + p->wo * cp, 0, (size_t)((p->wp - p->wo) * cp) * sizeof(uint16_t));
         }
         free(padded);
     }
