@@ -70,6 +70,10 @@ SHAPES = [
     (1, 12, 12, 5, 24, 3, 3, 1, 1, 1),      # folded, odd channels
     (1, 15, 14, 3, 24, 3, 3, 1, 2, 2),      # folded, dilation 2
     (1, 17, 16, 4, 16, 5, 5, 2, 2, 1),      # folded, 5x5 stride 2
+    (1, 40, 37, 3, 32, 7, 7, 2, 3, 1),      # folded 7x7 stride 2: 16 pixels a group, 3 more
+    (1, 36, 38, 5, 16, 5, 5, 2, 2, 1),      # folded, 25 values of 26 lanes, in groups
+    (1, 9, 21, 15, 16, 3, 3, 1, 1, 1),      # folded, 45 values of 48 lanes: 24 vectors a group
+    (1, 9, 21, 15, 16, 7, 7, 1, 3, 1),      # folded, 105 values of 112 lanes: pixel by pixel
     (1, 10, 10, 144, 32, 1, 1, 1, 0, 1),    # steps of 30 (144 = 5 x 30 rounded)
     (1, 8, 8, 16, 48, 3, 3, 1, 1, 1),       # 16 channels: one step of 16
     (1, 6, 6, 7, 8, 1, 1, 1, 0, 1),         # 1x1 with few channels (not folded)
