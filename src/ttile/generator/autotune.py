@@ -72,10 +72,10 @@ class LayerClock:
     work before it (the scheme space: the model and the pruning; the inputs and their
     float64 reference) is fixed per layer and reported apart (``fixed_seconds``), and so
     is the floor no budget goes below: the first candidate's compile and check
-    (``first_seconds``: a compile alone takes GCC 1.5-3.5 s on a Xeon model 207). Every timing makes as many calls as the time left
-    holds (the paper's twenty at most, a quarter of them at least). What a spent budget
-    still runs: one candidate's compile, check and screening (three calls), and the
-    fastest one's re-timing (five calls)."""
+    (``first_seconds``: a compile alone took GCC 1.5-5 s on a Xeon model 207). Every
+    timing makes as many calls as the time left holds (the paper's twenty at most, a
+    quarter of them at least). What a spent budget still runs: one candidate's compile,
+    check and screening (three calls), and the fastest one's re-timing (five calls)."""
     budget_seconds: float
     started: float = field(default_factory=time.monotonic)
     fixed_seconds: float = 0.0
