@@ -258,27 +258,32 @@ def test_nchw_output_is_the_nhwc_output_transposed(case):
     np.testing.assert_array_equal(out, y)
 
 
+@pytest.mark.parametrize("bf16_out", [False, True], ids=["fp32 out", "bf16 out"])
 @pytest.mark.parametrize("epilogue", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_outputs_larger_than_the_l2_streamed_past_the_caches(epilogue, threads):
-    """An fp32 NHWC output larger than the L2 is stored with non-temporal stores (the AMX
-    kernel): the same numbers as the reference, with and without an epilogue, on one
-    and two threads (each fences its own stores)."""
+def test_outputs_larger_than_the_l2_streamed_past_the_caches(epilogue, threads, bf16_out):
+    """An NHWC output larger than the L2, fp32 or bf16, is stored with non-temporal
+    stores (the AMX kernel): the same numbers as the reference, with and without an
+    epilogue, on one and two threads (each fences its own stores)."""
     if not HAS_AMX:
         pytest.skip("no AMX-BF16 on this CPU (or Linux refused the tile state)")
     l2 = _kernels.cpu_l2_bytes() or (2 << 20)
     k, c = 64, 32
-    hw = int(np.sqrt(l2 / (4 * k))) + 8     # k hw^2 floats > the L2
+    element = 2 if bf16_out else 4
+    hw = int(np.sqrt(l2 / (element * k))) + 8     # k hw^2 elements > the L2
     rng = np.random.default_rng(13)
     x = rng.standard_normal((1, hw, hw, c)).astype(np.float32)
     w = rng.standard_normal((1, 1, c, k)).astype(np.float32)
     b = rng.standard_normal(k).astype(np.float32) if epilogue else None
     act = "relu" if epilogue else None
-    y = ttile.conv2d(x, w, b, layout="NHWC", activation=act, threads=threads,
-                     precision="bf16")
+    y = ttile.conv2d(x.astype(ml_dtypes.bfloat16) if bf16_out else x, w, b, layout="NHWC",
+                     activation=act, threads=threads, precision="bf16")
     assert y.nbytes > l2
     want, tol = expected(x, w, (1, 1), (0, 0, 0, 0), bias=b, activation=act)
-    assert_close(y, want, tol)
+    if bf16_out:   # the fp32 result rounded once more
+        assert y.dtype == ml_dtypes.bfloat16
+        tol = tol + 2.0 ** -8 * np.abs(want)
+    assert_close(y.astype(np.float32), want, tol)
 
 
 def test_grouped_and_depthwise_are_served_on_rounded_values():
