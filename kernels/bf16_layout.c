@@ -289,6 +289,12 @@ void ttile_bf16_pack_weights(const ttile_bf16_problem *p, const float *w, int64_
  * pixel from cp 66 on. */
 #define FOLDED_GROUP_VECTORS 32
 
+/* The first n of 32 16-bit lanes (none for n <= 0, all for n >= 32). */
+static inline __mmask32 lanes32(int64_t n)
+{
+    return n >= 32 ? 0xFFFFFFFFu : n <= 0 ? 0u : (__mmask32)((1u << n) - 1u);
+}
+
 typedef struct {
     int count;                 /* vectors: cp / 2 */
     int64_t from[FOLDED_GROUP_VECTORS];   /* each vector's first value, from the group's */
@@ -381,13 +387,8 @@ int ttile_bf16_pack_input_folded(const ttile_bf16_problem *p, const void *x, int
                      * Yolo9000-0's time, and clearing each row first, 3 % of it) */
                     const uint16_t *from = padded + ow * stride_w * c;
                     for (int64_t e = 0; e < cp; e += 32) {
-                        const int64_t values = s * c - e, lanes = cp - e;
-                        const __mmask32 m = values >= 32 ? 0xFFFFFFFFu
-                                            : values <= 0 ? 0u
-                                            : (__mmask32)((1u << values) - 1u);
-                        const __mmask32 store = lanes >= 32 ? 0xFFFFFFFFu
-                                                : (__mmask32)((1u << lanes) - 1u);
-                        _mm512_mask_storeu_epi16(out + ow * cp + e, store,
+                        const __mmask32 m = lanes32(s * c - e);
+                        _mm512_mask_storeu_epi16(out + ow * cp + e, lanes32(cp - e),
                                                  _mm512_maskz_loadu_epi16(m, from + e));
                     }
                 } else {

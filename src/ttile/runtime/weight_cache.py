@@ -36,9 +36,9 @@ caller's array, rounded, with it (:attr:`Check.BF16`), so a change the rounding 
 keeps the packing, and a caller's bf16 weights (``ml_dtypes.bfloat16``) are cached too.
 
 Only the caller's own C-contiguous float32 (and, for bf16 calls, bfloat16) arrays are
-cached (a converted copy is new on every call), and only weights of at least :data:`MIN_BYTES`; the cache holds at most
-``max_bytes`` (copies and packed weights together, least recently used dropped first;
-``ttile.set_weight_cache``). Thread-safe: entries are never written after they are made.
+cached (a converted copy is new on every call), and only weights of at least
+:data:`MIN_BYTES`; the cache holds at most ``max_bytes`` (copies and packed weights
+together, least recently used dropped first; ``ttile.set_weight_cache``). Thread-safe: entries are never written after they are made.
 """
 from __future__ import annotations
 

@@ -7,12 +7,11 @@
   time), runs each once and checks it against the reference, and times only the correct
   ones. A wrong kernel is reported as such, never timed and never dropped silently.
 * :func:`time_generic` times the hand-written generic kernel the way ``conv2d`` runs it
-  (weights packed beforehand), and
-* a timing given a time limit makes as many calls as fit it, judged by its first call
+  (weights packed beforehand), and :func:`head_to_head` times kernels side by side with
+  it, warm, in interleaved rounds, which is what the ship decision rests on.
+* A timing given a time limit makes as many calls as fit it, judged by its first call
   (:func:`calls_within`), down to a few: a 2 s budget cannot hold twenty 0.2 s calls;
   every record says how many calls it rests on.
-* :func:`head_to_head` :func:`head_to_head` times kernels side by side with
-  it, warm, in interleaved rounds, which is what the ship decision rests on.
 
 The offline generator and the run-time tuner both measure through these functions.
 """
