@@ -283,8 +283,8 @@ static const ir_dw_fn ir_dws[2][IR_DW_B] = {
 /* The depthwise row, channels c0 .. c1: rows[r] are the expanded rows oh*stride - 1 + r
  * (NULL above or below the map), each w + 2 pixels of ep floats; d gets wo pixels of ep
  * floats. */
-static void ir_dw_row(const ttile_ir_shape *sh, int64_t ep, const float *const rows[3],
-                      const float *w2, const float *b2, float *d, int64_t c0, int64_t c1)
+void ttile_ir_dw_row(const ttile_ir_shape *sh, int64_t ep, const float *const rows[3],
+                     const float *w2, const float *b2, float *d, int64_t c0, int64_t c1)
 {
     const int64_t blocks = (sh->wo + IR_DW_B - 1) / IR_DW_B;
     const ir_dw_fn *fns = ir_dws[sh->stride == 2];
@@ -427,7 +427,7 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
                 }
                 rows[r] = e;
             }
-            ir_dw_row(sh, ep, rows, w2, b2, d, c0, c1);
+            ttile_ir_dw_row(sh, ep, rows, w2, b2, d, c0, c1);
             ir_gemm_row(d, ep, sh->wo, c0, e1 - c0, ep, w3, 0, k_groups, sh->k,
                         slice == 0 ? b3 : NULL, out + g * sh->wo * sh->k, sh->k,
                         slice == 0 && sh->residual

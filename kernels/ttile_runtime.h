@@ -158,6 +158,22 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *shape, const float *x,
                                    const float *w1, const float *b1, const float *w2,
                                    const float *b2, const float *w3, const float *b3,
                                    float *y, float *scratch, int nthreads);
+/* The depthwise row of the fused block (kernels/inverted_residual_avx512.c), channels
+ * c0 .. c1: rows[r] are the expanded rows oh * stride - 1 + r (NULL outside the map), each
+ * w + 2 pixels of ep floats; d gets wo pixels of ep floats. */
+__attribute__((visibility("hidden")))
+void ttile_ir_dw_row(const ttile_ir_shape *sh, int64_t ep, const float *const rows[3],
+                     const float *w2, const float *b2, float *d, int64_t c0, int64_t c1);
+/* The block in bf16 with its 1x1 stages on AMX (kernels/inverted_residual_amx.c): x and
+ * y fp32 or bf16 bits (x_bf16, y_bf16), w1 and w3 packed by ttile_bf16_pack_weights
+ * (r = s = 1, kc = 32; w1 NULL: no expand stage), b1, w2, b2 and b3 as for
+ * ttile_inverted_residual_avx512; scratch of ttile_inverted_residual_amx_scratch_bytes,
+ * on a 64-byte line. 0, or -1 where the CPU or the OS refuses AMX (nothing written). */
+int64_t ttile_inverted_residual_amx_scratch_bytes(const ttile_ir_shape *shape, int nthreads);
+int ttile_inverted_residual_amx(const ttile_ir_shape *shape, const void *x, int x_bf16,
+                                const uint16_t *w1, const float *b1, const float *w2,
+                                const float *b2, const uint16_t *w3, const float *b3,
+                                void *y, int y_bf16, void *scratch, int nthreads);
 /* The same with 8 channels in the vector lanes, for the AVX2 + FMA family
  * (depthwise_avx2.c). */
 void ttile_conv_depthwise_avx2(const ttile_conv_shape *shape, const float *x,

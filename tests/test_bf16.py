@@ -446,10 +446,12 @@ def test_torch_convert_bf16():
     assert served and all(m.precision is Precision.BF16 for m in served)
 
 
-def test_fused_block_bf16_rounds_weights_and_input():
-    """A bf16 network's fused inverted residual block: the fp32 fused kernel on the
-    bf16-rounded weights and block input (the expanded activations inside stay fp32),
-    against float64 on the same values."""
+@pytest.mark.parametrize("refuse_amx", [False, True])
+def test_fused_block_bf16_rounds_weights_and_input(monkeypatch, refuse_amx):
+    """A bf16 network's fused inverted residual block: products of the bf16-rounded
+    weights and block input (the expanded activations inside stay fp32; the tile kernel
+    rounds the depthwise output for its project stage), against float64 on the same
+    values."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from torch import nn
@@ -459,6 +461,8 @@ def test_fused_block_bf16_rounds_weights_and_input():
     from test_torch_convert import randomize_batch_norms
     if InvertedResidual.unsupported() is not None:
         pytest.skip(InvertedResidual.unsupported())
+    if refuse_amx:   # the fp32 fused kernel on the rounded values serves instead
+        monkeypatch.setattr(_kernels, "amx_usable", lambda: False)
 
     class Block(nn.Module):
         def __init__(self):
@@ -488,6 +492,9 @@ def test_fused_block_bf16_rounds_weights_and_input():
         e, d, p = block.expand, block.depthwise, block.project
         y = F.relu6(F.conv2d(xr, rounded(e.weight), e.bias.double()))
         y = F.relu6(F.conv2d(y, rounded(d.weight), d.bias.double(), 1, 1, groups=96))
+        if block._block().amx:
+            y = rounded(y)
+        assert block._block().amx == (_kernels.amx_usable() and not refuse_amx)
         want = (F.conv2d(y, rounded(p.weight), p.bias.double()) + xr).numpy()
     want = want.transpose(0, 2, 3, 1)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -497,6 +504,77 @@ def test_fused_block_bf16_rounds_weights_and_input():
         y = F.relu6(F.conv2d(y, d.weight.double(), d.bias.double(), 1, 1, groups=96))
         unrounded = (F.conv2d(y, p.weight.double(), p.bias.double()) + xr).numpy()
     assert np.abs(unrounded.transpose(0, 2, 3, 1) - want).max() > 1e-4 * np.abs(want).max()
+
+
+def _block_reference(x, w1, b1, w2, b2, w3, b3, stride, acts, residual):
+    """The bf16 block in float64: x and the weights rounded to bf16, the depthwise
+    output rounded before the project stage (what the tile kernel multiplies)."""
+    from ttile.core.reference import activate_f64
+
+    def rounded(a):
+        return bf16.round_to_bf16(np.asarray(a, np.float32)).astype(np.float64)
+    x = rounded(x)
+    n, h, w, _ = x.shape
+    t = x if w1 is None else activate_f64(
+        np.einsum("nhwc,ec->nhwe", x, rounded(w1)[:, :, 0, 0]) + b1, acts[0], 0.01)
+    e = t.shape[3]
+    padded = np.zeros((n, h + 2, w + 2, e))
+    padded[:, 1:-1, 1:-1] = t
+    ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
+    d = np.zeros((n, ho, wo, e))
+    taps = rounded(w2)[:, 0]
+    for r in range(3):
+        for s in range(3):
+            d += padded[:, r:r + stride * (ho - 1) + 1:stride,
+                        s:s + stride * (wo - 1) + 1:stride] * taps[:, r, s]
+    d = rounded(activate_f64(d + b2, acts[1], 0.01))
+    y = np.einsum("nhwe,ke->nhwk", d, rounded(w3)[:, :, 0, 0]) + b3
+    return activate_f64(y + x if residual else y, acts[2], 0.01)
+
+
+@pytest.mark.skipif(not _kernels.amx_usable(), reason="needs AMX (CPU and Linux)")
+@pytest.mark.parametrize("n,h,w,c,e,k,stride,residual,expand", [
+    (1, 12, 12, 16, 96, 16, 1, True, True),      # MobileNetV2's shapes, smaller maps
+    (1, 14, 14, 24, 144, 24, 1, True, True),     # c, e, k off 32 and 16
+    (2, 9, 17, 24, 144, 32, 2, False, True),     # two images, odd width, stride 2
+    (1, 7, 7, 160, 960, 320, 1, False, True),    # five reduction steps, one pixel tile
+    (1, 5, 33, 40, 120, 40, 1, True, True),      # three pixel tiles a row
+    (1, 16, 16, 32, 32, 16, 1, False, False),    # no expand stage
+])
+def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand):
+    """The bf16 block with its 1x1 stages on AMX, on fp32 and on bf16-bits inputs, at
+    one and two threads, against float64 on the rounded values."""
+    from ttile.core.kinds import Precision
+    from ttile.runtime.inverted_residual import InvertedResidual
+    rng = np.random.default_rng(n * h + w + c + e + k)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    w1 = (rng.standard_normal((e, c, 1, 1)) * 0.2).astype(np.float32) if expand else None
+    b1 = rng.standard_normal(e).astype(np.float32) if expand else None
+    w2 = (rng.standard_normal((e, 1, 3, 3)) * 0.3).astype(np.float32)
+    b2 = rng.standard_normal(e).astype(np.float32)
+    w3 = (rng.standard_normal((k, e, 1, 1)) * 0.1).astype(np.float32)
+    b3 = rng.standard_normal(k).astype(np.float32)
+    acts = ("relu6" if expand else "none", "relu6", "none")
+    block = InvertedResidual(w1, b1, w2, b2, w3, b3, stride=stride, activations=acts,
+                             residual=residual, precision=Precision.BF16)
+    assert block.amx
+    want = _block_reference(x, w1, 0.0 if b1 is None else b1, w2, b2, w3, b3, stride, acts,
+                            residual)
+    bits = _kernels.bf16_round(x)
+    for threads in (1, 2):
+        for given in (x, bits):
+            error = np.abs(block(given, threads) - want) / np.abs(want).max()
+            # the kernel's fp32 sums (in another order) may round a depthwise output to
+            # the neighbouring bf16 value, which moves the outputs it feeds by one of
+            # its products' bf16 ulp (~3e-4 here); all else agrees to fp32 precision
+            assert error.max() <= 1e-3, (threads, given.dtype, error.max())
+            assert np.mean(error > 1e-5) <= 0.01, (threads, given.dtype)
+    # and a program's bound call writes the same
+    out = np.empty(block.output_shape(x.shape), np.float32)
+    call, _ = block.bound_call(x.shape, 2, _kernels.empty_aligned(
+        (block.scratch_floats(x.shape, 2),)))
+    call(x, out, None)
+    assert np.array_equal(out, block(x, 2))
 
 
 @pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="no AVX-512")

@@ -75,6 +75,13 @@ cdef extern from "ttile_runtime.h" nogil:
                                        const float *w1, const float *b1, const float *w2,
                                        const float *b2, const float *w3, const float *b3,
                                        float *y, float *scratch, int nthreads)
+    int64_t ttile_inverted_residual_amx_scratch_bytes(const ttile_ir_shape *shape,
+                                                      int nthreads)
+    int ttile_inverted_residual_amx(const ttile_ir_shape *shape, const void *x, int x_bf16,
+                                    const unsigned short *w1, const float *b1,
+                                    const float *w2, const float *b2,
+                                    const unsigned short *w3, const float *b3, void *y,
+                                    int y_bf16, void *scratch, int nthreads)
     int ttile_depthwise_nchw_supported(const ttile_conv_shape *shape)
     int ttile_pointwise_nchw_supported(const ttile_conv_shape *shape)
     int ttile_conv_pointwise_nchw_avx512(const ttile_conv_shape *shape, const float *x,
@@ -1651,6 +1658,78 @@ def bf16_pack_weights(cnp.ndarray w, tuple problem, int nthreads=1):
         ttile_bf16_pack_weights(&p, <const float *>cnp.PyArray_DATA(w), channels,
                                 <unsigned short *>cnp.PyArray_DATA(wb), nthreads)
     return wb
+
+
+def inverted_residual_amx_scratch_bytes(tuple x_shape, int64_t e, int64_t k,
+                                        int64_t stride, int nthreads):
+    """Bytes of scratch :func:`inverted_residual_amx` needs at ``nthreads``."""
+    cdef ttile_ir_shape sh
+    sh.n, sh.h, sh.w, sh.c = x_shape
+    sh.e, sh.k, sh.stride = e, k, stride
+    sh.ho, sh.wo = (sh.h - 1) // stride + 1, (sh.w - 1) // stride + 1
+    return ttile_inverted_residual_amx_scratch_bytes(&sh, nthreads)
+
+
+def inverted_residual_amx(cnp.ndarray x, object w1, object b1, cnp.ndarray w2,
+                          cnp.ndarray b2, cnp.ndarray w3, cnp.ndarray b3, cnp.ndarray y,
+                          cnp.ndarray scratch, int64_t e, int64_t stride, tuple activations,
+                          tuple slopes, bint residual, int nthreads):
+    """The bf16 inverted residual block with its 1x1 stages on AMX
+    (kernels/inverted_residual_amx.c): x (N, H, W, C) float32 or bf16 bits (uint16); w1
+    and w3 the 1x1 stages' weights from :func:`bf16_pack_weights` (a (1, 1, C, E) and a
+    (1, 1, E, K) problem with kc 32 and cp the channels rounded up to 32), b1, w2, b2, b3
+    as for :func:`inverted_residual`; y (N, Ho, Wo, K) float32 or bf16 bits; scratch of
+    :func:`inverted_residual_amx_scratch_bytes` bytes (uint8) on a 64-byte line. False
+    where the CPU or Linux refuses AMX (nothing written)."""
+    cdef ttile_ir_shape sh
+    _ir_shape(&sh, x, e, 0 if cnp.PyArray_NDIM(y) != 4 else cnp.PyArray_DIMS(y)[3], stride,
+              activations, slopes, residual)
+    cdef int64_t ep = (e + 15) // 16 * 16, kp = (sh.k + 15) // 16 * 16
+    cdef int64_t cp1 = (sh.c + 31) // 32 * 32, cp3 = (e + 31) // 32 * 32
+    cdef int64_t ep32 = (e + 31) // 32 * 32, kp32 = (sh.k + 31) // 32 * 32
+    cdef int xt = cnp.PyArray_TYPE(x), yt = cnp.PyArray_TYPE(y)
+    if xt not in (cnp.NPY_FLOAT32, cnp.NPY_UINT16) or yt not in (cnp.NPY_FLOAT32,
+                                                                 cnp.NPY_UINT16):
+        raise TypeError("x and y must be float32 or bf16 bits (uint16)")
+    for a, name in ((x, "x"), (y, "y")):
+        if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a):
+            raise ValueError(f"{name} must be C-contiguous and aligned")
+    if (<object>y).shape != (sh.n, sh.ho, sh.wo, sh.k):
+        raise ValueError(f"y must be {(sh.n, sh.ho, sh.wo, sh.k)}, got {(<object>y).shape}")
+    cdef const unsigned short *w1p = NULL
+    cdef const float *b1p = NULL
+    if w1 is None or b1 is None:
+        if w1 is not None or b1 is not None:
+            raise ValueError("w1 and b1 are both arrays or both None (no expand stage)")
+        if e != sh.c:
+            raise ValueError(f"without an expand stage e must equal C ({e} != {sh.c})")
+    else:
+        _check_bf16_array(w1, "w1", ep32 * cp1, 0)
+        _check_dims(b1, "b1", 1, ep, 0, 0, 0)
+        w1p = <const unsigned short *>cnp.PyArray_DATA(w1)
+        b1p = <const float *>cnp.PyArray_DATA(b1)
+    _check_dims(w2, "w2", 2, 9, ep, 0, 0)
+    _check_dims(b2, "b2", 1, ep, 0, 0, 0)
+    _check_bf16_array(w3, "w3", kp32 * cp3, 0)
+    _check_dims(b3, "b3", 1, kp, 0, 0, 0)
+    if nthreads < 1:
+        raise ValueError(f"nthreads must be >= 1, got {nthreads}")
+    if cnp.PyArray_NBYTES(scratch) < ttile_inverted_residual_amx_scratch_bytes(&sh, nthreads):
+        raise ValueError("scratch too small for the block at this thread count")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(scratch) or (<size_t>cnp.PyArray_DATA(scratch)) % 64:
+        raise ValueError("scratch must be C-contiguous and start on a 64-byte line")
+    if not cnp.PyArray_ISWRITEABLE(y) or not cnp.PyArray_ISWRITEABLE(scratch):
+        raise ValueError("y and scratch must be writeable")
+    cdef int rc
+    cdef int x_bf16 = xt == cnp.NPY_UINT16, y_bf16 = yt == cnp.NPY_UINT16
+    with nogil:
+        rc = ttile_inverted_residual_amx(
+            &sh, cnp.PyArray_DATA(x), x_bf16, w1p, b1p,
+            <const float *>cnp.PyArray_DATA(w2), <const float *>cnp.PyArray_DATA(b2),
+            <const unsigned short *>cnp.PyArray_DATA(w3),
+            <const float *>cnp.PyArray_DATA(b3), cnp.PyArray_DATA(y), y_bf16,
+            cnp.PyArray_DATA(scratch), nthreads)
+    return rc == 0
 
 
 def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple problem,

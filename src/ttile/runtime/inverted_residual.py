@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from .. import _kernels
-from ..core.kinds import Activation, Isa
+from ..core.kinds import Activation, Isa, Precision
 from . import scratch
 from .settings import get_isa
 
@@ -76,6 +76,18 @@ def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+def _round32(n: int) -> int:
+    return (n + 31) // 32 * 32
+
+
+def _pack_1x1(w: np.ndarray, c: int, k: int) -> np.ndarray:
+    """A 1x1 stage's (c, k) fp32 weights rounded and packed for the tile kernel
+    (ttile_bf16_pack_weights: kc 32, cp and kp c and k rounded up to 32)."""
+    problem = (1, 1, 1, k, 1, 1, _round32(c), 32, _round32(k), 1, 1, 1, 1, 1, 1, 0)
+    return _kernels.bf16_pack_weights(np.ascontiguousarray(w, dtype=np.float32)
+                                      .reshape(1, 1, c, k), problem)
+
+
 def modelled_verdict(shape: BlockShape) -> BlockVerdict:
     """The verdict without timing: fused unless the 1x1 weights exceed this core's L2,
     which each output row streams (measured on a Xeon model 167, 2 MB L2: fused 1.0-1.9x
@@ -104,11 +116,19 @@ class InvertedResidual:
     expand stage, the depthwise layer on the block's input (E == C) feeding the 1x1
     project: MobileNetV2's first block, MobileNetV1's depthwise-pointwise pairs. The
     depthwise output, as large as the input, then stays in L2 too.
+
+    ``precision`` bf16: the weights and the block's input are rounded to bf16 and the
+    products are of bf16 values, the sums fp32. Where this process may run AMX
+    (``_kernels.amx_usable``) the block runs kernels/inverted_residual_amx.c: its 1x1
+    stages on the tile unit, the depthwise output rounded to bf16 before the project
+    stage, and x may be bf16 bits (uint16) as well. Elsewhere the fp32 kernel runs on the
+    rounded weights and input (its depthwise output stays fp32).
     """
 
     def __init__(self, expand, expand_bias, depthwise, depthwise_bias, project,
                  project_bias, *, stride: int, activations: tuple, slopes: tuple = (
-                     0.01, 0.01, 0.01), residual: bool = False):
+                     0.01, 0.01, 0.01), residual: bool = False,
+                 precision: Precision = Precision.FP32):
         self.expands = expand is not None
         if self.expands:
             expand = np.asarray(expand)
@@ -162,6 +182,17 @@ class InvertedResidual:
                 out[:n] = _as_float32(bias, (n,), name)
         self._codes = tuple(a.code for a in self.activations)
         self._calls: dict[tuple, tuple] = {}   # (x shape, threads) -> _call_for's answer
+        self.precision = Precision(precision)
+        self.amx = self.precision is Precision.BF16 and _kernels.amx_usable()
+        if self.precision is Precision.BF16:
+            from .bf16 import round_to_bf16
+            for w in (self._w1, self._w2, self._w3):
+                if w is not None:
+                    w[...] = round_to_bf16(w)
+        if self.amx:   # the 1x1 stages in the tile kernel's layout (RSCK, kc 32)
+            self._w1 = None if not self.expands else _pack_1x1(
+                expand.astype(np.float32)[:, :, 0, 0].T, c, e)
+            self._w3 = _pack_1x1(project.astype(np.float32)[:, :, 0, 0].T, e, k)
 
     def shape_of(self, x_shape: tuple) -> BlockShape:
         n, h, w, c = x_shape
@@ -180,8 +211,13 @@ class InvertedResidual:
                  ) -> np.ndarray:
         """The block on ``x`` (N, H, W, C), float32, C-contiguous: a new (N, Ho, Wo, K)
         array (or ``out``)."""
-        if x.dtype != np.float32 or not x.flags.c_contiguous:
+        bits = self.amx and x.dtype == np.uint16   # bf16 bits, for the tile kernel
+        if not bits and (x.dtype != np.float32 or not x.flags.c_contiguous):
             x = np.ascontiguousarray(x, dtype=np.float32)
+        elif not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        if self.precision is Precision.BF16 and not self.amx:
+            x = _kernels.bf16_round_f32(x)
         key = (x.shape, threads)
         call = self._calls.get(key)
         if call is None:
@@ -192,10 +228,20 @@ class InvertedResidual:
         buffer = scratch.scratch("inverted_residual", (scratch_floats,))
         if buffer is None:
             buffer = _kernels.empty_aligned((scratch_floats,))
-        _kernels.inverted_residual(x, self._w1, self._b1, self._w2, self._b2, self._w3,
-                                   self._b3, out, buffer, self.e, self.stride, self._codes,
-                                   self.slopes, self.residual, threads)
+        self._kernel(x, out, buffer, threads)
         return out
+
+    def _kernel(self, x: np.ndarray, y: np.ndarray, buffer: np.ndarray, threads: int) -> None:
+        if self.amx:
+            if not _kernels.inverted_residual_amx(
+                    x, self._w1, self._b1, self._w2, self._b2, self._w3, self._b3, y, buffer,
+                    self.e, self.stride, self._codes, self.slopes, self.residual, threads):
+                raise RuntimeError("the AMX inverted residual kernel was refused after "
+                                   "AMX was granted")
+            return
+        _kernels.inverted_residual(x, self._w1, self._b1, self._w2, self._b2, self._w3,
+                                   self._b3, y, buffer, self.e, self.stride, self._codes,
+                                   self.slopes, self.residual, threads)
 
     def scratch_floats(self, x_shape: tuple, threads: int) -> int:
         """Floats of scratch a call on ``x_shape`` at ``threads`` needs."""
@@ -218,11 +264,25 @@ class InvertedResidual:
         w1, b1, w2, b2, w3, b3 = self._w1, self._b1, self._w2, self._b2, self._w3, self._b3
         e, stride, codes, slopes, residual = (self.e, self.stride, self._codes,
                                               self.slopes, self.residual)
-        kernel = _kernels.inverted_residual
+        if self.amx:
+            kernel = self._kernel
+
+            def call(x, y, _residual):
+                kernel(x, y, scratch_buffer, threads)
+            return call, out_shape
+        fp32_kernel = _kernels.inverted_residual
+        if self.precision is Precision.BF16:   # the input rounded into a buffer of its own
+            rounded = _kernels.empty_aligned(tuple(x_shape))
+            round_f32 = _kernels.bf16_round_f32
+
+            def call(x, y, _residual):
+                fp32_kernel(round_f32(x, threads, rounded), w1, b1, w2, b2, w3, b3, y,
+                            scratch_buffer, e, stride, codes, slopes, residual, threads)
+            return call, out_shape
 
         def call(x, y, _residual):
-            kernel(x, w1, b1, w2, b2, w3, b3, y, scratch_buffer, e, stride, codes, slopes,
-                   residual, threads)
+            fp32_kernel(x, w1, b1, w2, b2, w3, b3, y, scratch_buffer, e, stride, codes,
+                        slopes, residual, threads)
         return call, out_shape
 
     def _call_for(self, x_shape: tuple, threads: int) -> tuple:
@@ -232,9 +292,13 @@ class InvertedResidual:
         n, h, w, _ = x_shape
         ho, wo = (h - 1) // self.stride + 1, (w - 1) // self.stride + 1
         threads = max(1, int(threads))
-        floats = _kernels.inverted_residual_scratch_floats(x_shape, self.e, self.k,
-                                                           self.stride, threads,
-                                                           self._codes[2])
+        if self.amx:
+            floats = -(-_kernels.inverted_residual_amx_scratch_bytes(
+                tuple(x_shape), self.e, self.k, self.stride, threads) // 4)
+        else:
+            floats = _kernels.inverted_residual_scratch_floats(x_shape, self.e, self.k,
+                                                               self.stride, threads,
+                                                               self._codes[2])
         return (n, ho, wo, self.k), threads, floats
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from .. import _kernels
 from ..core.kinds import Activation, Precision
 from ..runtime.arguments import as_pair
-from ..runtime.bf16 import round_to_bf16
 from ..runtime.scratch import aligned_empty
 from ..runtime import dispatch as _dispatch
 from ..runtime.epilogue import describe as _describe_epilogue
@@ -144,10 +143,9 @@ class TTileInvertedResidual(nn.Module):
     the checks on training mode and gradients) goes through the layers.
 
     With ``precision`` bf16 (``convert(..., precision="bf16")``) the fused kernel runs
-    on the bf16-rounded weights and block input (the rounding pass is the cost of it):
-    its products are those of bf16 values, its sums and the expanded activations inside
-    the block fp32. (A fused block of bf16 kernels, its activations in bf16, is not
-    built yet: this is fp32 speed.)"""
+    on the bf16-rounded weights and block input: its products are those of bf16 values,
+    its sums and the expanded activations inside the block fp32. Where AMX may run, its
+    1x1 stages run on the tile unit (see ``InvertedResidual``)."""
 
     def __init__(self, expand: Optional[TTileConv2d], depthwise: TTileConv2d,
                  project: TTileConv2d):
@@ -215,16 +213,14 @@ class TTileInvertedResidual(nn.Module):
         with self._lock:
             if self._fused is None or stamp != self._packed_from:
                 arrays = [None if t is None else t.detach().numpy() for t in tensors]
-                if self.bf16:   # the weights (even entries; the biases stay fp32)
-                    arrays = [a if a is None or i % 2 else round_to_bf16(a)
-                              for i, a in enumerate(arrays)]
                 stages = (self.expand, self.depthwise, self.project)
                 self._fused = InvertedResidual(
                     *arrays, stride=self.depthwise.stride[0],
                     activations=tuple("none" if m is None else m.activation or "none"
                                       for m in stages),
                     slopes=tuple(0.01 if m is None else m.negative_slope for m in stages),
-                    residual=self.project.residual)
+                    residual=self.project.residual,
+                    precision=Precision.BF16 if self.bf16 else Precision.FP32)
                 self._packed_from, self._tensors = stamp, tensors
                 _units_changed()
             return self._fused
@@ -234,8 +230,8 @@ class TTileInvertedResidual(nn.Module):
         return getattr(self, "precision", Precision.FP32) is Precision.BF16
 
     def fused_call(self, x: np.ndarray, threads: int) -> np.ndarray:
-        """The fused kernel on NHWC x (rounded to bf16 first for a bf16 block)."""
-        return self._block()(round_to_bf16(x) if self.bf16 else x, threads)
+        """The fused kernel on NHWC x (a bf16 block rounds it: ``InvertedResidual``)."""
+        return self._block()(x, threads)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         y = self.depthwise(x if self.expand is None else self.expand(x))

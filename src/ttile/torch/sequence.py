@@ -55,16 +55,6 @@ class ContextVerdict:
 
 
 
-def _rounding_input(call, shape: tuple, threads: int):
-    """``call(x, y, residual)`` on x rounded to bf16 first, into a buffer of its own (a
-    bf16 block's fused kernel, see ``TTileInvertedResidual``)."""
-    rounded = _kernels.empty_aligned(shape)
-
-    def run(x, y, residual):
-        call(_kernels.bf16_round_f32(x, threads, rounded), y, residual)
-    return run
-
-
 class _BoundSequence:
     """A sequence's :class:`~ttile.runtime.program.Program` at one input signature, and
     what its steps were bound from: it may run while :meth:`holds`."""
@@ -387,8 +377,6 @@ class TTileSequence(nn.Module):
             buffer = _kernels.empty_aligned((floats,))
             for (i, block, shape, t), unit in zip(pending, blocks):
                 call, _ = block.bound_call(shape, t, buffer)
-                if unit.bf16:
-                    call = _rounding_input(call, shape, t)
                 steps[i] = replace(steps[i], call=call)
         return _BoundSequence(Program(self.inputs, steps), tensors, tuple(step_units),
                               tuple(unit_shapes))
