@@ -35,35 +35,6 @@ int ttile_bf16_amx_built(void) { return 0; }
 
 int ttile_bf16_amx_built(void) { return 1; }
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Tiles 0-3: accumulators (16 x 16 fp32); 4, 5: input (16 pixels x kc bf16); 6, 7:
- * weights (kc/2 channel pairs x 16 output channels x 2). */
-static void configure(int64_t kc)
-{
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 4; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    for (int t = 4; t < 6; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = (uint16_t)(kc * 2);
-    }
-    for (int t = 6; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(kc / 2);
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* Stores a pixel tile's 16 x 32 accumulators (two 16 x 16 blocks in acc, 256 floats
  * apart) for output channel blocks kb and kb + 1, through the epilogue. */
 static void store_tile(const ttile_bf16_problem *p, const ttile_bf16_tiling *t, int64_t n,
@@ -496,7 +467,7 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
     {
         float acc[4 * 256] __attribute__((aligned(64)));
         pair_outputs out = {-1, -1, -1, {0, 0}, {{0}}};
-        configure(c.kc);
+        ttile_amx_configure(c.kc);
         for (int64_t g0 = 0; g0 < kpairs; g0 += group) {
             const int64_t g1 = g0 + group < kpairs ? g0 + group : kpairs;
 #pragma omp for collapse(2) schedule(static)

@@ -18,7 +18,7 @@
  * rows of the row's bf16 copy (a pixel every cp elements, cp the channels rounded up to
  * 32, so each reduction step is one full 32-channel tile), two 16-channel weight tiles of
  * the ttile_bf16_pack_weights layout (r = s = 1, kc = 32), two pixel tiles at once into
- * four accumulators: the tile configuration of kernels/bf16_amx.c at kc = 32. The
+ * four accumulators: ttile_amx_configure at kc = 32, as kernels/bf16_amx.c. The
  * copies' pixels past the row (up to the next 16) and channels past the real ones are
  * zero; the rows they give are not stored. */
 #include "ttile_bf16.h"
@@ -37,26 +37,6 @@ int ttile_inverted_residual_amx(const ttile_ir_shape *sh, const void *x, int x_b
 #else
 #include <immintrin.h>
 #include <omp.h>
-
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} ir_tile_config;
-
-/* Eight tiles of 16 rows of 64 bytes: 0-3 accumulators, 4-5 pixels, 6-7 weights. */
-static void ir_configure(void)
-{
-    ir_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 static inline int64_t ir_round(int64_t n, int64_t to)
 {
@@ -238,7 +218,7 @@ int ttile_inverted_residual_amx(const ttile_ir_shape *sh, const void *x, int x_b
     if (((uintptr_t)scratch & 63) != 0 || !ttile_amx_request())
         return -1;
     const int64_t ep = ir_round(sh->e, 16), cp1 = ir_round(sh->c, 32);
-    const int64_t cp3 = ir_round(sh->e, 32), row_floats = (sh->w + 2) * ep;
+    const int64_t cp3 = ir_round(sh->e, 32);
     const int64_t total = sh->n * sh->ho;
     const int team = (int)ir_amx_team(sh, nthreads);
     const ir_amx_parts parts = ir_amx_parts_of(sh);
@@ -252,7 +232,7 @@ int ttile_inverted_residual_amx(const ttile_ir_shape *sh, const void *x, int x_b
         uint16_t *xa = (uint16_t *)(mine + parts.xa), *da = (uint16_t *)(mine + parts.da);
         float *acc = (float *)(mine + parts.acc);
         memset(xa, 0, (size_t)(parts.acc - parts.xa));   /* the copies' padding: zero */
-        ir_configure();
+        ttile_amx_configure(32);
         ir_row_out expand = {b1, sh->act1, sh->slope1, NULL, 0, ep, ep, NULL, 0};
         ir_row_out project = {b3, sh->act3, sh->slope3, NULL, y_bf16, sh->k, sh->k, NULL,
                               x_bf16};
@@ -262,15 +242,9 @@ int ttile_inverted_residual_amx(const ttile_ir_shape *sh, const void *x, int x_b
             const float *rows[3];
             for (int r = 0; r < 3; r++) {
                 const int64_t ih = oh * sh->stride - 1 + r;
-                if (ih < 0 || ih >= sh->h) {
-                    rows[r] = NULL;
-                    continue;
-                }
-                const int slot = (int)(ih % 3);
-                float *e = ring + slot * row_floats;
-                if (held[slot] != img * sh->h + ih) {
-                    memset(e, 0, ep * sizeof(float));
-                    memset(e + (sh->w + 1) * ep, 0, ep * sizeof(float));
+                int fill;
+                float *e = ttile_ir_ring_row(sh, ring, ep, held, img, ih, &fill);
+                if (fill) {
                     const char *x_row = (const char *)x
                                         + (img * sh->h + ih) * sh->w * sh->c * in_elem;
                     if (w1 != NULL) {
@@ -280,7 +254,6 @@ int ttile_inverted_residual_amx(const ttile_ir_shape *sh, const void *x, int x_b
                     } else {
                         ir_row_rounded(x_row, x_bf16, sh->c, sh->w, ep, e + ep);
                     }
-                    held[slot] = img * sh->h + ih;
                 }
                 rows[r] = e;
             }

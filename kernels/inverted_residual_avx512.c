@@ -408,22 +408,15 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *sh, const float *x,
             const float *rows[3];
             for (int r = 0; r < 3; r++) {
                 const int64_t ih = oh * sh->stride - 1 + r;
-                if (ih < 0 || ih >= sh->h) {
-                    rows[r] = NULL;
-                    continue;
-                }
-                const int slot = (int)(ih % 3);
-                float *e = ring + slot * row_floats;
-                if (held[slot] != img * sh->h + ih) {
-                    memset(e, 0, ep * sizeof(float));
-                    memset(e + (sh->w + 1) * ep, 0, ep * sizeof(float));
+                int fill;
+                float *e = ttile_ir_ring_row(sh, ring, ep, held, img, ih, &fill);
+                if (fill) {
                     const float *x_row = x + (img * sh->h + ih) * sh->w * sh->c;
                     if (w1 != NULL)
                         ir_gemm_row(x_row, sh->c, sh->w, 0, sh->c, sh->c, w1, g0, g1, ep,
                                     b1, e + ep, ep, NULL, 0, sh->act1, sh->slope1);
                     else
                         ir_copy_row(x_row, sh->c, sh->w, ep, c0, c1, e + ep);
-                    held[slot] = img * sh->h + ih;
                 }
                 rows[r] = e;
             }

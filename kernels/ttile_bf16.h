@@ -270,6 +270,28 @@ static inline void ttile_bf16_store16(const ttile_epilogue *ep, void *y, int y_b
     else
         _mm512_mask_storeu_ps((float *)y + i, mask, v);
 }
+
+#if defined(__AMX_TILE__)
+/* The tile configuration of the AMX kernels (bf16_amx.c, inverted_residual_amx.c): tiles
+ * 0-3 accumulators (16 x 16 fp32); 4, 5 input (16 pixels x kc bf16); 6, 7 weights (kc/2
+ * channel pairs x 16 output channels x 2). Loaded on the calling thread. */
+static inline void ttile_amx_configure(int64_t kc)
+{
+    struct {
+        uint8_t palette, start_row;
+        uint8_t reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t < 6 ? 16 : (uint8_t)(kc / 2);
+        cfg.colsb[t] = t < 4 || t >= 6 ? 64 : (uint16_t)(kc * 2);
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
 #endif
 
 #endif

@@ -10,6 +10,7 @@
 #define TTILE_RUNTIME_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "ttile_epilogue.h"
 
@@ -158,6 +159,26 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *shape, const float *x,
                                    const float *w1, const float *b1, const float *w2,
                                    const float *b2, const float *w3, const float *b3,
                                    float *y, float *scratch, int nthreads);
+/* The fused blocks' ring of three expanded rows (each w + 2 pixels of ep floats, the
+ * outer two zero): the slot of input row ih of image img, or NULL above or below the map.
+ * *fill says whether the slot holds another row, which the caller then computes into
+ * pixels 1 .. w (its outer two pixels cleared here); `held` tracks the slots. */
+static inline float *ttile_ir_ring_row(const ttile_ir_shape *sh, float *ring, int64_t ep,
+                                       int64_t held[3], int64_t img, int64_t ih, int *fill)
+{
+    *fill = 0;
+    if (ih < 0 || ih >= sh->h)
+        return NULL;
+    const int slot = (int)(ih % 3);
+    float *e = ring + slot * (sh->w + 2) * ep;
+    if (held[slot] != img * sh->h + ih) {
+        memset(e, 0, (size_t)ep * sizeof(float));
+        memset(e + (sh->w + 1) * ep, 0, (size_t)ep * sizeof(float));
+        held[slot] = img * sh->h + ih;
+        *fill = 1;
+    }
+    return e;
+}
 /* The depthwise row of the fused block (kernels/inverted_residual_avx512.c), channels
  * c0 .. c1: rows[r] are the expanded rows oh * stride - 1 + r (NULL outside the map), each
  * w + 2 pixels of ep floats; d gets wo pixels of ep floats. */

@@ -503,6 +503,18 @@ cdef int _ir_shape(ttile_ir_shape *sh, cnp.ndarray x, int64_t e, int64_t k, int6
     return 0
 
 
+cdef bint _ir_expands(object w1, object b1, int64_t e, int64_t c) except -1:
+    """Whether a block call has an expand stage: w1 and b1 both arrays, or both None
+    (then e must equal C: the depthwise layer reads x)."""
+    if w1 is not None and b1 is not None:
+        return True
+    if w1 is not None or b1 is not None:
+        raise ValueError("w1 and b1 are both arrays or both None (no expand stage)")
+    if e != c:
+        raise ValueError(f"without an expand stage e must equal C ({e} != {c})")
+    return False
+
+
 def inverted_residual_scratch_floats(tuple x_shape, int64_t e, int64_t k, int64_t stride,
                                      int nthreads, int act3=0):
     """Floats of scratch :func:`inverted_residual` needs at ``nthreads`` (``act3``: the
@@ -550,12 +562,7 @@ def inverted_residual(cnp.ndarray x, object w1, object b1, cnp.ndarray w2,
     _check_dims(y, "y", 4, sh.n, sh.ho, sh.wo, sh.k)
     cdef const float *w1p = NULL
     cdef const float *b1p = NULL
-    if w1 is None or b1 is None:
-        if w1 is not None or b1 is not None:
-            raise ValueError("w1 and b1 are both arrays or both None (no expand stage)")
-        if e != sh.c:
-            raise ValueError(f"without an expand stage e must equal C ({e} != {sh.c})")
-    else:
+    if _ir_expands(w1, b1, e, sh.c):
         _check_dims(w1, "w1", 2, sh.c, ep, 0, 0)
         _check_dims(b1, "b1", 1, ep, 0, 0, 0)
         w1p = <const float *>cnp.PyArray_DATA(w1)
@@ -1698,12 +1705,7 @@ def inverted_residual_amx(cnp.ndarray x, object w1, object b1, cnp.ndarray w2,
         raise ValueError(f"y must be {(sh.n, sh.ho, sh.wo, sh.k)}, got {(<object>y).shape}")
     cdef const unsigned short *w1p = NULL
     cdef const float *b1p = NULL
-    if w1 is None or b1 is None:
-        if w1 is not None or b1 is not None:
-            raise ValueError("w1 and b1 are both arrays or both None (no expand stage)")
-        if e != sh.c:
-            raise ValueError(f"without an expand stage e must equal C ({e} != {sh.c})")
-    else:
+    if _ir_expands(w1, b1, e, sh.c):
         _check_bf16_array(w1, "w1", ep32 * cp1, 0)
         _check_dims(b1, "b1", 1, ep, 0, 0, 0)
         w1p = <const unsigned short *>cnp.PyArray_DATA(w1)

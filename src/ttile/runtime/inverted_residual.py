@@ -209,13 +209,15 @@ class InvertedResidual:
 
     def __call__(self, x: np.ndarray, threads: int, out: Optional[np.ndarray] = None
                  ) -> np.ndarray:
-        """The block on ``x`` (N, H, W, C), float32, C-contiguous: a new (N, Ho, Wo, K)
-        array (or ``out``)."""
-        bits = self.amx and x.dtype == np.uint16   # bf16 bits, for the tile kernel
-        if not bits and (x.dtype != np.float32 or not x.flags.c_contiguous):
-            x = np.ascontiguousarray(x, dtype=np.float32)
-        elif not x.flags.c_contiguous:
+        """The block on ``x`` (N, H, W, C), float32 (or, for the AMX block, bf16 bits as
+        uint16): a new float32 (N, Ho, Wo, K) array (or ``out``)."""
+        if x.dtype == np.uint16:   # bf16 bits: the tile kernel reads them as they are
+            if not self.amx:
+                raise TypeError("bf16 bits (uint16) are read by the AMX block only; this "
+                                "block runs the fp32 kernel: pass float32")
             x = np.ascontiguousarray(x)
+        elif x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
         if self.precision is Precision.BF16 and not self.amx:
             x = _kernels.bf16_round_f32(x)
         key = (x.shape, threads)
