@@ -532,18 +532,24 @@ def _block_reference(x, w1, b1, w2, b2, w3, b3, stride, acts, residual):
     return activate_f64(y + x if residual else y, acts[2], 0.01)
 
 
+MOBILENET = ("relu6", "relu6", "none")
+
+
 @pytest.mark.skipif(not _kernels.amx_usable(), reason="needs AMX (CPU and Linux)")
-@pytest.mark.parametrize("n,h,w,c,e,k,stride,residual,expand", [
-    (1, 12, 12, 16, 96, 16, 1, True, True),      # MobileNetV2's shapes, smaller maps
-    (1, 14, 14, 24, 144, 24, 1, True, True),     # c, e, k off 32 and 16
-    (2, 9, 17, 24, 144, 32, 2, False, True),     # two images, odd width, stride 2
-    (1, 7, 7, 160, 960, 320, 1, False, True),    # five reduction steps, one pixel tile
-    (1, 5, 33, 40, 120, 40, 1, True, True),      # three pixel tiles a row
-    (1, 16, 16, 32, 32, 16, 1, False, False),    # no expand stage
+@pytest.mark.parametrize("n,h,w,c,e,k,stride,residual,expand,acts", [
+    (1, 12, 12, 16, 96, 16, 1, True, True, MOBILENET),  # MobileNetV2's, smaller maps
+    (1, 14, 14, 24, 144, 24, 1, True, True, ("relu", "relu", "relu")),  # c, e, k off 32
+    (2, 9, 17, 24, 144, 32, 2, False, True, MOBILENET),  # two images, odd width, stride 2
+    (1, 7, 7, 160, 960, 320, 1, False, True, MOBILENET),  # five reduction steps
+    (1, 5, 33, 40, 120, 40, 1, True, True,               # three pixel tiles a row, the
+     ("leaky_relu", "relu6", "silu")),                   # activations read at run time
+    (1, 16, 16, 32, 32, 16, 1, False, False, ("none", "relu6", "sigmoid")),  # no expand
 ])
-def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand):
+def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand, acts):
     """The bf16 block with its 1x1 stages on AMX, on fp32 and on bf16-bits inputs, at
-    one and two threads, against float64 on the rounded values."""
+    one and two threads, against float64 on the rounded values; its bf16 outputs are its
+    fp32 outputs rounded. The activations and residual kinds reach each compiled variant
+    of the stages' epilogue."""
     from ttile.core.kinds import Precision
     from ttile.runtime.inverted_residual import InvertedResidual
     rng = np.random.default_rng(n * h + w + c + e + k)
@@ -554,7 +560,6 @@ def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand):
     b2 = rng.standard_normal(e).astype(np.float32)
     w3 = (rng.standard_normal((k, e, 1, 1)) * 0.1).astype(np.float32)
     b3 = rng.standard_normal(k).astype(np.float32)
-    acts = ("relu6" if expand else "none", "relu6", "none")
     block = InvertedResidual(w1, b1, w2, b2, w3, b3, stride=stride, activations=acts,
                              residual=residual, precision=Precision.BF16)
     assert block.amx
@@ -563,12 +568,16 @@ def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand):
     bits = _kernels.bf16_round(x)
     for threads in (1, 2):
         for given in (x, bits):
-            error = np.abs(block(given, threads) - want) / np.abs(want).max()
+            got = block(given, threads)
+            error = np.abs(got - want) / np.abs(want).max()
             # the kernel's fp32 sums (in another order) may round a depthwise output to
             # the neighbouring bf16 value, which moves the outputs it feeds by one of
             # its products' bf16 ulp (~3e-4 here); all else agrees to fp32 precision
             assert error.max() <= 1e-3, (threads, given.dtype, error.max())
             assert np.mean(error > 1e-5) <= 0.01, (threads, given.dtype)
+            rounded = _kernels.empty_aligned_bits(got.shape)
+            block(given, threads, out=rounded)
+            assert np.array_equal(rounded, _kernels.bf16_round(got))
     # and a program's bound call writes the same
     out = np.empty(block.output_shape(x.shape), np.float32)
     call, _ = block.bound_call(x.shape, 2, _kernels.empty_aligned(
