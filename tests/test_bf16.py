@@ -575,15 +575,116 @@ def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand, acts):
             # its products' bf16 ulp (~3e-4 here); all else agrees to fp32 precision
             assert error.max() <= 1e-3, (threads, given.dtype, error.max())
             assert np.mean(error > 1e-5) <= 0.01, (threads, given.dtype)
-            rounded = _kernels.empty_aligned_bits(got.shape)
-            block(given, threads, out=rounded)
-            assert np.array_equal(rounded, _kernels.bf16_round(got))
+            rounded = block(given, threads, bits_out=True)
+            assert bf16.is_bfloat16(rounded) and rounded.shape == got.shape
+            assert np.array_equal(bf16.bf16_bits(rounded), _kernels.bf16_round(got))
     # and a program's bound call writes the same
     out = np.empty(block.output_shape(x.shape), np.float32)
     call, _ = block.bound_call(x.shape, 2, _kernels.empty_aligned(
         (block.scratch_floats(x.shape, 2),)))
     call(x, out, None)
     assert np.array_equal(out, block(x, 2))
+
+
+@pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="the fused block is AVX-512F")
+@pytest.mark.parametrize("refuse_amx", [False, True])
+def test_bf16_block_takes_and_gives_bf16_values(monkeypatch, refuse_amx):
+    """A bf16 block reads bf16 arrays (ml_dtypes' or their bits) as the values they
+    hold, and writes bf16 ones that are its fp32 outputs rounded: on AMX as the tile
+    kernel reads and writes them, elsewhere through the fp32 kernel's widening and
+    rounding passes; bound for a program, too. An fp32 block refuses them."""
+    from ttile.runtime.inverted_residual import InvertedResidual
+    if refuse_amx:
+        monkeypatch.setattr(_kernels, "amx_usable", lambda: False)
+    elif not HAS_AMX:
+        pytest.skip("needs AMX (CPU and Linux)")
+    rng = np.random.default_rng(5)
+    c, e, k = 24, 72, 24
+    weights = ((rng.standard_normal((e, c, 1, 1)) * 0.2).astype(np.float32),
+               rng.standard_normal(e).astype(np.float32),
+               (rng.standard_normal((e, 1, 3, 3)) * 0.3).astype(np.float32),
+               rng.standard_normal(e).astype(np.float32),
+               (rng.standard_normal((k, e, 1, 1)) * 0.1).astype(np.float32),
+               rng.standard_normal(k).astype(np.float32))
+    block = InvertedResidual(*weights, stride=1, activations=MOBILENET, residual=True,
+                             precision=Precision.BF16)
+    assert block.amx is not refuse_amx
+    x = bf16.round_to_bf16(rng.standard_normal((1, 10, 13, c)).astype(np.float32))
+    values = x.astype(ml_dtypes.bfloat16)
+    want = block(x, 2)
+    for given in (values, bf16.bf16_bits(values)):
+        assert np.array_equal(block(given, 2), want)
+        got = block(given, 2, bits_out=True)
+        assert bf16.is_bfloat16(got)
+        assert np.array_equal(bf16.bf16_bits(got), _kernels.bf16_round(want))
+    call, out_shape = block.bound_call(x.shape, 2, _kernels.empty_aligned(
+        (block.scratch_floats(x.shape, 2),)))
+    out = _kernels.empty_aligned_bits(out_shape)
+    call(bf16.bf16_bits(values), out, None)
+    assert np.array_equal(out, _kernels.bf16_round(want))
+    fp32 = InvertedResidual(*weights, stride=1, activations=MOBILENET, residual=True)
+    with pytest.raises(TypeError, match="bf16 block"):
+        fp32(values, 1)
+    with pytest.raises(ValueError, match="bits_out"):
+        fp32(x, 1, bits_out=True)
+
+
+@pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="the fused block is AVX-512F")
+@pytest.mark.parametrize("refuse_amx", [False, True])
+def test_sequence_keeps_bf16_between_amx_blocks(monkeypatch, refuse_amx):
+    """In a bf16 network the activations between bf16 layers and AMX blocks stay bf16
+    (the blocks' steps are bf16 steps where AMX serves them, not elsewhere), and that
+    changes no value: each reader rounds its input to bf16 anyway. Unbound and bound
+    runs give the same bits as the same sequence with fp32 between its units."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    import ttile.torch as tt
+    from test_torch_convert import randomize_batch_norms
+    if refuse_amx:
+        monkeypatch.setattr(_kernels, "amx_usable", lambda: False)
+    elif not HAS_AMX:
+        pytest.skip("needs AMX (CPU and Linux)")
+
+    class Block(nn.Module):
+        def __init__(self, c, e, k, stride):
+            super().__init__()
+            self.residual = stride == 1 and c == k
+            self.conv = nn.Sequential(
+                nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e), nn.ReLU6(),
+                nn.Conv2d(e, e, 3, stride, 1, groups=e, bias=False), nn.BatchNorm2d(e),
+                nn.ReLU6(), nn.Conv2d(e, k, 1, bias=False), nn.BatchNorm2d(k))
+
+        def forward(self, x):
+            return x + self.conv(x) if self.residual else self.conv(x)
+
+    torch.manual_seed(7)
+    model = randomize_batch_norms(nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
+        Block(16, 64, 16, 1), Block(16, 64, 24, 2), Block(24, 96, 24, 1),
+        nn.Conv2d(24, 40, 1), nn.ReLU6(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(40, 10))).eval()
+    x = torch.randn(1, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        converted = tt.convert(model, example_input=x, progress=False, precision="bf16")
+        sequences = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+        assert len(sequences) == 1
+        seq = sequences[0]
+        blocks = [i for i, (name, _) in enumerate(seq.steps)
+                  if isinstance(getattr(seq, name), tt.TTileInvertedResidual)]
+        assert len(blocks) == 3
+        if refuse_amx:
+            assert not set(blocks) & seq._bf16_steps
+        else:
+            assert set(blocks) <= seq._bf16_steps and 0 in seq._bf16_steps
+        converted(x)   # the blocks' verdicts, on tensors
+        kept = [converted(x) for _ in range(3)]   # unbound, bound, through the program
+        assert all(type(p).__name__ == "_BoundSequence" for p in seq._programs.values())
+        seq._bf16_steps = frozenset()
+        seq._programs.clear()
+        fp32 = [converted(x) for _ in range(3)]
+    for a, b in zip(kept, fp32):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="no AVX-512")

@@ -22,6 +22,7 @@ import numpy as np
 from .. import _kernels
 from ..core.kinds import Activation, Isa, Precision
 from . import scratch
+from .bf16 import is_bfloat16, round_to_bf16
 from .settings import get_isa
 
 
@@ -121,8 +122,10 @@ class InvertedResidual:
     products are of bf16 values, the sums fp32. Where this process may run AMX
     (``_kernels.amx_usable``) the block runs kernels/inverted_residual_amx.c: its 1x1
     stages on the tile unit, the depthwise output rounded to bf16 before the project
-    stage, and x may be bf16 bits (uint16) as well. Elsewhere the fp32 kernel runs on the
-    rounded weights and input (its depthwise output stays fp32).
+    stage. Elsewhere the fp32 kernel runs on the rounded weights and input (its depthwise
+    output stays fp32). A bf16 block reads and writes bf16 values as well as float32: the
+    AMX kernel as they are, the fp32 kernel through a widening or rounding pass
+    (:meth:`runs_on_amx`).
     """
 
     def __init__(self, expand, expand_bias, depthwise, depthwise_bias, project,
@@ -183,9 +186,8 @@ class InvertedResidual:
         self._codes = tuple(a.code for a in self.activations)
         self._calls: dict[tuple, tuple] = {}   # (x shape, threads) -> _call_for's answer
         self.precision = Precision(precision)
-        self.amx = self.precision is Precision.BF16 and _kernels.amx_usable()
+        self.amx = self.runs_on_amx(self.precision)
         if self.precision is Precision.BF16:
-            from .bf16 import round_to_bf16
             for w in (self._w1, self._w2, self._w3):
                 if w is not None:
                     w[...] = round_to_bf16(w)
@@ -207,33 +209,60 @@ class InvertedResidual:
         return None if isa is Isa.AVX512F else (
             f"the fused kernel is AVX-512F code and calls run the {isa.value} family")
 
-    def __call__(self, x: np.ndarray, threads: int, out: Optional[np.ndarray] = None
-                 ) -> np.ndarray:
-        """The block on ``x`` (N, H, W, C), float32 (or, for the AMX block, bf16 bits as
-        uint16): a new float32 (N, Ho, Wo, K) array (or ``out``)."""
-        if x.dtype == np.uint16:   # bf16 bits: the tile kernel reads them as they are
-            if not self.amx:
-                raise TypeError("bf16 bits (uint16) are read by the AMX block only; this "
-                                "block runs the fp32 kernel: pass float32")
-            x = np.ascontiguousarray(x)
+    @staticmethod
+    def runs_on_amx(precision: Precision) -> bool:
+        """Whether a block of ``precision`` runs the AMX kernel here: a bf16 block where
+        this process may run AMX. That block reads and writes bf16 bits at no cost (it
+        rounds or widens each row as it reads it anyway), so a network keeps bits
+        between such blocks, half the bytes of fp32. The fp32 kernel of a bf16 block
+        serves bits too, but each costs it a pass."""
+        return precision is Precision.BF16 and _kernels.amx_usable()
+
+    def __call__(self, x: np.ndarray, threads: int, out: Optional[np.ndarray] = None,
+                 bits_out: bool = False) -> np.ndarray:
+        """The block on ``x`` (N, H, W, C), float32, or for a bf16 block bf16 values
+        (ml_dtypes.bfloat16, or their bits as uint16): a new (N, Ho, Wo, K) float32
+        array, or with ``bits_out`` (bf16 blocks) a bfloat16 one; or ``out``, float32 or
+        (bf16 blocks) bf16, which says what is written."""
+        bf16_block = self.precision is Precision.BF16
+        if x.dtype == np.uint16 or is_bfloat16(x):
+            if not bf16_block:
+                raise TypeError("bf16 values are read by a bf16 block only; this block is "
+                                "fp32: pass float32")
+            x = np.ascontiguousarray(x).view(np.uint16)
         elif x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
-        if self.precision is Precision.BF16 and not self.amx:
-            x = _kernels.bf16_round_f32(x)
         key = (x.shape, threads)
         call = self._calls.get(key)
         if call is None:
             call = self._calls[key] = self._call_for(x.shape, threads)
         out_shape, threads, scratch_floats = call
+        result = None
         if out is None:
-            out = scratch.aligned_empty(out_shape)
+            if bits_out:
+                if not bf16_block:
+                    raise ValueError("bits_out is for bf16 blocks")
+                import ml_dtypes
+                out = _kernels.empty_aligned_bits(out_shape)
+                result = out.view(ml_dtypes.bfloat16)
+            else:
+                out = scratch.aligned_empty(out_shape)
+        elif is_bfloat16(out) or out.dtype == np.uint16:
+            if not bf16_block:
+                raise TypeError("an fp32 block writes float32")
+            result, out = out, out.view(np.uint16)
         buffer = scratch.scratch("inverted_residual", (scratch_floats,))
         if buffer is None:
             buffer = _kernels.empty_aligned((scratch_floats,))
         self._kernel(x, out, buffer, threads)
-        return out
+        return out if result is None else result
 
-    def _kernel(self, x: np.ndarray, y: np.ndarray, buffer: np.ndarray, threads: int) -> None:
+    def _kernel(self, x: np.ndarray, y: np.ndarray, buffer: np.ndarray, threads: int,
+                rounded: Optional[np.ndarray] = None, result: Optional[np.ndarray] = None
+                ) -> None:
+        """The block from x into y, each float32 or (bf16 blocks) bf16 bits. The fp32
+        kernel of a bf16 block reads x rounded (or widened) into ``rounded`` and, for bf16
+        bits out, writes ``result`` (float32 of y's shape) first (None: new arrays)."""
         if self.amx:
             if not _kernels.inverted_residual_amx(
                     x, self._w1, self._b1, self._w2, self._b2, self._w3, self._b3, y, buffer,
@@ -241,9 +270,17 @@ class InvertedResidual:
                 raise RuntimeError("the AMX inverted residual kernel was refused after "
                                    "AMX was granted")
             return
+        if self.precision is Precision.BF16:
+            x = (_kernels.bf16_widen(x, threads) if x.dtype == np.uint16
+                 else _kernels.bf16_round_f32(x, threads, rounded))
+        out = y
+        if y.dtype == np.uint16:
+            out = scratch.aligned_empty(y.shape) if result is None else result
         _kernels.inverted_residual(x, self._w1, self._b1, self._w2, self._b2, self._w3,
-                                   self._b3, y, buffer, self.e, self.stride, self._codes,
+                                   self._b3, out, buffer, self.e, self.stride, self._codes,
                                    self.slopes, self.residual, threads)
+        if out is not y:
+            _kernels.bf16_round(out, threads, y)
 
     def scratch_floats(self, x_shape: tuple, threads: int) -> int:
         """Floats of scratch a call on ``x_shape`` at ``threads`` needs."""
@@ -258,7 +295,8 @@ class InvertedResidual:
         least :meth:`scratch_floats` float32s, aligned, used by nothing else while the
         call runs) as its scratch: ``(call, out_shape)``, ``call(x, y, residual)``
         writing y (the residual argument is ignored: the block adds its own input), as
-        ``ttile.runtime.program`` runs it."""
+        ``ttile.runtime.program`` runs it. A bf16 block's x and y may each be float32 or
+        bf16 bits (uint16)."""
         out_shape, threads, floats = self._call_for(tuple(x_shape), threads)
         if buffer.dtype != np.float32 or buffer.size < floats:
             raise ValueError(f"the scratch buffer needs {floats} float32s")
@@ -266,21 +304,19 @@ class InvertedResidual:
         w1, b1, w2, b2, w3, b3 = self._w1, self._b1, self._w2, self._b2, self._w3, self._b3
         e, stride, codes, slopes, residual = (self.e, self.stride, self._codes,
                                               self.slopes, self.residual)
+        kernel = self._kernel
         if self.amx:
-            kernel = self._kernel
-
             def call(x, y, _residual):
                 kernel(x, y, scratch_buffer, threads)
             return call, out_shape
-        fp32_kernel = _kernels.inverted_residual
         if self.precision is Precision.BF16:   # the input rounded into a buffer of its own
             rounded = _kernels.empty_aligned(tuple(x_shape))
-            round_f32 = _kernels.bf16_round_f32
+            result = _kernels.empty_aligned(out_shape)
 
             def call(x, y, _residual):
-                fp32_kernel(round_f32(x, threads, rounded), w1, b1, w2, b2, w3, b3, y,
-                            scratch_buffer, e, stride, codes, slopes, residual, threads)
+                kernel(x, y, scratch_buffer, threads, rounded, result)
             return call, out_shape
+        fp32_kernel = _kernels.inverted_residual
 
         def call(x, y, _residual):
             fp32_kernel(x, w1, b1, w2, b2, w3, b3, y, scratch_buffer, e, stride, codes,

@@ -229,9 +229,10 @@ class TTileInvertedResidual(nn.Module):
     def bf16(self) -> bool:
         return getattr(self, "precision", Precision.FP32) is Precision.BF16
 
-    def fused_call(self, x: np.ndarray, threads: int) -> np.ndarray:
-        """The fused kernel on NHWC x (a bf16 block rounds it: ``InvertedResidual``)."""
-        return self._block()(x, threads)
+    def fused_call(self, x: np.ndarray, threads: int, bf16_out: bool = False) -> np.ndarray:
+        """The fused kernel on NHWC x (a bf16 block rounds it, and takes bf16 arrays too:
+        ``InvertedResidual``); with ``bf16_out`` a bf16 block returns a bf16 array."""
+        return self._block()(x, threads, bits_out=bf16_out)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         y = self.depthwise(x if self.expand is None else self.expand(x))
@@ -280,20 +281,23 @@ class TTileInvertedResidual(nn.Module):
             self.plans[key] = plan
         return plan
 
-    def run_nhwc(self, x: np.ndarray, threads: int) -> Optional[np.ndarray]:
+    def run_nhwc(self, x: np.ndarray, threads: int, bf16_out: bool = False
+                 ) -> Optional[np.ndarray]:
         """The block on an NHWC float32 array, for :class:`TTileSequence`; None while
         its verdict at this shape is not known (the tensor path makes it). Without
-        AVX-512 its layers serve it."""
+        AVX-512 its layers serve it. A bf16 block also takes bf16 arrays, and with
+        ``bf16_out`` returns one, whichever way it is served."""
         threads = self._modules["project"].threads or threads
         if InvertedResidual.unsupported() is None:
             plan = self.plans.get((x.shape, threads))
             if plan is None:
                 return None
             if plan.verdict is BlockVerdict.FUSED:
-                return self.fused_call(x, threads)
+                return self.fused_call(x, threads, bf16_out)
         y = x if self.expand is None else self.expand.run_nhwc(x, None, threads)
         y = self.depthwise.run_nhwc(y, None, threads)
-        return self.project.run_nhwc(y, x if self.project.residual else None, threads)
+        return self.project.run_nhwc(y, x if self.project.residual else None, threads,
+                                     bf16_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (type(x) is torch.Tensor and not self.training and x.dtype is torch.float32
