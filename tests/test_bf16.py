@@ -544,6 +544,10 @@ MOBILENET = ("relu6", "relu6", "none")
     (1, 5, 33, 40, 120, 40, 1, True, True,               # three pixel tiles a row, the
      ("leaky_relu", "relu6", "silu")),                   # activations read at run time
     (1, 16, 16, 32, 32, 16, 1, False, False, ("none", "relu6", "sigmoid")),  # no expand
+    # wide rows: 7 and 13 pixel tiles a row, an expanded row of 100-250 KB
+    (1, 10, 100, 24, 256, 24, 1, True, True, MOBILENET),
+    (1, 11, 100, 32, 256, 48, 2, False, True, MOBILENET),
+    (1, 4, 200, 16, 320, 16, 1, True, True, MOBILENET),
 ])
 def test_amx_fused_block_bf16(n, h, w, c, e, k, stride, residual, expand, acts):
     """The bf16 block with its 1x1 stages on AMX, on fp32 and on bf16-bits inputs, at
