@@ -7,18 +7,28 @@
 
 #include "ttile_bf16.h"
 
+/* Values i0 .. i1 - 1 of src rounded into dst, on the calling thread. */
+static void from_f32_run(const float *src, uint16_t *dst, int64_t i0, int64_t i1)
+{
+    for (int64_t i = i0; i < i1; i += 16) {
+        const __mmask16 m = ttile_bf16_kmask(i, i1);
+        _mm256_mask_storeu_epi16(dst + i, m,
+                                 ttile_bf16_round512(_mm512_maskz_loadu_ps(m, src + i)));
+    }
+}
+
 void ttile_bf16_from_f32(const float *src, uint16_t *dst, int64_t n, int nthreads)
 {
     const int64_t blocks = (n + 4095) / 4096;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n > 65536)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t end = (b + 1) * 4096 < n ? (b + 1) * 4096 : n;
-        for (int64_t i = b * 4096; i < end; i += 16) {
-            const __mmask16 m = ttile_bf16_kmask(i, end);
-            _mm256_mask_storeu_epi16(dst + i, m,
-                                     ttile_bf16_round512(_mm512_maskz_loadu_ps(m, src + i)));
-        }
+    if (nthreads <= 1 || n <= 65536) {
+        /* no parallel region: libgomp enters and leaves even a one-thread team through a
+         * futex call, which a caller converting row by row paid per row */
+        from_f32_run(src, dst, 0, n);
+        return;
     }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < blocks; b++)
+        from_f32_run(src, dst, b * 4096, (b + 1) * 4096 < n ? (b + 1) * 4096 : n);
 }
 
 void ttile_bf16_to_f32(const uint16_t *src, float *dst, int64_t n, int nthreads)
