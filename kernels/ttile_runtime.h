@@ -159,6 +159,11 @@ int ttile_inverted_residual_avx512(const ttile_ir_shape *shape, const float *x,
                                    const float *w1, const float *b1, const float *w2,
                                    const float *b2, const float *w3, const float *b3,
                                    float *y, float *scratch, int nthreads);
+/* The grouped kernel (grouped_avx512.c): 2, 4, 8 or 16 channels a group in and out,
+ * several groups' output channels in the vector lanes; weights (K/16, R, S, cg * 16). */
+int ttile_grouped_lanes_supported(int64_t c, int64_t k, int64_t groups);
+int ttile_conv_grouped_avx512(const ttile_conv_shape *shape, const float *x, const float *w,
+                              float *y, int nthreads, const ttile_epilogue *ep);
 /* The fused blocks' ring of three expanded rows (each w + 2 pixels of ep floats, the
  * outer two zero): the slot of input row ih of image img, or NULL above or below the map.
  * *fill says whether the slot holds another row, which the caller then computes into
@@ -238,6 +243,12 @@ int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
 void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
                         int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
                         int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads);
+/* The same max pooling on bf16 bits (exact: the maximum of rounded values is the
+ * rounded maximum). */
+void ttile_maxpool_nhwc_bf16(const uint16_t *x, uint16_t *y, int64_t n, int64_t h,
+                             int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
+                             int64_t sw, int64_t ph, int64_t pw, int64_t ho, int64_t wo,
+                             int nthreads);
 void ttile_global_avgpool_nhwc(const float *x, float *y, int64_t n, int64_t hw,
                                int64_t c, int nthreads);
 /* 1 when RSCK weights hold bit for bit what their panels packed by ttile_pack_weights
