@@ -14,33 +14,61 @@
 
 #define POOL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
+/* The window loop of both element types: T the element, GT(v, o) "v replaces o". */
+#define MAXPOOL_BODY(T, GT)                                                              \
+    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
+    for (int64_t b = 0; b < n; b++)                                                      \
+        for (int64_t oh = 0; oh < ho; oh++) {                                            \
+            const int64_t r0 = oh * sh - ph;                                             \
+            const int64_t r_lo = r0 < 0 ? 0 : r0, r_hi = r0 + kh > h ? h : r0 + kh;      \
+            for (int64_t ow = 0; ow < wo; ow++) {                                        \
+                const int64_t s0 = ow * sw - pw;                                         \
+                const int64_t s_lo = s0 < 0 ? 0 : s0, s_hi = s0 + kw > w ? w : s0 + kw;  \
+                T *restrict out = y + ((b * ho + oh) * wo + ow) * c;                     \
+                /* the window holds at least one pixel (padding <= half the kernel) */   \
+                memcpy(out, x + ((b * h + r_lo) * w + s_lo) * c, (size_t)c * sizeof(T)); \
+                for (int64_t r = r_lo; r < r_hi; r++)                                    \
+                    for (int64_t s = (r == r_lo ? s_lo + 1 : s_lo); s < s_hi; s++) {     \
+                        const T *restrict in = x + ((b * h + r) * w + s) * c;            \
+                        for (int64_t k = 0; k < c; k++) {                                \
+                            const T v = in[k], o = out[k];                               \
+                            out[k] = GT(v, o) ? v : o;                                   \
+                        }                                                                \
+                    }                                                                    \
+            }                                                                            \
+        }
+
+/* as torch: a NaN in the window is the window's maximum */
+#define F32_GT(v, o) ((v) > (o) || (v) != (v))
+
 POOL_CLONES void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h,
                                     int64_t w, int64_t c, int64_t kh, int64_t kw,
                                     int64_t sh, int64_t sw, int64_t ph, int64_t pw,
                                     int64_t ho, int64_t wo, int nthreads)
 {
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t b = 0; b < n; b++)
-        for (int64_t oh = 0; oh < ho; oh++) {
-            const int64_t r0 = oh * sh - ph;
-            const int64_t r_lo = r0 < 0 ? 0 : r0, r_hi = r0 + kh > h ? h : r0 + kh;
-            for (int64_t ow = 0; ow < wo; ow++) {
-                const int64_t s0 = ow * sw - pw;
-                const int64_t s_lo = s0 < 0 ? 0 : s0, s_hi = s0 + kw > w ? w : s0 + kw;
-                float *restrict out = y + ((b * ho + oh) * wo + ow) * c;
-                /* the window holds at least one pixel (padding <= half the kernel) */
-                memcpy(out, x + ((b * h + r_lo) * w + s_lo) * c, (size_t)c * sizeof(float));
-                for (int64_t r = r_lo; r < r_hi; r++)
-                    for (int64_t s = (r == r_lo ? s_lo + 1 : s_lo); s < s_hi; s++) {
-                        const float *restrict in = x + ((b * h + r) * w + s) * c;
-                        /* as torch: a NaN in the window is the window's maximum */
-                        for (int64_t k = 0; k < c; k++) {
-                            const float v = in[k], o = out[k];
-                            out[k] = (v > o || v != v) ? v : o;
-                        }
-                    }
-            }
-        }
+    MAXPOOL_BODY(float, F32_GT)
+}
+
+/* The same on bf16 bits: rounding to bf16 keeps the order of values, so the maximum of
+ * the rounded window is the rounded maximum, and a bf16 network's activations stay bf16
+ * through the pooling (ResNet's, after its first layer: half the bytes, and the 1x1
+ * layers after it read their input in place). Each pair compared as the fp32 values the
+ * bits are. */
+static inline float pool_widen(uint16_t bits)
+{
+    const uint32_t u = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#define BF16_GT(v, o) F32_GT(pool_widen(v), pool_widen(o))
+
+POOL_CLONES void ttile_maxpool_nhwc_bf16(const uint16_t *x, uint16_t *y, int64_t n,
+                                         int64_t h, int64_t w, int64_t c, int64_t kh,
+                                         int64_t kw, int64_t sh, int64_t sw, int64_t ph,
+                                         int64_t pw, int64_t ho, int64_t wo, int nthreads)
+{
+    MAXPOOL_BODY(uint16_t, BF16_GT)
 }
 
 /* Channels summed in chunks of this many floats per task: a chunk's sums stay in

@@ -691,6 +691,41 @@ def test_sequence_keeps_bf16_between_amx_blocks(monkeypatch, refuse_amx):
         assert torch.equal(a, b)
 
 
+def test_sequence_keeps_bf16_through_max_pooling():
+    """A bf16 ResNet-like network's stem writes bf16 through its max pooling (the
+    maximum of bf16 values is one of them) and the global average pooling gets fp32;
+    the outputs differ from those with fp32 between the sequence's units only by the
+    residuals' bf16 rounding (a bf16 layer adds an fp32 residual as it is)."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    import ttile.torch as tt
+    from test_torch_convert import Basic, randomize_batch_norms
+    torch.manual_seed(11)
+    model = randomize_batch_norms(nn.Sequential(
+        nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1), Basic(16, 16), Basic(16, 32, 2), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, 10))).eval()
+    x = torch.randn(1, 3, 40, 40).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # no bf16 instructions: emulated
+        converted = tt.convert(model, example_input=x, progress=False, precision="bf16")
+        seq, = [m for m in converted.modules() if isinstance(m, tt.TTileSequence)]
+        kinds = [type(getattr(seq, name)).__name__ for name, _ in seq.steps]
+        pools = [i for i, kind in enumerate(kinds) if kind == "TTilePool2d"]
+        assert len(pools) == 2
+        assert {0, pools[0]} <= seq._bf16_steps and pools[1] not in seq._bf16_steps
+        assert pools[1] - 1 not in seq._bf16_steps   # the average pooling reads fp32
+        kept = [converted(x) for _ in range(3)]   # unbound, bound, through the program
+        assert all(type(p).__name__ == "_BoundSequence" for p in seq._programs.values())
+        seq._bf16_steps = frozenset()
+        seq._programs.clear()
+        fp32 = [converted(x) for _ in range(3)]
+    assert torch.equal(kept[1], kept[2]) and torch.equal(fp32[1], fp32[2])
+    scale = float(fp32[2].abs().max())
+    assert 0 < float((kept[2] - fp32[2]).abs().max()) <= 1e-2 * scale
+
+
 @pytest.mark.skipif(not _kernels.cpu_has_avx512f(), reason="no AVX-512")
 @pytest.mark.parametrize("missing", ["amx", "all"])
 def test_missing_instructions_fall_back_with_one_warning(monkeypatch, missing):

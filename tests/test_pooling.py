@@ -36,6 +36,32 @@ def test_max_pooling_is_torchs(shape, kernel, stride, padding, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, kernel, stride, padding", MAX_CASES)
+def test_max_pooling_of_bf16_bits_is_torchs_on_their_values(shape, kernel, stride,
+                                                             padding, threads):
+    """On bf16 bits (uint16) the pooling's maximum is torch's on the values they hold,
+    NaN and -inf included, returned as bits of the same values."""
+    from ttile.runtime.bf16 import round_to_bf16
+    x = np.random.default_rng(3).standard_normal(shape, dtype=np.float32)
+    x[0, 0, 0, 0] = np.nan
+    x[-1, -1, -1, -1] = -np.inf
+    values = round_to_bf16(x)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+    got = _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads)
+    assert got.dtype == np.uint16 and got.ctypes.data % 64 == 0
+    expected = nhwc(F.max_pool2d(torch.from_numpy(values).permute(0, 3, 1, 2), kernel,
+                                 stride, padding))
+    assert np.array_equal((got.astype(np.uint32) << 16).view(np.float32), expected,
+                          equal_nan=True)
+    out = np.zeros_like(got)
+    assert _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads, out=out) is out
+    assert np.array_equal(out, got)
+    with pytest.raises(TypeError, match="uint16"):   # bits in, bits out
+        _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads,
+                              out=np.zeros(got.shape, np.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(1, 7, 7, 2048), (3, 5, 4, 300), (2, 1, 1, 7),
                                    (1, 13, 11, 257)])
 def test_global_average_pooling_is_torchs(shape, threads):

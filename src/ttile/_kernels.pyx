@@ -114,6 +114,10 @@ cdef extern from "ttile_runtime.h" nogil:
     void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
                             int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
                             int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads)
+    void ttile_maxpool_nhwc_bf16(const unsigned short *x, unsigned short *y, int64_t n,
+                                 int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+                                 int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                                 int64_t ho, int64_t wo, int nthreads)
     void ttile_global_avgpool_nhwc(const float *x, float *y, int64_t n, int64_t hw,
                                    int64_t c, int nthreads)
     int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
@@ -1172,10 +1176,16 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1, out=None):
 def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
                  int64_t ph, int64_t pw, int nthreads=1, out=None):
     """``torch.nn.functional.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw))`` of an NHWC
-    float32 array (no dilation, floor rounding), into a new NHWC array on a cache line
-    (or ``out``, which must not overlap x); a NaN in a window is its maximum, as in
-    torch."""
-    _check_f32_c4(x, "x")
+    float32 array, or of bf16 bits (uint16: the maximum of the bf16 values, exactly), no
+    dilation, floor rounding, into a new NHWC array of x's type on a cache line (or
+    ``out``, which must not overlap x); a NaN in a window is its maximum, as in torch."""
+    cdef bint bits = cnp.PyArray_TYPE(x) == cnp.NPY_UINT16
+    if bits:
+        if cnp.PyArray_NDIM(x) != 4 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
+                or not cnp.PyArray_ISALIGNED(x):
+            raise ValueError("x must be a C-contiguous, aligned 4-D array")
+    else:
+        _check_f32_c4(x, "x")
     if kh < 1 or kw < 1 or sh < 1 or sw < 1 or nthreads < 1:
         raise ValueError("kernel, stride and nthreads must be >= 1")
     if ph < 0 or pw < 0 or 2 * ph > kh or 2 * pw > kw:
@@ -1187,10 +1197,27 @@ def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
     if ho < 1 or wo < 1:
         raise ValueError(f"a {kh}x{kw} window does not fit a {xs[1]}x{xs[2]} input "
                          f"padded by ({ph}, {pw})")
-    cdef cnp.ndarray y = _output(out, (xs[0], ho, wo, xs[3]), "out")
+    cdef int64_t n = xs[0], h = xs[1], w = xs[2], c = xs[3]
+    cdef cnp.ndarray y
+    cdef tuple shape = (xs[0], ho, wo, xs[3])
+    if bits:
+        if out is None:
+            y = empty_aligned_bits(shape)
+        else:
+            y = out
+            _check_bf16_array(y, "out", n * ho * wo * c, 0)
+            if not cnp.PyArray_ISWRITEABLE(y) or (<object>y).shape != shape:
+                raise ValueError(f"out must be writeable, of shape {shape}")
+        if np.may_share_memory(x, y):
+            raise ValueError("out overlaps x")
+        with nogil:
+            ttile_maxpool_nhwc_bf16(<const unsigned short *>cnp.PyArray_DATA(x),
+                                    <unsigned short *>cnp.PyArray_DATA(y), n, h, w, c, kh,
+                                    kw, sh, sw, ph, pw, ho, wo, nthreads)
+        return y
+    y = _output(out, shape, "out")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
-    cdef int64_t n = xs[0], h = xs[1], w = xs[2], c = xs[3]
     with nogil:
         ttile_maxpool_nhwc(xp, yp, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo, nthreads)
     return y

@@ -18,6 +18,7 @@ from torch import nn
 from .. import _kernels
 from ..core.kinds import Activation, Precision
 from ..runtime.arguments import as_pair
+from ..runtime.bf16 import bf16_bits, is_bfloat16
 from ..runtime.scratch import aligned_empty
 from ..runtime import dispatch as _dispatch
 from ..runtime.epilogue import describe as _describe_epilogue
@@ -361,16 +362,22 @@ class TTilePool2d(nn.Module):
         return False
 
     def run_nhwc(self, x: np.ndarray, threads: int) -> np.ndarray:
-        """The pooling of an NHWC float32 array, for :class:`TTileSequence`."""
+        """The pooling of an NHWC float32 array, for :class:`TTileSequence`; a max pooling
+        also of a bf16 array (ml_dtypes'), into one: the maximum of bf16 values is one of
+        them."""
         if self.kind is PoolKind.MAX:
             (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+            if is_bfloat16(x):
+                return _kernels.maxpool_nhwc(bf16_bits(x), kh, kw, sh, sw, ph, pw,
+                                             threads).view(x.dtype)
             return _kernels.maxpool_nhwc(x, kh, kw, sh, sw, ph, pw, threads)
         return _kernels.global_avgpool_nhwc(x, threads)
 
     def bound_call(self, x_shape: tuple, threads: int) -> tuple:
         """``(call, out_shape)``: the pooling of NHWC inputs of ``x_shape`` as
         ``call(x, y, residual)`` writing y (no residual), for a sequence's
-        :class:`~ttile.runtime.program.Program`."""
+        :class:`~ttile.runtime.program.Program`; a max pooling's x and y may both be
+        bf16 bits."""
         n, h, w, c = x_shape
         if self.kind is PoolKind.MAX:
             (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding

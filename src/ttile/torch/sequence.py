@@ -21,7 +21,7 @@ from ..runtime import settings as _settings
 from ..runtime.program import Program, Step
 from ..runtime.inverted_residual import BlockVerdict, InvertedResidual
 from .op import _units_revision_now
-from .modules import TTileConv2d, TTileInvertedResidual, TTilePool2d
+from .modules import PoolKind, TTileConv2d, TTileInvertedResidual, TTilePool2d
 
 
 def _kernel_name(choice) -> str:
@@ -184,17 +184,23 @@ class TTileSequence(nn.Module):
     def _bf16_outputs(self) -> frozenset:
         """The steps whose output stays bf16 (half the bytes of fp32, and no rounding
         pass in the next layer): bf16 units whose every reader is one too (as its input
-        or its residual), not the sequence's output. A bf16 unit is a bf16 layer, or a
-        bf16 inverted residual block that runs on AMX (``InvertedResidual.runs_on_amx``:
-        it reads and writes bits at no cost; the fp32 kernel would pay a pass for each,
-        which the rounding it does anyway does not repay). Empty without ml_dtypes,
-        which gives numpy its bfloat16.
+        or its residual), not the sequence's output. A bf16 unit is a bf16 layer; a bf16
+        inverted residual block that runs on AMX (``InvertedResidual.runs_on_amx``: it
+        reads and writes bits at no cost; the fp32 kernel would pay a pass for each,
+        which the rounding it does anyway does not repay); and a max pooling whose
+        readers are bf16 units, which passes on bits where it gets them (the maximum of
+        bf16 values is one of them: ResNet's stem writes bf16 through its pooling).
+        Empty without ml_dtypes, which gives numpy its bfloat16.
 
-        Nothing changes in the values: a bf16 unit rounds its input to bf16 as it reads
-        it, so handing it the rounded value is what it would have multiplied anyway.
-        What it saves is memory and traffic; at batch 1, where the activations sit in
-        L2 or L3, MobileNetV2 on AMX blocks ran 1.01x faster at 1 thread and 1.04x at 2
-        with bits between them than with fp32 (interleaved; Xeon model 207)."""
+        The products do not change: a bf16 unit rounds its input to bf16 as it reads
+        it, so handing it the rounded value is what it would have multiplied anyway. A
+        residual does: a bf16 layer adds an fp32 residual as it is and a bf16 one as the
+        bf16 value it is (the AMX block rounds its own either way), so a network's
+        outputs move by about one bf16 rounding of its residuals, as with OpenVINO's bf16
+        activations. What it saves is memory and traffic; at batch 1, where the
+        activations sit in L2 or L3, MobileNetV2 on AMX blocks ran 1.01x faster at 1
+        thread and 1.04x at 2 with bits between them than with fp32, ResNet-50 with bits
+        through its max pooling 0.99-1.04x (interleaved; Xeon model 207)."""
         try:
             import ml_dtypes  # noqa: F401
         except ImportError:
@@ -205,19 +211,30 @@ class TTileSequence(nn.Module):
                 readers.setdefault(a, []).append(i)
         last = self.inputs + len(self.steps) - 1
 
+        def read_by_bf16_units(step: int) -> bool:
+            value = self.inputs + step
+            return (value != last and bool(readers.get(value))
+                    and all(bf16_unit(j) for j in readers[value]))
+
         def bf16_unit(step: int) -> bool:
             unit = getattr(self, self.steps[step][0])
             kind = type(unit)
             if kind is TTileConv2d:
                 return unit.precision is Precision.BF16
-            return (kind is TTileInvertedResidual and unit.bf16
-                    and InvertedResidual.runs_on_amx(unit.precision))
+            if kind is TTileInvertedResidual:
+                return unit.bf16 and InvertedResidual.runs_on_amx(unit.precision)
+            return (kind is TTilePool2d and unit.kind is PoolKind.MAX
+                    and read_by_bf16_units(step))
 
-        return frozenset(
-            i for i in range(len(self.steps))
-            if bf16_unit(i) and self.inputs + i != last
-            and readers.get(self.inputs + i)
-            and all(bf16_unit(j) for j in readers[self.inputs + i]))
+        bits: set = set()
+        for i, (_, args) in enumerate(self.steps):
+            unit = getattr(self, self.steps[i][0])
+            if type(unit) is TTilePool2d:   # passes on what it gets
+                if args[0] - self.inputs in bits and bf16_unit(i):
+                    bits.add(i)
+            elif bf16_unit(i) and read_by_bf16_units(i):
+                bits.add(i)
+        return frozenset(bits)
 
     def _fast(self, xs) -> bool:
         if self.training or torch.compiler.is_compiling():
@@ -356,7 +373,7 @@ class TTileSequence(nn.Module):
                 value = add_layer(unit, source, residual, u in self._bf16_steps)
             elif kind is TTilePool2d:
                 call, out_shape = unit.bound_call(shapes[source], threads)
-                value = add(call, source, -1, out_shape)
+                value = add(call, source, -1, out_shape, u in self._bf16_steps)
             else:
                 t = unit._modules["project"].threads or threads
                 key = (shapes[source], t)
