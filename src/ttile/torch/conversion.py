@@ -84,8 +84,9 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
         precision: "fp32", or "bf16": every convolution's input and weights rounded to
             bf16, fp32 accumulation and epilogues (see :func:`ttile.conv2d`), on the
             AMX or AVX512_BF16 kernels where the CPU has them; inside a sequence the
-            activations between two bf16 layers stay bf16 (half the bytes; a residual
-            read from them is rounded too, as in OpenVINO's bf16). Fused inverted residual
+            activations between bf16 layers, AMX inverted residual blocks and max
+            poolings stay bf16 (half the bytes; a residual read from them is rounded too,
+            as in OpenVINO's bf16). Fused inverted residual
             blocks run their 1x1 stages on AMX where it may run (else their fp32 kernel on
             bf16-rounded weights and input), and depthwise and grouped layers fp32
             kernels on rounded values.
