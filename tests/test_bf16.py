@@ -644,23 +644,11 @@ def test_sequence_keeps_bf16_between_amx_blocks(monkeypatch, refuse_amx):
     from torch import nn
 
     import ttile.torch as tt
-    from test_torch_convert import randomize_batch_norms
+    from test_torch_convert import InvertedResidual as Block, randomize_batch_norms
     if refuse_amx:
         monkeypatch.setattr(_kernels, "amx_usable", lambda: False)
     elif not HAS_AMX:
         pytest.skip("needs AMX (CPU and Linux)")
-
-    class Block(nn.Module):
-        def __init__(self, c, e, k, stride):
-            super().__init__()
-            self.residual = stride == 1 and c == k
-            self.conv = nn.Sequential(
-                nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e), nn.ReLU6(),
-                nn.Conv2d(e, e, 3, stride, 1, groups=e, bias=False), nn.BatchNorm2d(e),
-                nn.ReLU6(), nn.Conv2d(e, k, 1, bias=False), nn.BatchNorm2d(k))
-
-        def forward(self, x):
-            return x + self.conv(x) if self.residual else self.conv(x)
 
     torch.manual_seed(7)
     model = randomize_batch_norms(nn.Sequential(

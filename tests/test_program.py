@@ -145,17 +145,7 @@ def _mobile_net():
     layer with a residual from the block before it, and a global average pooling."""
     torch.manual_seed(0)
 
-    class Block(nn.Module):
-        def __init__(self, c, e, k, stride):
-            super().__init__()
-            self.residual = stride == 1 and c == k
-            self.body = nn.Sequential(
-                nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e), nn.ReLU6(),
-                nn.Conv2d(e, e, 3, stride, 1, groups=e, bias=False), nn.BatchNorm2d(e),
-                nn.ReLU6(), nn.Conv2d(e, k, 1, bias=False), nn.BatchNorm2d(k))
-
-        def forward(self, x):
-            return x + self.body(x) if self.residual else self.body(x)
+    from test_torch_convert import InvertedResidual as Block
 
     class Net(nn.Module):
         def __init__(self):

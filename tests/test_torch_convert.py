@@ -26,6 +26,22 @@ def randomize_batch_norms(model):
     return model
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand, 3x3 depthwise (stride 1 or 2), 1x1 project, each
+    with a batch norm (ReLU6 after the first two), + the input where the shapes allow."""
+
+    def __init__(self, c, e, k, stride):
+        super().__init__()
+        self.residual = stride == 1 and c == k
+        self.body = nn.Sequential(
+            nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e), nn.ReLU6(),
+            nn.Conv2d(e, e, 3, stride, 1, groups=e, bias=False), nn.BatchNorm2d(e),
+            nn.ReLU6(), nn.Conv2d(e, k, 1, bias=False), nn.BatchNorm2d(k))
+
+    def forward(self, x):
+        return x + self.body(x) if self.residual else self.body(x)
+
+
 class Basic(nn.Module):
     """ResNet's basic block: conv-bn-relu, conv-bn, + identity (or a strided 1x1), relu."""
 
