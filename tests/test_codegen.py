@@ -537,3 +537,43 @@ def test_no_nchw_entry_point_when_tiles_are_narrower_than_a_vector(monkeypatch):
     assert generate(Scheme.parse(text), spec).nchw_name is None
     monkeypatch.setattr(codegen, "NCHW_TILE_BYTES", 128 * 1024)
     assert generate(Scheme.parse(text), spec).nchw_name is not None
+
+
+GROUPED_CASES = ["parallel_reductions_outer", "k_tail", "stride2_7x7", "lseq", "unroll_n"]
+
+
+@requires_avx512
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_a_grouped_problems_kernel_computes_each_group_in_place(case):
+    """A grouped problem (ConvSpec.groups): the scheme of one group, run on each group's
+    channels where they lie in the whole input and output, its bias and residual offset
+    to the group's; a scheme whose reduction is split clears only its own group's
+    channels before accumulating. No NCHW entry point (those calls convert)."""
+    from dataclasses import replace
+    from ttile.core.cbuild import pack_panels
+    from ttile.core.reference import conv2d_nhwc_f64
+    one, text = CASES[case]
+    spec = replace(one, groups=3)
+    kernel = generate(Scheme.parse(text), spec, weight_prefetch=True)
+    assert kernel.nchw_name is None and "_group(" in kernel.code
+    if case == "parallel_reductions_outer":
+        assert "memset(y, 0" not in kernel.code and "memset(y + p * " in kernel.code
+    library = build([kernel])
+    rng = np.random.default_rng(5)
+    x, w = random_tensors(rng, spec.input_shape(), spec.weight_shape())
+    k = spec.k * spec.groups
+    bias = rng.uniform(-1, 1, k).astype(np.float32)
+    residual = rng.uniform(-1, 1, spec.output_shape()).astype(np.float32)
+    y = np.full(spec.output_shape(), np.nan, dtype=np.float32)
+    assert pack_panels(w, spec, kernel.panel).shape == spec.packed_weight_shape(kernel.panel)
+    library.run(kernel, x, w, y, nthreads=2,
+                epilogue=EpilogueArgs.of(bias, residual, 1, 0.0))   # relu
+    pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
+    z = conv2d_nhwc_f64(x, w, (spec.stride_h, spec.stride_w), pads, (1, 1), 3) + bias + residual
+    np.testing.assert_allclose(y, np.maximum(z, 0), rtol=2e-5,
+                               atol=2e-5 * np.sqrt(spec.c * spec.r * spec.s))
+    bare = np.full(spec.output_shape(), np.nan, dtype=np.float32)
+    library.run(kernel, x, w, bare, nthreads=1)
+    from ttile.core.reference import conv_mismatch
+    problem = conv_mismatch(bare, x, w, (spec.stride_h, spec.stride_w), pads, "NHWC", (1, 1), 3)
+    assert problem is None, problem

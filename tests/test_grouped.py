@@ -94,3 +94,62 @@ def test_the_grouped_kernel_stays_in_bounds(side):
     assert gx.canary_intact() and gy.canary_intact()
     problem = conv_mismatch(gy.array, x, w, (1, 1), (1, 1, 1, 1), "NHWC", (1, 1), 16)
     assert problem is None, problem
+
+
+def test_a_grouped_call_is_searched_as_one_problem(jit_cache):
+    """A grouped layer no lane kernel serves (ShuffleNet-like: 4 groups of 12 -> 24, 1x1)
+    is tuned as one problem (``ConvSpec.groups``), cached under its own key, and its
+    kernel serves conv2d and Conv2d in both layouts with the epilogue fused; the same
+    layer with tuning off keeps the generic kernel."""
+    import json
+    import math
+    from conftest import forget_choices
+    previous = ttile.set_tuning(ship=ttile.ShipPolicy(max_time_ratio=math.inf))
+    try:
+        rng = np.random.default_rng(4)
+        c, k, g = 48, 96, 4
+        x = rng.uniform(-1, 1, (1, 10, 12, c)).astype(np.float32)
+        w = rng.uniform(-1, 1, (1, 1, c // g, k)).astype(np.float32)
+        b = rng.uniform(-1, 1, k).astype(np.float32)
+        res = rng.uniform(-1, 1, (1, 10, 12, k)).astype(np.float32)
+        want = activate_f64(conv2d_nhwc_f64(x, w, (1, 1), (0, 0, 0, 0), (1, 1), g) + b + res,
+                            "relu")
+        y = ttile.conv2d(x, w, b, groups=g, layout="NHWC", activation="relu", residual=res)
+        plan = ttile.plan(x.shape, w.shape, groups=g, layout="NHWC", threads=1)
+        assert plan.kind is ttile.KernelKind.JIT, plan
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+        [meta] = sorted(jit_cache.glob("kernels-v*/*.json"))
+        assert json.loads(meta.read_text())["key"]["problem"].endswith("_g4")
+        layer = ttile.Conv2d(w, b, groups=g, layout="NHWC", activation="relu")
+        np.testing.assert_allclose(layer(x, residual=res), want, rtol=1e-5, atol=1e-5)
+        x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        w_kcrs = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+        y_nchw = ttile.conv2d(x_nchw, w_kcrs, b, groups=g, activation="relu",
+                              residual=np.ascontiguousarray(res.transpose(0, 3, 1, 2)))
+        np.testing.assert_allclose(y_nchw.transpose(0, 2, 3, 1), want, rtol=1e-5, atol=1e-5)
+        assert ttile.plan(x_nchw.shape, w_kcrs.shape, groups=g).kind is ttile.KernelKind.JIT
+    finally:
+        ttile.restore_tuning(previous)
+    ttile.set_tuning(mode="never")
+    forget_choices()
+    plan = ttile.plan(x.shape, w.shape, groups=g, layout="NHWC", threads=1)
+    assert plan.kind is ttile.KernelKind.GENERIC and "tuning is off" in plan.note, plan
+
+
+def test_a_grouped_search_that_loses_keeps_the_grouped_kernel(jit_cache):
+    """Where no searched kernel beats the grouped kernel (a policy no kernel can meet),
+    the grouped kernel serves, and plan() says the search's verdict."""
+    from conftest import forget_choices
+    previous = ttile.set_tuning(ship=ttile.ShipPolicy(max_time_ratio=1e-9))
+    try:
+        x = np.random.default_rng(6).uniform(-1, 1, (1, 8, 9, 64)).astype(np.float32)
+        w = np.random.default_rng(7).uniform(-1, 1, (3, 3, 4, 64)).astype(np.float32)
+        y = ttile.conv2d(x, w, None, 1, 1, 1, 16, layout="NHWC")
+        plan = ttile.plan(x.shape, w.shape, padding=1, groups=16, layout="NHWC", threads=1)
+        assert plan.kind is ttile.KernelKind.GROUPED, plan
+        assert "no scheme beat the kernel serving its groups" in plan.note, plan
+        problem = conv_mismatch(y, x, w, (1, 1), (1, 1, 1, 1), "NHWC", (1, 1), 16)
+        assert problem is None, problem
+    finally:
+        ttile.restore_tuning(previous)
+        forget_choices()

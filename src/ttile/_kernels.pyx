@@ -1447,11 +1447,13 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
 
 def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthreads,
                  tuple x_shape, tuple w_shape, tuple y_shape, bias=None, residual=None,
-                 int activation=0, float slope=0.01, bint nchw_out=False, *, int isa):
+                 int activation=0, float slope=0.01, bint nchw_out=False, *, int isa,
+                 int64_t groups=1):
     """Call a kernel compiled at run time (its address from the loaded library) for the
     vector family ``isa`` (ISA_AVX512F or ISA_AVX2: what it was compiled for, which this
     CPU must run) on x, packed weights w and y, after checking them against the shapes
-    it was built for.
+    it was built for (a grouped problem's: ``groups`` groups' panels, one after the
+    other).
 
     The kernel's extents are compile-time constants: these checks are what stands
     between a caller's arrays and an out-of-bounds access.
@@ -1461,7 +1463,10 @@ def run_compiled(size_t address, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, in
     _check_run(x, y, nthreads, isa)
     if len(w_shape) != 5:
         raise ValueError("w_shape must have 5 entries")
-    _check_packed(w, cnp.PyArray_DIMS(y)[1 if nchw_out else 3], w_shape[4])
+    cdef int64_t k = cnp.PyArray_DIMS(y)[1 if nchw_out else 3]
+    if groups < 1 or k % groups:
+        raise ValueError(f"{k} output channels do not split into {groups} groups")
+    _check_packed(w, k // groups, w_shape[4], groups)
     if (<object>x).shape != x_shape or (<object>w).shape != w_shape or (<object>y).shape != y_shape:
         raise ValueError("arrays do not match the compiled kernel's problem")
     cdef ttile_kernel_fn fn = <ttile_kernel_fn>address

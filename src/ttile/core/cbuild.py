@@ -38,6 +38,7 @@ import numpy as np
 
 from .codegen import KernelSource, kernel_cflags
 from .fileio import atomic_write, publish
+from .spec import ConvSpec
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 
@@ -169,10 +170,10 @@ class BuiltLibrary:
     def _check(kernel: KernelSource, x: np.ndarray, w: np.ndarray, y: np.ndarray,
                nchw: bool = False) -> None:
         spec = kernel.spec
-        expected = {"x": (spec.n, spec.c, spec.h, spec.w) if nchw
-                    else (spec.n, spec.h, spec.w, spec.c), "w": (spec.r, spec.s, spec.c, spec.k),
-                    "y": (spec.n, spec.k, spec.ho, spec.wo) if nchw
-                    else (spec.n, spec.ho, spec.wo, spec.k)}
+        nhwc_x, nhwc_y = spec.input_shape(), spec.output_shape()
+        expected = {"x": (spec.n, nhwc_x[3], spec.h, spec.w) if nchw else nhwc_x,
+                    "w": spec.weight_shape(),
+                    "y": (spec.n, nhwc_y[3], spec.ho, spec.wo) if nchw else nhwc_y}
         for label, array in (("x", x), ("w", w), ("y", y)):
             if array.dtype != np.float32 or not array.flags.c_contiguous:
                 raise ValueError(f"{label} must be a C-contiguous float32 array")
@@ -191,8 +192,20 @@ def symbol_address(handle: ctypes.CDLL, name: str) -> int:
 
 def packed_weights(kernel: KernelSource, w: np.ndarray) -> np.ndarray:
     """The kernel's weight panels from RSCK weights (see ``_kernels.pack_weights``)."""
+    return pack_panels(w, kernel.spec, kernel.panel)
+
+
+def pack_panels(w: np.ndarray, spec: ConvSpec, panel: int, nthreads: int = 1) -> np.ndarray:
+    """RSCK weights of ``spec`` in panels of ``panel`` output channels (``_kernels.
+    pack_weights``); a grouped problem's (R, S, C/groups, K) weights group by group, each
+    group's panels after the previous group's (``ConvSpec.packed_weight_shape``)."""
     from .. import _kernels
-    return _kernels.pack_weights(w, kernel.panel)
+    if spec.groups == 1:
+        return _kernels.pack_weights(w, panel, nthreads)
+    k = spec.k
+    return np.concatenate([_kernels.pack_weights(np.ascontiguousarray(w[..., g * k:(g + 1) * k]),
+                                                 panel, nthreads)
+                           for g in range(spec.groups)])
 
 
 def timer_name(kernel: KernelSource) -> str:

@@ -160,6 +160,10 @@ class _Generator:
         self.uses_zeros = False
         self.clears_output = False
         self.totals = spec.iteration_extents(vectors.lanes)
+        # floats between two pixels of x and of y: a group's channels are a slice of
+        # each pixel's (ConvSpec.groups), read and written where they are
+        self.x_pixel = spec.c * spec.groups
+        self.y_pixel = spec.k * spec.groups
 
     def fresh(self, prefix: str) -> str:
         return f"{prefix}{next(self.counter)}"
@@ -461,7 +465,7 @@ class _Generator:
         spec = self.spec
         if self.nchw:
             return (f"x + ((int64_t)({n}) * {spec.c * spec.h} + ({ih})) * {spec.w} + ({iw})")
-        return f"x + (((int64_t)({n}) * {spec.h} + ({ih})) * {spec.w} + ({iw})) * {spec.c}"
+        return f"x + (((int64_t)({n}) * {spec.h} + ({ih})) * {spec.w} + ({iw})) * {self.x_pixel}"
 
     @property
     def zeros(self) -> str:
@@ -480,7 +484,7 @@ class _Generator:
                     f"- bo_h)) * {ew * ek} + ({names['w']} + {w_u} - bo_w) * {ek} + "
                     f"{names['k']} - bo_k + {kv * self.lanes}")
         return (f"(((int64_t)({names['n']} + {n_u}) * {spec.ho} + ({names['h']} + {h_u})) "
-                f"* {spec.wo} + ({names['w']} + {w_u})) * {spec.k} + {names['k']} + "
+                f"* {spec.wo} + ({names['w']} + {w_u})) * {self.y_pixel} + {names['k']} + "
                 f"{kv * self.lanes}")
 
     def block_body(self, block: Block, names: dict[str, str], guarded: bool) -> list[str]:
@@ -531,7 +535,7 @@ class _Generator:
                 elif guarded:
                     x = f"{_xp(pix)}[{names['c']} + {c_u}]"
                 else:
-                    offset = ((n_u * spec.h + ih) * spec.w + iw) * spec.c + c_u
+                    offset = ((n_u * spec.h + ih) * spec.w + iw) * self.x_pixel + c_u
                     x = f"xb[{names['c']} + {offset}]"
                 broadcast = f"b{'_'.join(map(str, out))}"
                 step.append(f"    const {vt} {broadcast} = {self.op('set1_ps')}({x});")
@@ -699,8 +703,9 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     # AVX-512F only: the AVX2 family's NCHW entry points (a scalar tile store; NCHW
     # input read 8 lanes at a time) ran 1.2-2.2x slower than converting around the NHWC
     # kernel on Yolo9000-9, -13, -18, -19 and ResNet18-7 (Zen 5, 1 thread)
+    # (a grouped problem has none: its calls convert NCHW around the NHWC kernel)
     regions = (tile_regions(tree, {d: totals[d] for d in "nhwk"}, NCHW_TILE_BYTES)
-               if vectors.isa is Isa.AVX512F else None)
+               if vectors.isa is Isa.AVX512F and spec.groups == 1 else None)
     if regions is not None and any(r.extents[2] < min(16, spec.wo) for r in _regions(regions)):
         # tiles narrower than a vector along w (blocks unrolled along h): their NCHW rows
         # are a few floats long, and storing them cost twice the transposing second pass
@@ -743,17 +748,23 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     signature = ("(const float *restrict x, const float *restrict w, float *restrict y, "
                  "int nthreads, const ttile_epilogue *restrict ep)")
     entry = [f"const int {body.names[d]} = 0;" for d in DIMS]
-    out += [f"void {name}{signature}",
+    grouped = spec.groups > 1
+    out += [f"{'static void ' + name + '_group' if grouped else 'void ' + name}{signature}",
             "{",
             "    (void)nthreads;",
             "    const int epk = ttile_epilogue_kind(ep);"]
     if weight_prefetch:
         out += ["    const float *const rp = ep != NULL ? ep->residual : NULL;",
                 "    (void)rp;"]
-    if gen.clears_output:
+    if gen.clears_output and not grouped:
         size = spec.n * spec.ho * spec.wo * spec.k
         out.append(f"    memset(y, 0, sizeof(float) * (size_t){size});")
+    elif gen.clears_output:   # this group's channels of each pixel, not the others'
+        out += [f"    for (int64_t p = 0; p < {spec.n * spec.ho * spec.wo}; p++)",
+                f"        memset(y + p * {gen.y_pixel}, 0, sizeof(float) * {spec.k});"]
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
+    if grouped:
+        out += _group_loop(name, signature, spec, panel=vectors.lanes * _block_of(tree).count("k"))
     if nchw is not None:
         entry = [f"const int {nchw_body.names[d]} = 0;" for d in DIMS]
         out += [f"/* NCHW output, tile by tile (see ttile_store_nchw512). */",
@@ -764,6 +775,30 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
     panel = vectors.lanes * _block_of(tree).count("k")
     return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out), panel=panel,
                         isa=vectors.isa, nchw_name=None if nchw is None else nchw_name(name))
+
+
+def _group_loop(name: str, signature: str, spec: ConvSpec, panel: int) -> list[str]:
+    """The entry point of a grouped problem: the group's kernel on each group in turn,
+    its input, weights, output, bias and residual offset to that group's channels (the
+    group's kernel parallelises within the group, as a layer's does)."""
+    weights = -(-spec.k // panel) * spec.r * spec.s * spec.c * panel
+    return [f"/* {spec.groups} groups of the kernel above, one after the other. */",
+            f"void {name}{signature}",
+            "{",
+            f"    for (int g = 0; g < {spec.groups}; g++) {{",
+            "        ttile_epilogue e;",
+            "        const ttile_epilogue *eg = NULL;",
+            "        if (ep != NULL) {",
+            "            e = *ep;",
+            f"            if (e.bias != NULL) e.bias += (int64_t)g * {spec.k};",
+            f"            if (e.residual != NULL) e.residual += (int64_t)g * {spec.k};",
+            "            eg = &e;",
+            "        }",
+            f"        {name}_group(x + (int64_t)g * {spec.c}, w + (int64_t)g * {weights}, "
+            f"y + (int64_t)g * {spec.k}, nthreads, eg);",
+            "    }",
+            "}",
+            ""]
 
 
 def _block_of(node: Node) -> Block:

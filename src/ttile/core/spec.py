@@ -7,7 +7,7 @@ asymmetrically (as PyTorch does: the extra row goes to the bottom / right).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: Loop dimensions of the convolution, in the paper's naming.
 #: n batch, k output channel, c input channel, h/w output row/column, r/s kernel row/column.
@@ -29,9 +29,16 @@ class ConvSpec:
     y[n,oh,ow,k] = sum_{c,r,s} x[n, oh*sh + r*dh - pt, ow*sw + s*dw - pl, c] * w[r,s,c,k].
 
     Sizes are those of the input (h, w) and of the weights; ``ho``/``wo`` are derived.
-    A grouped convolution is ``groups`` of these side by side (one ConvSpec per group's
-    shape); the dilation (dh, dw) defaults to 1 and is left out of ``key()`` and
-    ``to_json()`` then, so the keys of undilated problems are what they always were.
+    The dilation (dh, dw) defaults to 1 and is left out of ``key()`` and ``to_json()``
+    then, so the keys of undilated problems are what they always were.
+
+    A grouped convolution is ``groups`` of these problems side by side: ``k`` and ``c``
+    are one group's, the input holds ``c * groups`` channels and the output ``k *
+    groups``, group g reading channels [g c, (g+1) c) and writing [g k, (g+1) k). A call
+    plan keeps one group's problem (``groups`` 1) and the group count beside it; a
+    grouped problem is searched and cached as itself (``groups`` > 1, ``_g<groups>`` in
+    its key), a kernel for it computing every group. Shapes, flops and packed weights
+    below are the whole problem's; the iteration space a scheme tiles is one group's.
     """
 
     n: int
@@ -49,10 +56,11 @@ class ConvSpec:
     pad_right: int = 0
     dilation_h: int = 1
     dilation_w: int = 1
+    groups: int = 1
 
     def __post_init__(self) -> None:
         for name in ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w",
-                     "dilation_h", "dilation_w"):
+                     "dilation_h", "dilation_w", "groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ConvSpec.{name} must be an integer >= 1, got {value!r}")
@@ -103,24 +111,32 @@ class ConvSpec:
 
     @property
     def flops(self) -> int:
-        return 2 * self.n * self.k * self.c * self.r * self.s * self.ho * self.wo
+        return 2 * self.n * self.k * self.c * self.r * self.s * self.ho * self.wo * self.groups
 
     def input_shape(self) -> tuple[int, int, int, int]:
         """Shape of the NHWC input a kernel for this problem reads."""
-        return (self.n, self.h, self.w, self.c)
+        return (self.n, self.h, self.w, self.c * self.groups)
 
     def output_shape(self) -> tuple[int, int, int, int]:
         """Shape of the NHWC output a kernel for this problem writes."""
-        return (self.n, self.ho, self.wo, self.k)
+        return (self.n, self.ho, self.wo, self.k * self.groups)
 
     def weight_shape(self) -> tuple[int, int, int, int]:
-        """Shape of the RSCK weights."""
-        return (self.r, self.s, self.c, self.k)
+        """Shape of the RSCK weights ((R, S, C/groups, K) when grouped, as conv2d takes
+        them)."""
+        return (self.r, self.s, self.c, self.k * self.groups)
 
     def packed_weight_shape(self, panel: int) -> tuple[int, int, int, int, int]:
         """Shape of the weights packed in k panels of width ``panel``:
-        [ceil(K / panel)][R][S][C][panel]."""
-        return (-(-self.k // panel), self.r, self.s, self.c, panel)
+        [ceil(K / panel)][R][S][C][panel], each group's panels after the previous
+        group's ([groups * ceil(K / panel)][R][S][C][panel])."""
+        return (self.groups * -(-self.k // panel), self.r, self.s, self.c, panel)
+
+    @property
+    def one_group(self) -> "ConvSpec":
+        """One group's problem (itself when not grouped): what a scheme tiles and the
+        search's models and ranking score."""
+        return self if self.groups == 1 else replace(self, groups=1)
 
     def iteration_extents(self, lanes: int = VECTOR_LANES) -> dict[str, int]:
         """Extent of each loop dimension of the iteration space a scheme must cover.
@@ -142,16 +158,19 @@ class ConvSpec:
 
     def key(self) -> str:
         """Compact, stable text key, e.g. ``n1k64c3h224w224r7s7_s2x2_p3.3.3.3``
-        (``_d2x2`` appended for a dilated problem)."""
+        (``_d2x2`` appended for a dilated problem, ``_g8`` for a grouped one)."""
         key = (f"n{self.n}k{self.k}c{self.c}h{self.h}w{self.w}r{self.r}s{self.s}"
                f"_s{self.stride_h}x{self.stride_w}"
                f"_p{self.pad_top}.{self.pad_bottom}.{self.pad_left}.{self.pad_right}")
-        return key + (f"_d{self.dilation_h}x{self.dilation_w}" if self.dilated else "")
+        key += f"_d{self.dilation_h}x{self.dilation_w}" if self.dilated else ""
+        return key + (f"_g{self.groups}" if self.groups > 1 else "")
 
     def to_json(self) -> dict[str, int]:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         if not self.dilated:
             del data["dilation_h"], data["dilation_w"]
+        if self.groups == 1:
+            del data["groups"]
         return data
 
     @classmethod

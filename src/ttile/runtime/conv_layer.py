@@ -197,7 +197,8 @@ class Conv2d:
                 packed = (winograd.transformed(self._rsck, "NHWC", thread_count(None),
                                                choice.isa, tile=choice.tile)
                           if choice.kind is KernelKind.WINOGRAD
-                          else family_weights(self._rsck, self.layout, plan, choice))
+                          else family_weights(self._rsck, self.layout, plan, choice,
+                                              thread_count(None)))
                 if packed is None:  # dense: RSCK, or panels of the kernel's width
                     packed = (_kernels.pack_weights(self._rsck, choice.panel,
                                                     thread_count(None))

@@ -322,8 +322,8 @@ def _load(entry, spec: ConvSpec) -> KernelChoice:
         raise ValueError(f"cache entry for {entry.problem.key()}, not {spec.key()}")
     isa = Isa(entry.key.isa)
     if entry.kind is not KernelKind.JIT:
-        return replace(generic_choice(isa, spec, "tuned here: no scheme beat the generic "
-                                                 "kernel"),
+        bar = "the generic kernel" if spec.groups == 1 else "the kernel serving its groups"
+        return replace(generic_choice(isa, spec, f"tuned here: no scheme beat {bar}"),
                        gflops=entry.generic_gflops or None)
     # Load a private copy of the bytes: the dynamic loader would hand back a library
     # already loaded under the same path (stale once the entry is rebuilt), and the

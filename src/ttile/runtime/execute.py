@@ -66,7 +66,7 @@ def _searched_call(choice: dispatch.KernelChoice, weights: np.ndarray, nthreads:
     isa = extension_code(choice.isa)
     return lambda x, y, residual: _kernels.run_compiled(
         address, x, weights, y, nthreads, x_shape, w_shape, y_shape, bias, residual,
-        activation, slope, nchw_out, isa=isa)
+        activation, slope, nchw_out, isa=isa, groups=problem.groups)
 
 
 def nhwc_kernel_call(choice: dispatch.KernelChoice, plan: CallPlan, weights: np.ndarray,

@@ -250,12 +250,14 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
 
     budget = settings.budget_seconds
     model = _load_ranker(cache_root) if settings.ranked else None
+    # a grouped problem's schemes tile one group (the kernel runs them group by group),
+    # and are compiled, checked and timed on the whole problem
     if model is not None:
-        chosen = ranked_candidates(spec, threads, settings, cache_root, isa, model)
+        chosen = ranked_candidates(spec.one_group, threads, settings, cache_root, isa, model)
         per_kernel, final_seconds = (settings.ranked_seconds_per_kernel,
                                      settings.ranked_final_seconds)
     else:
-        chosen, _ = candidates(spec, threads, settings,
+        chosen, _ = candidates(spec.one_group, threads, settings,
                                started + settings.model_fraction * budget, cache_root, isa)
         per_kernel, final_seconds = settings.target_seconds_per_kernel, settings.final_seconds
     bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)

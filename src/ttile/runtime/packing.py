@@ -25,12 +25,13 @@ _SEARCHED = (KernelKind.TUNED, KernelKind.JIT)
 
 
 def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
-                   choice: dispatch.KernelChoice) -> Optional[np.ndarray]:
+                   choice: dispatch.KernelChoice, nthreads: int = 1) -> Optional[np.ndarray]:
     """The weights of a depthwise, grouped or NCHW pointwise call in its kernel's format
     (None for any other dense call): (R, S, 1, C) for the NHWC depthwise kernel, torch's
     (C, 1, R, S) for the NCHW one, KCRS for the vector generic kernel (its threads pack
-    each group's panels), RSCK for the portable one; torch's (K, C, 1, 1) for the NCHW
-    pointwise kernel."""
+    each group's panels), RSCK for the portable one, each group's panels in turn for a
+    kernel searched for the grouped problem; torch's (K, C, 1, 1) for the NCHW pointwise
+    kernel."""
     if choice.kind is KernelKind.POINTWISE:
         # KCRS as a per-call conv2d has it; a Conv2d's RSCK transposed back once: read as
         # (C, K), each input channel's weights are K floats apart, a page apart on wide
@@ -40,6 +41,10 @@ def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
             else aligned_copy(w.transpose(3, 2, 0, 1))
     if plan.family is Family.DENSE:
         return None
+    if choice.kind in _SEARCHED:
+        from ..core.cbuild import pack_panels   # (the build's module: not at import)
+        rsck = w if layout == "NHWC" else np.ascontiguousarray(w.transpose(2, 3, 1, 0))
+        return pack_panels(rsck, choice.problem, choice.panel, nthreads)
     if choice.kind is KernelKind.GROUPED:
         return grouped_weights(w, layout)
     if choice.kind is KernelKind.DEPTHWISE:
@@ -72,7 +77,7 @@ def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,
     so the weights are read once instead of read, written and read back (ResNet18-12 per
     call at 2 threads, caches cold: 1.35 ms packed beforehand against 0.73 pre-packed), or
     on a small output read RSCK in place (see generic_conv.inc)."""
-    grouped = family_weights(w, plan.layout, plan, choice)
+    grouped = family_weights(w, plan.layout, plan, choice, nthreads)
     if grouped is not None:
         return grouped
     spec, panel = plan.spec, choice.panel

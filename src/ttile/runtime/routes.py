@@ -75,7 +75,7 @@ def select(plan: CallPlan, nthreads: int, per_call: bool = True,
         return selection
     isa = settings.get_isa()
     use_tuned = settings.tuned_kernels_on()
-    choice = _family_choice(plan, isa, nthreads, per_call, use_tuned, with_winograd)
+    choice = _family_choice(plan, isa, nthreads, per_call, use_tuned, with_winograd, tune)
     if choice is None:
         choice = dispatch.for_call(
             dispatch.choose(plan.spec, plan.layout, nthreads, isa, use_tuned, tune=tune),
@@ -225,7 +225,8 @@ def _searched_nchw_entry(spec: ConvSpec, nthreads: int, isa: Isa, per_call: bool
 
 
 def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
-                   use_tuned: bool, with_winograd: bool) -> Optional[dispatch.KernelChoice]:
+                   use_tuned: bool, with_winograd: bool,
+                   tune: bool = True) -> Optional[dispatch.KernelChoice]:
     """The kernel of a depthwise or grouped call, of a 3x3 call the Winograd kernel
     serves, or of an NCHW 1x1 call (None for any other dense call: dispatch decides)."""
     if plan.family is Family.DENSE:
@@ -269,6 +270,36 @@ def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
         return dispatch.KernelChoice(kind=KernelKind.DEPTHWISE, problem=plan.spec, panel=0,
                                      isa=isa, note="the depthwise kernel (channels in the "
                                                    "vector lanes)")
+    searched = _grouped_search(plan, isa, nthreads, use_tuned, tune)
+    if searched is not None and searched.kind in (KernelKind.TUNED, KernelKind.JIT):
+        return searched
+    fallback = _grouped_fallback(plan, isa)
+    if searched is None:
+        return fallback
+    # the search's verdict (or why there is none) on the kernel that serves instead
+    return replace(fallback, final=searched.final, degraded=searched.degraded,
+                   note=f"{fallback.note}; {searched.note}" if searched.note
+                   else fallback.note)
+
+
+def _grouped_search(plan: CallPlan, isa: Isa, nthreads: int, use_tuned: bool,
+                    tune: bool) -> Optional[dispatch.KernelChoice]:
+    """The verdict on a grouped call's problem searched as one (``ConvSpec.groups``: a
+    scheme tiles one group, its kernel runs the groups in turn, reading and writing each
+    group's channels where they are), measured against the kernel that serves the call
+    otherwise (``_grouped_fallback``); None where no vector kernel can be searched.
+    ShuffleNet's grouped 1x1 layers and AlexNet's groups of 2 are such problems: layers
+    of 12-192 channels a group, which the generic kernel ran group by group at half the
+    speed of their searched kernels; ResNeXt's groups of 4 to 16 channels stay with the
+    grouped kernel, which its searched kernels did not beat (Xeon model 207, 1 thread)."""
+    if not isa.vector:
+        return None
+    return dispatch.choose(replace(plan.spec, groups=plan.groups), plan.layout, nthreads,
+                           isa, use_tuned, tune=tune)
+
+
+def _grouped_fallback(plan: CallPlan, isa: Isa) -> dispatch.KernelChoice:
+    """The kernel of a grouped call that no searched kernel serves."""
     spec = plan.spec
     if isa is Isa.AVX512F and _kernels.grouped_lanes_supported(spec.c, spec.k, plan.groups):
         # a group's 4 output channels left 12 of the generic kernel's 16 lanes idle:

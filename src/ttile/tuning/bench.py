@@ -26,7 +26,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .. import _kernels
-from ..core.cbuild import BuildError, BuiltLibrary, build_batches, symbol_address
+from ..core.cbuild import (BuildError, BuiltLibrary, build_batches, pack_panels,
+                           symbol_address)
 from ..core.codegen import KernelSource, generate
 from ..core.kinds import Isa
 from ..core.reference import conv2d_nhwc_f64
@@ -71,14 +72,15 @@ class LayerBench:
     def make(cls, spec: ConvSpec, copy_bytes: int = 256 << 20, max_copies: int = 64,
              seed: int = 0) -> "LayerBench":
         rng = np.random.default_rng(seed)
-        x = rng.uniform(-1, 1, (spec.n, spec.h, spec.w, spec.c)).astype(np.float32)
-        w = rng.uniform(-1, 1, (spec.r, spec.s, spec.c, spec.k)).astype(np.float32)
+        x = rng.uniform(-1, 1, spec.input_shape()).astype(np.float32)
+        w = rng.uniform(-1, 1, spec.weight_shape()).astype(np.float32)
         pads = (spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right)
         stride = (spec.stride_h, spec.stride_w)
         dilation = (spec.dilation_h, spec.dilation_w)
         with single_threaded_blas():
-            expected = conv2d_nhwc_f64(x, w, stride, pads, dilation)
-            magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads, dilation)
+            expected = conv2d_nhwc_f64(x, w, stride, pads, dilation, spec.groups)
+            magnitude = conv2d_nhwc_f64(np.abs(x), np.abs(w), stride, pads, dilation,
+                                        spec.groups)
         terms = spec.c * spec.r * spec.s
         tolerance = 8 * np.sqrt(terms) * np.finfo(np.float32).eps * magnitude + 1e-30
         per_copy = 4 * (x.size + w.size + expected.size)
@@ -257,9 +259,23 @@ def build_check_time(spec: ConvSpec, schemes: Sequence[Scheme], bench: LayerBenc
                                check_seconds=check_seconds, calls=timing.calls)
 
 
+def _grouped_lanes(spec: ConvSpec, isa: Isa) -> bool:
+    """Whether a grouped problem's bar is the grouped kernel (several groups in the
+    lanes, ``kernels/grouped_avx512.c``) rather than the generic kernel group by group:
+    whichever serves its calls when no searched kernel does."""
+    return isa is Isa.AVX512F and _kernels.grouped_lanes_supported(spec.c, spec.k,
+                                                                  spec.groups)
+
+
 def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F) -> Copies:
     """``copies`` with the weights packed for the generic kernel of family ``isa`` (as
-    ``conv2d`` does)."""
+    ``conv2d`` does); for a grouped problem, for the kernel that serves it otherwise (the
+    grouped kernel's blocks, or KCRS for the generic kernel's groups)."""
+    if spec.groups > 1:
+        if _grouped_lanes(spec, isa):
+            from ..runtime.packing import grouped_weights
+            return [(x, grouped_weights(w, "NHWC"), y) for x, w, y in copies]
+        return [(x, np.ascontiguousarray(w.transpose(3, 2, 0, 1)), y) for x, w, y in copies]
     panel = _kernels.generic_panel(spec.k, spec.wo, extension_code(isa))
     return [(x, _kernels.pack_weights(w, panel), y) for x, w, y in copies]
 
@@ -267,11 +283,18 @@ def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F
 def _run_generic(spec: ConvSpec, threads: int, isa: Isa = Isa.AVX512F
                  ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
     code = extension_code(isa)
+    if spec.groups > 1 and _grouped_lanes(spec, isa):
+        def run(x: np.ndarray, packed: np.ndarray, y: np.ndarray) -> None:
+            _kernels.conv2d_grouped(x, packed, y, spec.stride_h, spec.stride_w, spec.pad_top,
+                                    spec.pad_left, threads, groups=spec.groups,
+                                    dil_h=spec.dilation_h, dil_w=spec.dilation_w)
+        return run
 
     def run(x: np.ndarray, packed: np.ndarray, y: np.ndarray) -> None:
         _kernels.conv2d_generic_packed(x, packed, y, spec.stride_h, spec.stride_w,
-                                       spec.pad_top, spec.pad_left, threads,
-                                       dil_h=spec.dilation_h, dil_w=spec.dilation_w, isa=code)
+                                       spec.pad_top, spec.pad_left, threads, False,
+                                       spec.groups > 1, dil_h=spec.dilation_h,
+                                       dil_w=spec.dilation_w, groups=spec.groups, isa=code)
     return run
 
 
@@ -307,11 +330,11 @@ def head_to_head(spec: ConvSpec, bench: LayerBench,
     runs = [lambda: generic(x, generic_w, y)]
     for kernel, library in finalists:
         address = symbol_address(library.handle, kernel.name)
-        packed = _kernels.pack_weights(w, kernel.panel)
+        packed = pack_panels(w, spec, kernel.panel)
         expected_w = spec.packed_weight_shape(kernel.panel)
         runs.append(lambda a=address, p=packed, e=expected_w: _kernels.run_compiled(
             a, x, p, y, threads, spec.input_shape(), e, spec.output_shape(),
-            isa=extension_code(isa)))
+            isa=extension_code(isa), groups=spec.groups))
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(rounds + 1):
         for i, run in enumerate(runs):
