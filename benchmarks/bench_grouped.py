@@ -8,7 +8,10 @@ Not a test: run it by hand with the ``bench`` extra installed::
     python benchmarks/bench_grouped.py --threads 1 2
 
 Each layer: ``ttile.Conv2d(w, groups=g, layout="NHWC")`` (weights packed once) on an NHWC
-input, the engines on the same NCHW input and KCRS weights (``ttile.peers.runner``),
+input, with ttile's default tuning: the first call searches the layer as one grouped
+problem against the grouped or generic kernel, and "served by" says which won (the
+verdicts are cached: a second run measures what the first one found). The engines run
+on the same NCHW input and KCRS weights (``ttile.peers.runner``),
 every output checked against ttile's first, then timed in ``--reps`` rounds that
 interleave the contenders in a seeded shuffled order, each timed call right after an
 untimed one of its own; medians. "best / ttile" > 1: ttile faster.

@@ -24,6 +24,8 @@ typedef struct {
     int stride_h, stride_w;
     int pad_top, pad_bottom, pad_left, pad_right;
     int dilation_h, dilation_w;
+    int groups;              /* that many of the problem side by side (ConvSpec.groups): its
+                                input has c * groups channels, its output k * groups */
     int isa;                 /* the vector family of fn and of panel: TTILE_ISA_AVX512F or
                                 TTILE_ISA_AVX2; a generic-kernel verdict
                                 is about that family's generic kernel */

@@ -35,6 +35,14 @@ k = 16
 c = 16
 hw = 7
 rs = 1
+
+[[layers]]
+name = "grouped-1x1"
+k = 96
+c = 48
+hw = 9
+rs = 1
+groups = 4
 """
 
 
@@ -77,8 +85,10 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
 
     records = _records(generator)
     # 8.1 MFLOP runs on two threads and is searched at both counts; 25 KFLOP only ever
-    # runs on one (ConvSpec.useful_threads), so it is not searched at two
-    for name, counts in (("small-3x3", {1, 2}), ("tiny-1x1", {1})):
+    # runs on one (ConvSpec.useful_threads), so it is not searched at two; the grouped
+    # layer is one problem of its 4 groups (0.19 MFLOP)
+    assert {r["spec"].get("groups", 1) for r in records if r["layer"] == "grouped-1x1"} == {4}
+    for name, counts in (("small-3x3", {1, 2}), ("tiny-1x1", {1}), ("grouped-1x1", {1})):
         mine = [r for r in records if r["layer"] == name]
         assert {r["threads"] for r in mine} == counts
         assert any(r["protocol"] == "screen" and r["status"] == "ok" for r in mine)
@@ -94,16 +104,19 @@ def test_layers_file_search_emits_kernels_and_reemits_them_from_records(tmp_path
     # are generic-kernel verdicts, one entry per layer and thread count in all.
     registry = (kernels / "registry.c").read_text()
     sources = sorted(kernels.glob("ttile_f32_conv2d_*.c"))
-    assert registry.count('"small-') + registry.count('"tiny-') == 3
-    assert registry.count('"small-') + registry.count('"tiny-') - registry.count(", NULL,") \
-        == len(sources)
+    entries = registry.count('"small-') + registry.count('"tiny-') + registry.count('"grouped-')
+    assert entries == 4
+    assert entries - len(re.findall(r", 0, NULL, NULL,", registry)) == len(sources)
+    # each entry's problem ends with its dilation and groups: 1 and 1, 4 for the grouped
+    assert len(re.findall(r", 1, 1, 1, TTILE_ISA_AVX512F, ", registry)) == 3, registry
+    assert len(re.findall(r", 1, 1, 4, TTILE_ISA_AVX512F, ", registry)) == 1, registry
     assert f'/* {fingerprint().id}, avx512f */' in registry
     for path in sources:
         text = path.read_text()
         assert "command: ttile-generate --layers-file" in text
         scheme = re.search(r"scheme:\s+(\[.*\])", text).group(1)
         assert f'"{scheme}"' in registry
-    for name, counts in (("small-3x3", (1, 2)), ("tiny-1x1", (1,))):
+    for name, counts in (("small-3x3", (1, 2)), ("tiny-1x1", (1,)), ("grouped-1x1", (1,))):
         for threads in counts:
             mine = [r for r in records if r["layer"] == name and r["threads"] == threads]
             generic = [r for r in mine if r["contender"] == "generic"][-1]["seconds"]

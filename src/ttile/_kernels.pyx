@@ -142,6 +142,7 @@ cdef extern from "ttile_registry.h" nogil:
         int stride_h, stride_w
         int pad_top, pad_bottom, pad_left, pad_right
         int dilation_h, dilation_w
+        int groups
         int isa
         int panel
         ttile_kernel_fn fn
@@ -1015,7 +1016,7 @@ def registry_entries():
                     "s": e.s, "stride_h": e.stride_h, "stride_w": e.stride_w,
                     "pad_top": e.pad_top, "pad_bottom": e.pad_bottom, "pad_left": e.pad_left,
                     "pad_right": e.pad_right, "dilation_h": e.dilation_h,
-                    "dilation_w": e.dilation_w, "isa": e.isa,
+                    "dilation_w": e.dilation_w, "groups": e.groups, "isa": e.isa,
                     "panel": e.panel, "has_kernel": e.fn != NULL,
                     "has_nchw": e.fn_nchw != NULL,
                     "layer": e.layer.decode(), "scheme": e.scheme.decode(),
@@ -1403,7 +1404,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
     """Run registry entry ``index`` on x (N,H,W,C), weights packed in panels
     (ceil(K/P), R, S, C, P) as ``pack_weights`` makes them, into y (N,Ho,Wo,K), or with
     ``nchw_out`` from x (N,C,H,W) into y (N,K,Ho,Wo) through the kernel's NCHW entry
-    point (the residual then NCHW too).
+    point (the residual then NCHW too). A grouped entry's x has C * groups channels, y
+    K * groups, and its weights each group's panels in turn.
 
     Shapes are checked against the entry; the kernel's own sizes are compile-time
     constants, so a mismatch would otherwise read out of bounds.
@@ -1418,7 +1420,8 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
                          "(CMake's TTILE_KERNEL_SETS)")
     if nchw_out and e.fn_nchw == NULL:
         raise ValueError(f"registry entry {index} has no NCHW entry point")
-    _check_packed(w, e.k, e.panel)
+    _check_packed(w, e.k, e.panel, e.groups)
+    cdef int c = e.c * e.groups, k = e.k * e.groups
     cdef cnp.npy_intp *xs = cnp.PyArray_DIMS(x)
     cdef cnp.npy_intp *ws = cnp.PyArray_DIMS(w)
     cdef cnp.npy_intp *ys = cnp.PyArray_DIMS(y)
@@ -1426,16 +1429,16 @@ def run_tuned(int index, cnp.ndarray x, cnp.ndarray w, cnp.ndarray y, int nthrea
         // e.stride_h + 1
     cdef int wo = (e.w + e.pad_left + e.pad_right - (e.s - 1) * e.dilation_w - 1) \
         // e.stride_w + 1
-    if (xs[0], xs[1], xs[2], xs[3]) != (<object>((e.n, e.c, e.h, e.w)) if nchw_out
-                                        else <object>((e.n, e.h, e.w, e.c))) or \
-            (ws[0], ws[1], ws[2], ws[3], ws[4]) != ((e.k + e.panel - 1) // e.panel, e.r, e.s,
-                                                    e.c, e.panel) or \
-            (ys[0], ys[1], ys[2], ys[3]) != (<object>((e.n, e.k, ho, wo)) if nchw_out
-                                             else <object>((e.n, ho, wo, e.k))):
+    if (xs[0], xs[1], xs[2], xs[3]) != (<object>((e.n, c, e.h, e.w)) if nchw_out
+                                        else <object>((e.n, e.h, e.w, c))) or \
+            (ws[0], ws[1], ws[2], ws[3], ws[4]) != (e.groups * ((e.k + e.panel - 1) // e.panel),
+                                                    e.r, e.s, e.c, e.panel) or \
+            (ys[0], ys[1], ys[2], ys[3]) != (<object>((e.n, k, ho, wo)) if nchw_out
+                                             else <object>((e.n, ho, wo, k))):
         raise ValueError("arrays do not match the tuned kernel's problem")
     cdef ttile_epilogue epilogue
     cdef const ttile_epilogue *ep = _epilogue(&epilogue, bias, residual, activation, slope,
-                                              y, e.k)
+                                              y, k)
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)

@@ -520,12 +520,13 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 
 
 def _grouped_server(layer) -> str:
-    """What serves a grouped layer (1 < groups < channels): not searched."""
+    """What the search does with a grouped layer (1 < groups < channels): one problem of
+    its groups, measured against the kernel serving it otherwise."""
     from . import _kernels
     cg, kg = layer.c // layer.groups, layer.k // layer.groups
     if _kernels.grouped_lanes_supported(cg, kg, layer.groups):
-        return "grouped kernel (AVX-512), not searched"
-    return "grouped: generic kernel, not searched"
+        return "searched as one grouped problem, against the grouped kernel"
+    return "searched as one grouped problem, against the generic kernel"
 
 
 def _table_or_quick_step1(args: argparse.Namespace, isa: Isa, specs=None):
@@ -607,7 +608,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
         table, caches = None, ()   # nothing is measured: no table needed
     else:
         table = _table_or_quick_step1(args, isa, [layer.spec() for layer in layers
-                                                   if layer.groups == 1])
+                                                   if not layer.depthwise])
         caches = load_or_measure(args.data_dir).caches()
     depth = _search_depth(args, table, database.cpu_id)
     effort = EFFORTS[depth]
@@ -646,22 +647,26 @@ def _cmd_network(args: argparse.Namespace) -> int:
     # the layers' budgets, the work before them, and the floor within them
     measured_seconds = fixed_seconds = first_seconds = 0.0
     for done, layer in enumerate(layers):
-        spec = layer.spec()
+        # a grouped layer is one problem of its groups: its schemes tile one group
+        # (``one``), its kernels run every group and are timed against the grouped or
+        # generic kernel that serves it otherwise
+        spec = layer.problem()
+        one = spec.one_group
         progress(done, len(layers), layer.name)
-        if layer.groups > 1:   # the depthwise / grouped kernels serve it: nothing to search
+        if layer.depthwise:   # the depthwise kernel serves it: nothing to search
             rows.append((layer, None))
             continue
         if not args.from_records:
             fixed_started = time.monotonic()
-            classes = classes_for(spec, table)
+            classes = classes_for(one, table)
             if effort.classes is not None:   # the fastest ones
                 classes = sorted(classes, key=lambda c: -c.best_percent)[:effort.classes]
-            candidates = scheme_space(spec, classes, caches, top=args.top,
+            candidates = scheme_space(one, classes, caches, top=args.top,
                                       max_points=effort.max_points,
                                       permutations_per_class=effort.model_orders,
                                       keep_fraction=args.keep_fraction, isa=isa)
             if ranking is not None:   # the learned ranking's first picks, and only those
-                candidates = rank_order(ranking, spec, candidates, 1, isa,
+                candidates = rank_order(ranking, one, candidates, 1, isa,
                                         context)[:rank_measure]
             bench = LayerBench.make(spec)
             # The budget starts here: the scheme space, the inputs and their float64
@@ -696,7 +701,7 @@ def _cmd_network(args: argparse.Namespace) -> int:
                     if sources == parallel_from:
                         break
                     if record.scheme in by_text:
-                        variants = parallel_variants(by_text[record.scheme], spec, threads,
+                        variants = parallel_variants(by_text[record.scheme], one, threads,
                                                      isa)
                         parallel += variants
                         sources += bool(variants)
@@ -743,11 +748,10 @@ def _cmd_network(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|" + "---|---|" * len(counts[1:]))
     for layer, best in rows:
         if best is None:
-            kernel = "depthwise" if layer.depthwise else "generic (grouped)"
-            print(f"| {layer.name} | ({kernel} kernel, {layer.groups} groups: not searched) "
+            print(f"| {layer.name} | (depthwise kernel, {layer.groups} groups: not searched) "
                   f"| | | | |" + " | |" * len(counts[1:]))
             continue
-        spec = layer.spec()
+        spec = layer.problem()
         generic = {t: database.generic(spec, t) for t in counts}
         rate = {t: f"{generic[t].gflops:.1f}" if generic[t] else "-" for t in counts}
         if best[1] is None:

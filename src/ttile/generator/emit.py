@@ -67,7 +67,7 @@ def emit(entries: Sequence[RegistryEntry], directory: Path, command: str) -> lis
         s = entry.spec
         problem = (f"{s.n}, {s.k}, {s.c}, {s.h}, {s.w}, {s.r}, {s.s}, {s.stride_h}, "
                    f"{s.stride_w}, {s.pad_top}, {s.pad_bottom}, {s.pad_left}, {s.pad_right}, "
-                   f"{s.dilation_h}, {s.dilation_w}, {_ISA_CONSTANTS[entry.isa]}")
+                   f"{s.dilation_h}, {s.dilation_w}, {s.groups}, {_ISA_CONSTANTS[entry.isa]}")
         if entry.scheme is None:
             rows.append(f"    {{{_c_string(entry.cpu)}, {entry.threads}, {problem}, 0, NULL, NULL,\n"
                         f"     {_c_string(entry.layer)}, \"\", {entry.gflops:.1f}, 0.0, "

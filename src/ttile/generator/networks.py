@@ -9,7 +9,7 @@ last vector instead of padding K to 28272 as the paper did.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.spec import ConvSpec
 
@@ -62,6 +62,15 @@ class Layer:
                         w=self.hw, r=self.rs, s=self.rs, stride_h=self.stride,
                         stride_w=self.stride, pad_top=pad, pad_bottom=pad, pad_left=pad,
                         pad_right=pad)
+
+    def problem(self) -> ConvSpec:
+        """What the search tunes: the whole layer, a grouped one as one problem of its
+        groups (``ConvSpec.groups``); a depthwise layer's one group (the depthwise
+        kernel serves it, nothing is searched)."""
+        spec = self.spec()
+        if self.groups == 1 or self.depthwise:
+            return spec
+        return replace(spec, groups=self.groups)
 
     @property
     def flops(self) -> int:

@@ -28,7 +28,7 @@ from ..core.spec import ConvSpec
 from . import settings
 
 _SPEC_FIELDS = ("n", "k", "c", "h", "w", "r", "s", "stride_h", "stride_w", "pad_top",
-                "pad_bottom", "pad_left", "pad_right", "dilation_h", "dilation_w")
+                "pad_bottom", "pad_left", "pad_right", "dilation_h", "dilation_w", "groups")
 #: The extension's family numbers (ttile_registry.h) as enums.
 _ISAS = {_kernels.ISA_AVX512F: Isa.AVX512F, _kernels.ISA_AVX2: Isa.AVX2}
 
