@@ -550,7 +550,7 @@ def test_a_grouped_problems_kernel_computes_each_group_in_place(case):
     to the group's; a scheme whose reduction is split clears only its own group's
     channels before accumulating. No NCHW entry point (those calls convert)."""
     from dataclasses import replace
-    from ttile.core.cbuild import pack_panels
+    from ttile.core.weights import pack_panels
     from ttile.core.reference import conv2d_nhwc_f64
     one, text = CASES[case]
     spec = replace(one, groups=3)

@@ -470,7 +470,7 @@ def test_emission_is_deterministic_and_removes_stale_kernels(tmp_path):
     assert len(list(tmp_path.glob("ttile_f32_conv2d_*.c"))) == 1
     registry = (tmp_path / "registry.c").read_text()
     assert registry.count('"tiny"') == 3 and "ttile_tuned_kernel_count = 3" in registry
-    assert '{"cpu-b", 2, 1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,' in registry
+    assert '{"cpu-b", 2, 1, 16, 8, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, TTILE_ISA_AVX512F, 0, NULL,' in registry
     kernel_file = next(p for p in first if p.name != "registry.c")
     assert "scheme:  [T6 h; T3 r; T3 s; T8 c; U6 w; V k]" in kernel_file.read_text()
     assert "command: ttile-generate test" in kernel_file.read_text()

@@ -38,7 +38,6 @@ import numpy as np
 
 from .codegen import KernelSource, kernel_cflags
 from .fileio import atomic_write, publish
-from .spec import ConvSpec
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 
@@ -191,21 +190,9 @@ def symbol_address(handle: ctypes.CDLL, name: str) -> int:
 
 
 def packed_weights(kernel: KernelSource, w: np.ndarray) -> np.ndarray:
-    """The kernel's weight panels from RSCK weights (see ``_kernels.pack_weights``)."""
+    """The kernel's weight panels from RSCK weights (``weights.pack_panels``)."""
+    from .weights import pack_panels
     return pack_panels(w, kernel.spec, kernel.panel)
-
-
-def pack_panels(w: np.ndarray, spec: ConvSpec, panel: int, nthreads: int = 1) -> np.ndarray:
-    """RSCK weights of ``spec`` in panels of ``panel`` output channels (``_kernels.
-    pack_weights``); a grouped problem's (R, S, C/groups, K) weights group by group, each
-    group's panels after the previous group's (``ConvSpec.packed_weight_shape``)."""
-    from .. import _kernels
-    if spec.groups == 1:
-        return _kernels.pack_weights(w, panel, nthreads)
-    k = spec.k
-    return np.concatenate([_kernels.pack_weights(np.ascontiguousarray(w[..., g * k:(g + 1) * k]),
-                                                 panel, nthreads)
-                           for g in range(spec.groups)])
 
 
 def timer_name(kernel: KernelSource) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import _kernels
 from ..core.kinds import KernelKind
+from ..core.weights import grouped_blocks, pack_panels
 from . import dispatch, weight_cache, winograd
 from .call_plan import CallPlan, Family
 from .routes import Selection, select
@@ -42,7 +43,6 @@ def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
     if plan.family is Family.DENSE:
         return None
     if choice.kind in _SEARCHED:
-        from ..core.cbuild import pack_panels   # (the build's module: not at import)
         rsck = w if layout == "NHWC" else np.ascontiguousarray(w.transpose(2, 3, 1, 0))
         return pack_panels(rsck, choice.problem, choice.panel, nthreads)
     if choice.kind is KernelKind.GROUPED:
@@ -57,14 +57,9 @@ def family_weights(w: np.ndarray, layout: str, plan: CallPlan,
 
 
 def grouped_weights(w: np.ndarray, layout: str) -> np.ndarray:
-    """The grouped kernel's weights (kernels/grouped_avx512.c): (K/16, R, S, cg * 16),
-    each block of 16 output channels' taps and steps contiguous (read in place from RSCK,
-    a step's 16 weights were K floats apart: the block's 16 steps fell in two L1 sets
-    on 512-channel layers), from RSCK (R, S, cg, K) or torch's KCRS (K, cg, R, S)."""
-    rsck = w if layout == "NHWC" else w.transpose(2, 3, 1, 0)
-    r, s, cg, k = rsck.shape
-    return aligned_copy(rsck.reshape(r, s, cg, k // 16, 16).transpose(3, 0, 1, 2, 4)
-                        .reshape(k // 16, r, s, cg * 16))
+    """The grouped kernel's weights (``weights.grouped_blocks``) from RSCK (R, S, cg, K)
+    or torch's KCRS (K, cg, R, S)."""
+    return grouped_blocks(w if layout == "NHWC" else w.transpose(2, 3, 1, 0))
 
 
 def pack_per_call(w: np.ndarray, plan: CallPlan, choice: dispatch.KernelChoice,

@@ -26,14 +26,14 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .. import _kernels
-from ..core.cbuild import (BuildError, BuiltLibrary, build_batches, pack_panels,
-                           symbol_address)
+from ..core.cbuild import BuildError, BuiltLibrary, build_batches, symbol_address
 from ..core.codegen import KernelSource, generate
 from ..core.kinds import Isa
 from ..core.reference import conv2d_nhwc_f64
 from ..core.scheme import Scheme
 from ..core.spec import ConvSpec
 from ..core.vectors import extension_code
+from ..core.weights import grouped_blocks, pack_panels
 from .records import RecordStatus
 
 Copies = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -273,8 +273,7 @@ def generic_packed_copies(spec: ConvSpec, copies: Copies, isa: Isa = Isa.AVX512F
     grouped kernel's blocks, or KCRS for the generic kernel's groups)."""
     if spec.groups > 1:
         if _grouped_lanes(spec, isa):
-            from ..runtime.packing import grouped_weights
-            return [(x, grouped_weights(w, "NHWC"), y) for x, w, y in copies]
+            return [(x, grouped_blocks(w), y) for x, w, y in copies]
         return [(x, np.ascontiguousarray(w.transpose(3, 2, 0, 1)), y) for x, w, y in copies]
     panel = _kernels.generic_panel(spec.k, spec.wo, extension_code(isa))
     return [(x, _kernels.pack_weights(w, panel), y) for x, w, y in copies]
