@@ -212,6 +212,27 @@ def test_a_sequence_runs_through_its_program_and_matches_torch(converted):
     assert torch.equal(y1, kept)
 
 
+def test_an_nchw_input_runs_the_program_and_gets_an_nchw_output():
+    """torch's default layout: the sequence converts the input to channels_last once,
+    runs its program (the same values, bit for bit, as on a channels_last input) and
+    gives the output back contiguous NCHW, as torch's own layers would."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1), nn.ReLU(), nn.Conv2d(16, 32, 1),
+                        nn.ReLU(), nn.Conv2d(32, 16, 3, 1, 1)).eval()
+    x = torch.randn(1, 3, 20, 20)
+    assert not x.is_contiguous(memory_format=torch.channels_last)
+    fast = tt.convert(net, example_input=x, progress=False)
+    assert len(_sequences(fast)) == 1
+    for _ in range(3):
+        y = _check(fast, net, x)
+    assert _bound(fast) == ["_BoundSequence"]
+    assert y.is_contiguous() and not y.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        y_cl = fast(x.contiguous(memory_format=torch.channels_last))
+    assert y_cl.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, y_cl)
+
+
 def test_weight_edits_repacks_and_setting_changes_rebind_the_program(converted):
     model, fast, x = converted
     for _ in range(2):
