@@ -88,10 +88,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--record", action="store_true",
+                        help="write the table's result file for the results page")
     args = parser.parse_args(argv)
     cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].split("\n")[0]
     print(f"# {cpu.strip()}; per call, NHWC for ttile, NCHW for the engines; medians of "
           f"{args.reps} interleaved rounds")
+    lines = []
     for threads in args.threads:
         try:
             import torch
@@ -101,17 +104,30 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         rows = [bench_layer(layer, threads, args.reps, rng) for layer in LAYERS]
         labels = list(rows[0]["ms"])
-        print(f"\n{threads} thread(s)\n")
-        print("| layer | served by | " + " | ".join(f"{l} ms" for l in labels)
-              + " | best / ttile |")
-        print("|---|---|" + "---|" * len(labels) + "---|")
+        table = [f"{threads} thread(s), medians of {args.reps} interleaved rounds", "",
+                 "| layer | served by | " + " | ".join(f"{l} ms" for l in labels)
+                 + " | best / ttile |", "|---|---|" + "---|" * len(labels) + "---|"]
         for row in rows:
-            print(f"| {row['name']} | {row['kind']} | "
-                  + " | ".join(f"{row['ms'].get(l, float('nan')):.3f}" for l in labels)
-                  + f" | {row['ratio']:.2f} |", flush=True)
+            table.append(f"| {row['name']} | {row['kind']} | "
+                         + " | ".join(f"{row['ms'].get(l, float('nan')):.3f}" for l in labels)
+                         + f" | {row['ratio']:.2f} |")
         ratios = [row["ratio"] for row in rows]
-        print(f"\ngeomean best / ttile: {float(np.exp(np.mean(np.log(ratios)))):.2f}; "
-              f"lowest {min(ratios):.2f}")
+        table += ["", f"geomean best / ttile: {float(np.exp(np.mean(np.log(ratios)))):.2f}; "
+                      f"lowest {min(ratios):.2f}", ""]
+        print("\n" + "\n".join(table), flush=True)
+        lines += table
+    if args.record:
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import results as records
+        records.write("grouped", "Grouped convolutions (AlexNet, ShuffleNet, ResNeXt-50), "
+                      "per call against torch, onnxruntime and OpenVINO", lines,
+                      threads=args.threads,
+                      peers={p.value: peers.version(p) for p in peers.available()},
+                      kernels=records.kernel_set(),
+                      tuning=f"{ttile.tuning_policy().mode} (the first call searches each "
+                             f"grouped layer as one problem)")
     return 0
 
 
