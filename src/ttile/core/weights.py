@@ -22,10 +22,15 @@ def pack_panels(w: np.ndarray, spec: ConvSpec, panel: int, nthreads: int = 1) ->
     previous group's."""
     if spec.groups == 1:
         return _kernels.pack_weights(w, panel, nthreads)
-    k = spec.k
-    return np.concatenate([_kernels.pack_weights(np.ascontiguousarray(w[..., g * k:(g + 1) * k]),
-                                                 panel, nthreads)
-                           for g in range(spec.groups)])
+    k, per = spec.k, -(-spec.k // panel)
+    out = _kernels.empty_aligned(spec.packed_weight_shape(panel))   # on a line, as one group's
+    for g in range(spec.groups):
+        part = out[g * per:(g + 1) * per]
+        packed = _kernels.pack_weights(np.ascontiguousarray(w[..., g * k:(g + 1) * k]), panel,
+                                       nthreads, part)
+        if packed is not part:   # a panel as wide as the group: its RSCK, given as a view
+            part[...] = packed
+    return out
 
 
 def grouped_blocks(rsck: np.ndarray) -> np.ndarray:
