@@ -556,6 +556,10 @@ def test_a_grouped_problems_kernel_computes_each_group_in_place(case):
     spec = replace(one, groups=3)
     kernel = generate(Scheme.parse(text), spec, weight_prefetch=True)
     assert kernel.nchw_name is None and "_group(" in kernel.code
+    # a scheme with parallel loops runs them in each group; one without shares the groups
+    # among the threads (each group's kernel on one thread)
+    across = "shared among the threads" in kernel.code
+    assert across == (case != "parallel_reductions_outer"), case
     if case == "parallel_reductions_outer":
         assert "memset(y, 0" not in kernel.code and "memset(y + p * " in kernel.code
     library = build([kernel])

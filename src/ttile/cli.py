@@ -703,6 +703,8 @@ def _cmd_network(args: argparse.Namespace) -> int:
                     if record.scheme in by_text:
                         variants = parallel_variants(by_text[record.scheme], one, threads,
                                                      isa)
+                        if spec.groups >= threads:   # as it is: threads share the groups
+                            variants = [by_text[record.scheme], *variants]
                         parallel += variants
                         sources += bool(variants)
                 tune_layer(layer.name, spec, parallel, threads, database, bench, settings,

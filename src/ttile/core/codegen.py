@@ -764,7 +764,8 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
                 f"        memset(y + p * {gen.y_pixel}, 0, sizeof(float) * {spec.k});"]
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
     if grouped:
-        out += _group_loop(name, signature, spec, panel=vectors.lanes * _block_of(tree).count("k"))
+        out += _group_loop(name, signature, spec, panel=vectors.lanes * _block_of(tree).count("k"),
+                           across=not _has_parallel(tree))
     if nchw is not None:
         entry = [f"const int {nchw_body.names[d]} = 0;" for d in DIMS]
         out += [f"/* NCHW output, tile by tile (see ttile_store_nchw512). */",
@@ -777,15 +778,25 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
                         isa=vectors.isa, nchw_name=None if nchw is None else nchw_name(name))
 
 
-def _group_loop(name: str, signature: str, spec: ConvSpec, panel: int) -> list[str]:
-    """The entry point of a grouped problem: the group's kernel on each group in turn,
-    its input, weights, output, bias and residual offset to that group's channels (the
-    group's kernel parallelises within the group, as a layer's does)."""
+def _group_loop(name: str, signature: str, spec: ConvSpec, panel: int,
+                across: bool) -> list[str]:
+    """The entry point of a grouped problem: the group's kernel on each group, its input,
+    weights, output, bias and residual offset to that group's channels. A scheme with
+    parallel loops parallelises within each group, the groups one after the other; a
+    scheme without (``across``) runs on one thread a group, the groups shared among the
+    threads: the group loop is then the parallel one (ResNeXt-50's 32 groups of 7x7x32
+    leave too little work in one group for two threads)."""
     weights = -(-spec.k // panel) * spec.r * spec.s * spec.c * panel
-    return [f"/* {spec.groups} groups of the kernel above, one after the other. */",
-            f"void {name}{signature}",
-            "{",
-            f"    for (int g = 0; g < {spec.groups}; g++) {{",
+    head = ([f"/* {spec.groups} groups of the kernel above, shared among the threads. */",
+             f"void {name}{signature}",
+             "{",
+             "#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)",
+             f"    for (int g = 0; g < {spec.groups}; g++) {{"] if across else
+            [f"/* {spec.groups} groups of the kernel above, one after the other. */",
+             f"void {name}{signature}",
+             "{",
+             f"    for (int g = 0; g < {spec.groups}; g++) {{"])
+    return [*head,
             "        ttile_epilogue e;",
             "        const ttile_epilogue *eg = NULL;",
             "        if (ep != NULL) {",
@@ -795,7 +806,7 @@ def _group_loop(name: str, signature: str, spec: ConvSpec, panel: int) -> list[s
             "            eg = &e;",
             "        }",
             f"        {name}_group(x + (int64_t)g * {spec.c}, w + (int64_t)g * {weights}, "
-            f"y + (int64_t)g * {spec.k}, nthreads, eg);",
+            f"y + (int64_t)g * {spec.k}, {'1' if across else 'nthreads'}, eg);",
             "    }",
             "}",
             ""]

@@ -251,14 +251,22 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     budget = settings.budget_seconds
     model = _load_ranker(cache_root) if settings.ranked else None
     # a grouped problem's schemes tile one group (the kernel runs them group by group),
-    # and are compiled, checked and timed on the whole problem
+    # and are compiled, checked and timed on the whole problem; on several threads, a
+    # one-thread scheme is a candidate too: its kernel shares the groups among the
+    # threads (codegen's group loop)
+    across = threads > 1 and spec.groups >= threads
     if model is not None:
         chosen = ranked_candidates(spec.one_group, threads, settings, cache_root, isa, model)
+        if across:
+            chosen += ranked_candidates(spec.one_group, 1, settings, cache_root, isa,
+                                        model)[:1]
         per_kernel, final_seconds = (settings.ranked_seconds_per_kernel,
                                      settings.ranked_final_seconds)
     else:
-        chosen, _ = candidates(spec.one_group, threads, settings,
-                               started + settings.model_fraction * budget, cache_root, isa)
+        deadline = started + settings.model_fraction * budget
+        chosen, _ = candidates(spec.one_group, threads, settings, deadline, cache_root, isa)
+        if across:
+            chosen += candidates(spec.one_group, 1, settings, deadline, cache_root, isa)[0][:2]
         per_kernel, final_seconds = settings.target_seconds_per_kernel, settings.final_seconds
     bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)
     generic_seconds = statistics.median(
