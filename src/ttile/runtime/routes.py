@@ -285,13 +285,14 @@ def _family_choice(plan: CallPlan, isa: Isa, nthreads: int, per_call: bool,
 def _grouped_search(plan: CallPlan, isa: Isa, nthreads: int, use_tuned: bool,
                     tune: bool) -> Optional[dispatch.KernelChoice]:
     """The verdict on a grouped call's problem searched as one (``ConvSpec.groups``: a
-    scheme tiles one group, its kernel runs the groups in turn, reading and writing each
+    scheme tiles one group, its kernel runs it on every group, reading and writing each
     group's channels where they are), measured against the kernel that serves the call
     otherwise (``_grouped_fallback``); None where no vector kernel can be searched.
     ShuffleNet's grouped 1x1 layers and AlexNet's groups of 2 are such problems: layers
     of 12-192 channels a group, which the generic kernel ran group by group at half the
-    speed of their searched kernels; ResNeXt's groups of 4 to 16 channels stay with the
-    grouped kernel, which its searched kernels did not beat (Xeon model 207, 1 thread)."""
+    speed of their searched kernels; ResNeXt's groups of 4 and 8 channels stay with the
+    grouped kernel, which their searched kernels did not beat, its groups of 16 and 32
+    go to theirs (Xeon model 207, 1 and 2 threads)."""
     if not isa.vector:
         return None
     return dispatch.choose(replace(plan.spec, groups=plan.groups), plan.layout, nthreads,
