@@ -117,10 +117,7 @@ def main(argv=None) -> int:
         print("\n" + "\n".join(table), flush=True)
         lines += table
     if args.record:
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import results as records
+        import results as records   # beside this script
         records.write("grouped", "Grouped convolutions (AlexNet, ShuffleNet, ResNeXt-50), "
                       "per call against torch, onnxruntime and OpenVINO", lines,
                       threads=args.threads,

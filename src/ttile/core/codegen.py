@@ -763,9 +763,9 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
         out += [f"    for (int64_t p = 0; p < {spec.n * spec.ho * spec.wo}; p++)",
                 f"        memset(y + p * {gen.y_pixel}, 0, sizeof(float) * {spec.k});"]
     out += _indent(entry) + _indent(body.lines) + ["}", ""]
+    panel = vectors.lanes * _block_of(tree).count("k")
     if grouped:
-        out += _group_loop(name, signature, spec, panel=vectors.lanes * _block_of(tree).count("k"),
-                           across=not _has_parallel(tree))
+        out += _group_loop(name, signature, spec, panel, across=not _has_parallel(tree))
     if nchw is not None:
         entry = [f"const int {nchw_body.names[d]} = 0;" for d in DIMS]
         out += [f"/* NCHW output, tile by tile (see ttile_store_nchw512). */",
@@ -773,7 +773,6 @@ def generate(scheme: Scheme, spec: ConvSpec, command: str = "ttile.codegen.gener
                 "{",
                 "    (void)nthreads;",
                 *_indent(entry), *_indent(nchw_body.lines), "}", ""]
-    panel = vectors.lanes * _block_of(tree).count("k")
     return KernelSource(name=name, spec=spec, scheme=scheme, code="\n".join(out), panel=panel,
                         isa=vectors.isa, nchw_name=None if nchw is None else nchw_name(name))
 
@@ -789,16 +788,13 @@ def _group_loop(name: str, signature: str, spec: ConvSpec, panel: int,
     105, and its groups of 32 at stride 2 at 282 against the generic kernel's 172, where
     no scheme parallel within a group had won (Xeon model 207, run-time tuning)."""
     weights = -(-spec.k // panel) * spec.r * spec.s * spec.c * panel
-    head = ([f"/* {spec.groups} groups of the kernel above, shared among the threads. */",
-             f"void {name}{signature}",
-             "{",
-             "#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)",
-             f"    for (int g = 0; g < {spec.groups}; g++) {{"] if across else
-            [f"/* {spec.groups} groups of the kernel above, one after the other. */",
-             f"void {name}{signature}",
-             "{",
-             f"    for (int g = 0; g < {spec.groups}; g++) {{"])
-    return [*head,
+    how = "shared among the threads" if across else "one after the other"
+    return [f"/* {spec.groups} groups of the kernel above, {how}. */",
+            f"void {name}{signature}",
+            "{",
+            *(["#pragma omp parallel for schedule(static) num_threads(nthreads) "
+               "if (nthreads > 1)"] if across else []),
+            f"    for (int g = 0; g < {spec.groups}; g++) {{",
             "        ttile_epilogue e;",
             "        const ttile_epilogue *eg = NULL;",
             "        if (ep != NULL) {",

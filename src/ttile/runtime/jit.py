@@ -155,10 +155,13 @@ def ranker_problem() -> str:
 
 
 def ranked_candidates(spec: ConvSpec, threads: int, settings: JitSettings,
-                      cache_root: Optional[Path], isa: Isa, model) -> list:
+                      cache_root: Optional[Path], isa: Isa, model,
+                      across: bool = False) -> list:
     """The learned ranking's first picks among the completions of the best classes'
     reduction-innermost loop orders (no model permutation is solved: that took most of
-    the 20 s search), parallel variants at ``threads`` > 1."""
+    the 20 s search), parallel variants at ``threads`` > 1; with ``across``, also the
+    first one-thread pick (a grouped problem's kernel then shares its groups among the
+    threads)."""
     from ..core.cpuinfo import fingerprint
     from ..core.scheme import Scheme
     from ..core.vectors import vector_isa
@@ -186,25 +189,30 @@ def ranked_candidates(spec: ConvSpec, threads: int, settings: JitSettings,
                                                 cls.alpha, b) for _, b in point.betas)
                 pool.append(Candidate(Scheme(specifiers), shapes, reduction_above(point),
                                       0.0, origin=LoopFamily.REDUCTION_INNERMOST))
-    if threads > 1:
-        pool = [v for c in pool for v in parallel_variants(c, spec, threads, isa)]
-    rows, kept = [], []
-    for candidate in pool:
-        row = features(spec, candidate.scheme, threads, isa, context)
-        if row is not None:
-            rows.append(row)
-            kept.append(candidate)
-    if not kept:
-        return []
-    scores = model.scores(np.stack(rows))
-    order = np.argsort(-scores, kind="stable")
-    return [kept[i] for i in order[:settings.ranked_measure]]
+    def first(pool: list, threads: int, count: int) -> list:
+        rows, kept = [], []
+        for candidate in pool:
+            row = features(spec, candidate.scheme, threads, isa, context)
+            if row is not None:
+                rows.append(row)
+                kept.append(candidate)
+        if not kept:
+            return []
+        order = np.argsort(-model.scores(np.stack(rows)), kind="stable")
+        return [kept[i] for i in order[:count]]
+
+    if threads == 1:
+        return first(pool, 1, settings.ranked_measure)
+    parallel = [v for c in pool for v in parallel_variants(c, spec, threads, isa)]
+    return first(parallel, threads, settings.ranked_measure) + (
+        first(pool, 1, 1) if across else [])
 
 
 def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: float,
-               cache_root: Optional[Path], isa: Isa = Isa.AVX512F):
+               cache_root: Optional[Path], isa: Isa = Isa.AVX512F, across: bool = False):
     """The schemes worth compiling: the model's best few of each of the best classes
-    of the vector family ``isa``."""
+    of the vector family ``isa`` (at ``threads`` > 1 their parallel variants, and with
+    ``across`` the best two as they are: see ``ranked_candidates``)."""
     from ..core.vectors import vector_isa
     from ..generator.search import classes_for, class_fits, parallel_variants, scheme_space
     table = _load_microkernel_table(cache_root, isa)
@@ -231,8 +239,8 @@ def candidates(spec: ConvSpec, threads: int, settings: JitSettings, deadline: fl
             variants = parallel_variants(candidate, spec, threads, isa)
             if variants:
                 parallel.append(variants[0])
-        chosen = parallel
-    return chosen[:settings.max_candidates], table.peak_gflops
+        chosen = parallel[:settings.max_candidates] + (chosen[:2] if across else [])
+    return chosen[:settings.max_candidates + 2], table.peak_gflops
 
 
 def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
@@ -256,17 +264,14 @@ def tune(spec: ConvSpec, threads: int, settings: JitSettings = JitSettings(),
     # threads (codegen's group loop)
     across = threads > 1 and spec.groups >= threads
     if model is not None:
-        chosen = ranked_candidates(spec.one_group, threads, settings, cache_root, isa, model)
-        if across:
-            chosen += ranked_candidates(spec.one_group, 1, settings, cache_root, isa,
-                                        model)[:1]
+        chosen = ranked_candidates(spec.one_group, threads, settings, cache_root, isa, model,
+                                   across)
         per_kernel, final_seconds = (settings.ranked_seconds_per_kernel,
                                      settings.ranked_final_seconds)
     else:
-        deadline = started + settings.model_fraction * budget
-        chosen, _ = candidates(spec.one_group, threads, settings, deadline, cache_root, isa)
-        if across:
-            chosen += candidates(spec.one_group, 1, settings, deadline, cache_root, isa)[0][:2]
+        chosen, _ = candidates(spec.one_group, threads, settings,
+                               started + settings.model_fraction * budget, cache_root, isa,
+                               across)
         per_kernel, final_seconds = settings.target_seconds_per_kernel, settings.final_seconds
     bench = LayerBench.make(spec, copy_bytes=8 << 20, max_copies=4, seed=1)
     generic_seconds = statistics.median(
