@@ -292,8 +292,14 @@ def _grouped_search(plan: CallPlan, isa: Isa, nthreads: int, use_tuned: bool,
     of 12-192 channels a group, which the generic kernel ran group by group at half the
     speed of their searched kernels; ResNeXt's groups of 4 and 8 channels stay with the
     grouped kernel, which their searched kernels did not beat, its groups of 16 and 32
-    go to theirs (Xeon model 207, 1 and 2 threads)."""
-    if not isa.vector:
+    go to theirs (Xeon model 207, 1 and 2 threads).
+
+    NHWC calls only: a searched grouped kernel has no NCHW entry point, and converting
+    around it lost to the generic kernel reading NCHW in place (per call, 1 thread:
+    AlexNet-conv4 5.2 ms against 2.2-2.6, ResNeXt-50's last grouped layer 1.2-1.3
+    against 0.55, ShuffleNet's 0.27-0.44 against 0.21-0.34). A converted network's
+    layers are NHWC calls."""
+    if not isa.vector or plan.layout != "NHWC":
         return None
     return dispatch.choose(replace(plan.spec, groups=plan.groups), plan.layout, nthreads,
                            isa, use_tuned, tune=tune)
