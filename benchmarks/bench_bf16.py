@@ -47,7 +47,15 @@ input), ``OpenVINO default``, ``OpenVINO bf16``, ``torch autocast`` (the channel
 model under autocast), with ``ttile fp32``, ``OpenVINO f32`` and ``onnxruntime`` (fp32:
 its CPU provider has no bf16 convolution) for reference.
 
-``--record`` writes the tables' result files for the results page (``results.py``).
+With ``--interleaved`` (networks), the contenders run in one process instead, interleaved
+in rounds of a shuffled order (``interleaved``): on a host whose speed swings within
+minutes the alone runs can each meet a different spell (on the lent 16-core Xeon model
+207, OpenVINO's ResNet-50 at 1 thread took 11.7 ms in one run and 30.3 in the next),
+where a round's contenders meet the same one.
+
+``--record`` writes the tables' result files for the results page (``results.py``); a
+networks table is named for the cores it ran on (machines of one CPU model differ in
+cores, and their tables would otherwise replace each other).
 """
 from __future__ import annotations
 
@@ -167,42 +175,86 @@ def layer_child(label: str, names: list[str], threads: int, reps: int,
     return out
 
 
-def network_child(label: str, names: list[str], threads: int, reps: int,
-                  errors: bool = True) -> dict:
+def _network_call(label: str, name: str, threads: int):
+    """(call, fp32 torch output of the unrounded input) for contender ``label`` on
+    network ``name``; call it under ``torch.no_grad()``."""
     import torch
 
     import ttile.torch as tt
     from bench_network import models, onnx_export
     from ttile import peers
+    model, model_cl, x, x_cl = models(name, 1)
+    with torch.no_grad():
+        want = model(x).numpy()
+        if label.startswith("ttile"):
+            precision = "fp32" if label == "ttile fp32" else "bf16"
+            converted = tt.convert(model, example_input=x_cl, threads=threads,
+                                   progress=False, precision=precision)
+
+            def call():
+                return converted(x_cl).numpy()
+        elif label == "torch autocast":
+            def call():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return model_cl(x_cl).float().numpy()
+        elif label == "onnxruntime":
+            call = peers.onnx_runner(peers.Peer.ONNXRUNTIME, onnx_export(model, x),
+                                     x.numpy(), threads)
+        else:
+            precision = {"OpenVINO default": None, "OpenVINO bf16": "bf16",
+                         "OpenVINO f32": "f32"}[label]
+            call = peers.onnx_runner(peers.Peer.OPENVINO, onnx_export(model, x),
+                                     x.numpy(), threads, precision)
+    return call, want
+
+
+def _error(call, want) -> float:
+    return float(np.abs(np.asarray(call(), np.float64) - want).max() / np.abs(want).max())
+
+
+def network_child(label: str, names: list[str], threads: int, reps: int,
+                  errors: bool = True) -> dict:
+    import torch
     torch.set_num_threads(threads)
     out = {}
     for name in names:
-        model, model_cl, x, x_cl = models(name, 1)
+        call, want = _network_call(label, name, threads)
         with torch.no_grad():
-            want = model(x).numpy()
-            if label.startswith("ttile"):
-                precision = "fp32" if label == "ttile fp32" else "bf16"
-                converted = tt.convert(model, example_input=x_cl, threads=threads,
-                                       progress=False, precision=precision)
-
-                def call():
-                    return converted(x_cl).numpy()
-            elif label == "torch autocast":
-                def call():
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        return model_cl(x_cl).float().numpy()
-            elif label == "onnxruntime":
-                call = peers.onnx_runner(peers.Peer.ONNXRUNTIME, onnx_export(model, x),
-                                         x.numpy(), threads)
-            else:
-                precision = {"OpenVINO default": None, "OpenVINO bf16": "bf16",
-                             "OpenVINO f32": "f32"}[label]
-                call = peers.onnx_runner(peers.Peer.OPENVINO, onnx_export(model, x),
-                                         x.numpy(), threads, precision)
-            error = float(np.abs(np.asarray(call(), np.float64) - want).max()
-                          / np.abs(want).max())
-            out[name] = {"ms": _timed(call, reps), "error": error}
+            out[name] = {"error": _error(call, want), "ms": _timed(call, reps)}
     return out
+
+
+def interleaved(contenders, names, threads: int, reps: int, rounds: int,
+                seed: int = 0) -> list[dict]:
+    """Every contender in this one process, per network in ``rounds`` rounds with the
+    contenders in a seeded shuffled order each round, each turn ``reps`` back-to-back
+    calls after one untimed call and 15 ms of quiet (the engines' worker threads spin
+    after their calls): one dict per round, as :func:`in_children` gives. A slow spell
+    of a shared host then hits every contender of a round alike, where the contenders
+    alone, minutes apart, can each meet a different one."""
+    import time
+
+    import torch
+    torch.set_num_threads(threads)
+    shuffle = random.Random(seed).shuffle
+    results: list[dict] = [{label: {} for label in contenders} for _ in range(rounds)]
+    for name in names:
+        calls, errors = {}, {}
+        for label in contenders:
+            call, want = _network_call(label, name, threads)
+            with torch.no_grad():
+                errors[label] = _error(call, want)
+            calls[label] = call
+        order = list(contenders)
+        with torch.no_grad():
+            for round_ in results:
+                shuffle(order)
+                for label in order:
+                    time.sleep(0.015)
+                    round_[label][name] = {"ms": median_seconds(calls[label], reps,
+                                                                warmup=1) * 1e3,
+                                           "error": errors[label]}
+    return results
 
 
 def in_children(mode: str, contenders, names, threads: int, reps: int, rounds: int,
@@ -297,6 +349,9 @@ def main(argv=None) -> int:
                         help="layers (default: the Fig. 8 layers) or networks "
                              "(default: resnet50 mobilenet_v2)")
     parser.add_argument("--contenders", nargs="+", default=None)
+    parser.add_argument("--interleaved", action="store_true",
+                        help="networks: every contender in one process, interleaved in "
+                             "rounds (instead of each alone in a process of its own)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--no-errors", dest="errors", action="store_false",
                         help=argparse.SUPPRESS)
@@ -318,10 +373,16 @@ def main(argv=None) -> int:
     from ttile import peers
     ov_default = peers.openvino_precision()
     from bench_conv import commit, cpu_model
-    lines = [f"CPU: {cpu_model()}; commit {commit()}; each contender alone in its own "
-             f"process, {args.rounds} rounds, {reps} calls each", ""]
+    if args.interleaved and args.mode != "networks":
+        parser.error("--interleaved times networks only")
+    how = ("interleaved in one process, in a shuffled order each round" if args.interleaved
+           else "each contender alone in its own process")
+    lines = [f"CPU: {cpu_model()}; commit {commit()}; {how}, {args.rounds} rounds, {reps} "
+             f"calls each", ""]
     for threads in args.threads:
-        results = in_children(args.mode, contenders, names, threads, reps, args.rounds)
+        results = interleaved(contenders, names, threads, reps, args.rounds) \
+            if args.interleaved else \
+            in_children(args.mode, contenders, names, threads, reps, args.rounds)
         lines += table(args.mode, results, names, threads, ov_default) + [""]
         print("\n".join(lines), flush=True)
     if args.record:
@@ -330,8 +391,13 @@ def main(argv=None) -> int:
 
         import ttile
         import openvino
-        records.write(f"bf16-{args.mode}", f"bf16 {args.mode}: ttile against OpenVINO "
-                      f"(default: {ov_default}) and torch", lines, threads=args.threads,
+        table_name, title = f"bf16-{args.mode}", f"bf16 {args.mode}: ttile against OpenVINO " \
+            f"(default: {ov_default}) and torch"
+        if args.mode == "networks":   # the machines of one CPU model differ in cores
+            cores = len(os.sched_getaffinity(0))
+            table_name += ("-interleaved" if args.interleaved else "") + f"-{cores}-cores"
+            title += f", {how}, on {cores} cores"
+        records.write(table_name, title, lines, threads=args.threads,
                       peers={"torch": torch.__version__, "openvino": openvino.__version__},
                       kernels=records.kernel_set(), tuning="bf16 kernels (AMX or "
                       "AVX512_BF16), no search", notes=f"bf16 kind here: "

@@ -68,8 +68,11 @@ def cpu_model() -> str:
 
 def commit() -> str:
     """The checkout's commit (short id, "+dirty" with uncommitted changes), so a table can
-    be tied to the code that made it; "unknown" outside a git checkout."""
+    be tied to the code that made it; $TTILE_BENCH_COMMIT where set (a copy of the
+    checkout without its .git, on another machine); "unknown" outside a git checkout."""
     import subprocess
+    if os.environ.get("TTILE_BENCH_COMMIT"):
+        return os.environ["TTILE_BENCH_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=here,
