@@ -164,6 +164,7 @@ typedef struct {
     int y_nchw;          /* fp32 y and residual in NCHW (store_nchw) */
     int stream;          /* NHWC y stored past the caches (non-temporal) */
     int64_t a_stride, taps, nq, kc, chunk, block, image, pairs;
+    int64_t gc, gkq;     /* grouped: a super-group's channels and channel pairs (0: dense) */
     const int64_t *off;
     /* An unpacked input's last tile, whose rows run past the input's end: its rows in a
      * zero-padded copy (NULL: the input is packed, with slack after it). */
@@ -408,6 +409,30 @@ static inline void finish(const amx_call *c, int64_t n, int64_t t0, int64_t t1, 
     }
 }
 
+/* One work item: pixel-tile pair mi, channel pair kq. */
+static inline void amx_item(const amx_call *c, const uint16_t *xb, const uint16_t *wb,
+                            int64_t mi, int64_t kq, float *acc, pair_outputs *out)
+{
+    const uint16_t *a0, *a1;
+    int64_t n, t0, t1;
+    pair_rows(c, xb, mi, &a0, &a1, &n, &t0, &t1);
+    if (c->gc) {   /* the super-group's channels */
+        a0 += kq / c->gkq * c->gc;
+        a1 += kq / c->gkq * c->gc;
+    }
+    const uint16_t *b0 = wb + 2 * kq * c->block;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (t1 == t0) {
+        reduce_one(c, a0, b0, b0 + c->block);
+    } else {
+        _tile_zero(2);
+        _tile_zero(3);
+        reduce(c, a0, a1, b0, b0 + c->block, 0, c->nq);
+    }
+    finish(c, n, t0, t1, kq, acc, out);
+}
+
 static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16_t *wb,
                    void *y, int y_bf16, int y_nchw, int nthreads, const ttile_epilogue *ep,
                    const uint16_t *tail, int64_t tail_n, int64_t tail_tile)
@@ -439,10 +464,12 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
                && p->n * p->ho * p->wo * p->k * element > (l2 > 0 ? l2 : (int64_t)2 << 20);
     c.a_stride = c.t.pixel_stride * (int64_t)sizeof(uint16_t);
     c.taps = p->r * p->s;
-    c.nq = p->cp / p->kc;
+    c.nq = ttile_bf16_reduced(p) / p->kc;
     c.kc = p->kc;
     c.chunk = p->kc * 16;
-    c.block = c.taps * p->cp * 16;   /* weight elements of 16 output channels */
+    c.block = c.taps * ttile_bf16_reduced(p) * 16;   /* weight elements of 16 channels */
+    c.gc = p->gc;
+    c.gkq = p->gkq;
     c.image = ttile_bf16_image_elems(p);
     c.pairs = (c.t.blocks + 1) / 2;
     c.tail = tail;
@@ -472,22 +499,8 @@ static int amx_run(const ttile_bf16_problem *p, const uint16_t *xb, const uint16
             const int64_t g1 = g0 + group < kpairs ? g0 + group : kpairs;
 #pragma omp for collapse(2) schedule(static)
             for (int64_t mi = 0; mi < mpairs; mi++)
-                for (int64_t kq = g0; kq < g1; kq++) {
-                    const uint16_t *a0, *a1;
-                    int64_t n, t0, t1;
-                    pair_rows(&c, xb, mi, &a0, &a1, &n, &t0, &t1);
-                    const uint16_t *b0 = wb + 2 * kq * c.block;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    if (t1 == t0) {
-                        reduce_one(&c, a0, b0, b0 + c.block);
-                    } else {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        reduce(&c, a0, a1, b0, b0 + c.block, 0, c.nq);
-                    }
-                    finish(&c, n, t0, t1, kq, acc, &out);
-                }
+                for (int64_t kq = g0; kq < g1; kq++)
+                    amx_item(&c, xb, wb, mi, kq, acc, &out);
         }
         if (c.stream)
             _mm_sfence();   /* this thread's streamed lines before anyone reads them */

@@ -67,14 +67,17 @@ int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,
         ep = &none;
     const ttile_bf16_tiling t = ttile_bf16_tiling_of(p, NW);
     const int64_t taps = p->r * p->s;
-    const int64_t block = taps * p->cp * 16;   /* weight elements of 16 output channels */
+    const int64_t reduced = ttile_bf16_reduced(p);   /* channels an output reduces over */
+    const int64_t block = taps * reduced * 16;   /* weight elements of 16 output channels */
     int64_t *off = malloc((size_t)taps * sizeof(int64_t));
     if (off == 0)
         return -1;
     ttile_bf16_tap_offsets(p, off);
     const int64_t image = ttile_bf16_image_elems(p);
-    const int64_t kquads = (p->kp + 63) / 64;   /* blocks of 64 channels, the last maybe 32 */
-    const int64_t quad_bytes = block * 4 * (int64_t)sizeof(uint16_t);
+    /* blocks of 64 channels, the last maybe 32; grouped, blocks of 32 (a super-group's
+     * channels are 32 gkq) */
+    const int64_t width = p->gc ? 32 : 64, kquads = (p->kp + width - 1) / width;
+    const int64_t quad_bytes = block * (width / 16) * (int64_t)sizeof(uint16_t);
     int64_t group = ttile_generic_cache_bytes() / quad_bytes;
     if (group < 1)
         group = 1;
@@ -89,19 +92,21 @@ int ttile_conv_bf16_avx512(const ttile_bf16_problem *p, const uint16_t *xb,
                 for (int64_t kq = g0; kq < g1; kq++) {
                     const int64_t n = mi / t.blocks, b = mi % t.blocks;
                     const uint16_t *a = xb + n * image + ttile_bf16_block_base(p, &t, b);
-                    const uint16_t *wk = wb + 4 * kq * block;
-                    const int nv = p->kp - kq * 64 >= 64 ? 4 : 2;
+                    if (p->gc)   /* the super-group's channels */
+                        a += kq / p->gkq * p->gc;
+                    const uint16_t *wk = wb + (width / 16) * kq * block;
+                    const int nv = width == 64 && p->kp - kq * 64 >= 64 ? 4 : 2;
                     if (nv == 4)
-                        block_6x4(a, t.pixel_stride, off, taps, p->cp, wk, block, acc);
+                        block_6x4(a, t.pixel_stride, off, taps, reduced, wk, block, acc);
                     else
-                        block_6x2(a, t.pixel_stride, off, taps, p->cp, wk, block, acc);
+                        block_6x2(a, t.pixel_stride, off, taps, reduced, wk, block, acc);
                     for (int i = 0; i < NW; i++) {
                         int64_t oh, ow;
                         if (!ttile_bf16_pixel(p, &t, b, i, &oh, &ow))
                             continue;
                         const int64_t at = ((n * p->ho + oh) * p->wo + ow) * p->k;
                         for (int v = 0; v < nv; v++) {
-                            const int64_t k0 = kq * 64 + v * 16;
+                            const int64_t k0 = kq * width + v * 16;
                             if (k0 >= p->k)
                                 break;
                             ttile_bf16_store16(ep, y, y_bf16, at + k0, k0,

@@ -46,7 +46,19 @@ typedef struct {
     int64_t r, s;                /* filter */
     int64_t stride_h, stride_w, dil_h, dil_w;
     int64_t phases;              /* 1: stride 2 (both), dilation 1, in phase planes; else 0 */
+    /* Grouped (0 and 0: dense): the groups taken a few at a time, as super-groups of gc
+     * input channels and 32 gkq output channels, each a dense problem whose weights are
+     * block diagonal (its groups' own, zeros between them). Channel pair kq reduces over
+     * super-group kq / gkq's gc channels of the packed input, from channel
+     * (kq / gkq) gc on; the weights hold gc channels per 16-channel block. */
+    int64_t gc, gkq;
 } ttile_bf16_problem;
+
+/* Input channels one output channel reduces over: a super-group's, or all of them. */
+static inline int64_t ttile_bf16_reduced(const ttile_bf16_problem *p)
+{
+    return p->gc ? p->gc : p->cp;
+}
 
 /* The phase planes a packed image holds, along rows and along columns (1 without phases). */
 static inline int64_t ttile_bf16_plane_rows(const ttile_bf16_problem *p)
@@ -99,7 +111,7 @@ static inline int64_t ttile_bf16_input_elems(const ttile_bf16_problem *p)
 
 static inline int64_t ttile_bf16_weight_elems(const ttile_bf16_problem *p)
 {
-    return p->kp * p->r * p->s * p->cp;
+    return p->kp * p->r * p->s * ttile_bf16_reduced(p);
 }
 
 /* Which output pixels a kernel's block of `width` pixels computes (AMX tiles: 16; the

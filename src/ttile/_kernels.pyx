@@ -1494,6 +1494,7 @@ cdef extern from "ttile_bf16.h" nogil:
         int64_t r, s
         int64_t stride_h, stride_w, dil_h, dil_w
         int64_t phases
+        int64_t gc, gkq
     int64_t ttile_bf16_input_elems(const ttile_bf16_problem *p)
     int64_t ttile_bf16_weight_elems(const ttile_bf16_problem *p)
     void ttile_bf16_pack_input(const ttile_bf16_problem *p, const void *x, int x_bf16,
@@ -1567,11 +1568,18 @@ def amx_usable():
 
 cdef int _bf16_problem(ttile_bf16_problem *p, tuple fields) except -1:
     """Fill and check a packed problem from (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
-    stride_h, stride_w, dil_h, dil_w, phases)."""
-    if len(fields) != 16:
-        raise ValueError("a bf16 problem has 16 fields")
+    stride_h, stride_w, dil_h, dil_w, phases), and (gc, gkq) after them for a grouped one
+    (ttile_bf16.h)."""
+    if len(fields) not in (16, 18):
+        raise ValueError("a bf16 problem has 16 fields, or 18 grouped")
     (p.n, p.ho, p.wo, p.k, p.hp, p.wp, p.cp, p.kc, p.kp, p.r, p.s, p.stride_h, p.stride_w,
-     p.dil_h, p.dil_w, p.phases) = fields
+     p.dil_h, p.dil_w, p.phases) = fields[:16]
+    p.gc, p.gkq = fields[16:] if len(fields) == 18 else (0, 0)
+    if (p.gc or p.gkq) and (p.gc < p.kc or p.gc % p.kc or p.cp % p.gc or p.gkq < 1
+                            or p.k != p.kp or (p.cp // p.gc) * 32 * p.gkq != p.kp):
+        raise ValueError(f"bad grouped bf16 problem {fields}: super-groups of gc channels "
+                         f"(a multiple of kc dividing cp) and 32 gkq output channels, as "
+                         f"many as cp / gc, covering k")
     if min(p.n, p.ho, p.wo, p.k, p.r, p.s, p.stride_h, p.stride_w, p.dil_h, p.dil_w) < 1:
         raise ValueError(f"bad bf16 problem {fields}")
     if p.kc < 2 or p.kc > 32 or p.kc % 2 or p.cp < p.kc or p.cp % p.kc \
@@ -1694,6 +1702,9 @@ def bf16_pack_weights(cnp.ndarray w, tuple problem, int nthreads=1):
     r, s, c, k = shape
     if k != p.k or r != p.r or s != p.s or c > p.cp:
         raise ValueError(f"weights {shape} do not match the bf16 problem {problem}")
+    if p.gc:
+        raise ValueError("a grouped problem's weights are packed super-group by super-group "
+                         "(each a dense problem of gc channels)")
     cdef cnp.ndarray wb = empty_aligned_bits((ttile_bf16_weight_elems(&p),))
     cdef int64_t channels = c
     with nogil:
@@ -1789,7 +1800,7 @@ def conv2d_bf16(cnp.ndarray x, bint nchw, cnp.ndarray wb, cnp.ndarray y, tuple p
     cdef int64_t fs = 0, fstride = 1, fdil = 1
     if folded is not None:
         fs, fstride, fdil = folded
-        if p.s != 1 or p.stride_w != 1 or p.dil_w != 1 or fs < 1 or fstride < 1 or fdil < 1 \
+        if p.gc or p.s != 1 or p.stride_w != 1 or p.dil_w != 1 or fs < 1 or fstride < 1 or fdil < 1 \
                 or fs * c > p.cp or p.wp != p.wo or p.phases:
             raise ValueError(f"bad folded bf16 problem {problem} for {folded}")
     # (phase planes hold the padded rows and columns the taps read, whatever the input's

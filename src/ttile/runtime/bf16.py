@@ -6,9 +6,16 @@ Which kernel serves (``kernel_kind``):
 
 * AMX (``KernelKind.AMX``) where the CPU has AMX-BF16 and Linux grants the tile state;
 * AVX512_BF16 (``KernelKind.DOT_BF16``, vdpbf16ps) where the CPU has that and no AMX;
-* elsewhere, and for grouped and depthwise layers, the fp32 kernels on the bf16-rounded
-  input and weights: the same numbers (a product of two bf16 values is exact in fp32, the
-  sums are fp32 sums), at fp32 speed. A CPU without bf16 instructions says so once.
+* elsewhere, and for depthwise layers and the grouped layers the bf16 kernels cannot take
+  (``grouped_supers``), the fp32 kernels on the bf16-rounded input and weights: the same
+  numbers (a product of two bf16 values is exact in fp32, the sums are fp32 sums), at
+  fp32 speed. A CPU without bf16 instructions says so once.
+
+A grouped layer runs on the bf16 kernels as super-groups: a few groups side by side, so
+that a super-group has 32 output channels (or a multiple), each a dense problem with block
+diagonal weights (its groups' own, zeros between them). The tiles compute the zeros too:
+ResNeXt's groups of 4 channels do 8 times the products they need, and still ran faster
+than the fp32 grouped kernel, where the products are not the cost.
 
 Both bf16 kernels read one packed format (``kernels/ttile_bf16.h``): the input rounded
 into padded NHWC, the weights in 16-channel blocks of channel pairs. A layer of few input
@@ -23,7 +30,7 @@ bf16-rounded inputs (``round_to_bf16``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -131,11 +138,13 @@ class Bf16Packing:
     """How one dense problem is packed for a bf16 kernel (``kernels/ttile_bf16.h``).
 
     ``problem`` is the extension's 16 fields (n, ho, wo, k, hp, wp, cp, kc, kp, r, s,
-    stride_h, stride_w, dil_h, dil_w, phases) of the problem as the kernel computes it; a
+    stride_h, stride_w, dil_h, dil_w, phases) of the problem as the kernel computes it, and
+    a grouped problem's super-groups after them (gc, gkq: see ``grouped_supers``); a
     folded layer's (``folded``: the layer's s, stride_w and dil_w) has s, stride_w and
     dil_w 1; a stride-2 layer's input is packed in phase planes (``phases`` 1: hp and wp
     are then a plane's extents).
-    ``weights_key`` is what the packed weights depend on (not the input's size)."""
+    ``weights_key`` is what the packed weights depend on (not the input's size). ``spec``
+    is the whole problem (``groups`` as the layer's)."""
 
     kind: KernelKind
     spec: ConvSpec
@@ -145,7 +154,33 @@ class Bf16Packing:
     @property
     def weights_key(self) -> tuple:
         p = self.problem
-        return (self.kind, p[6], p[7], p[8], p[9], p[10], self.folded is not None)
+        return (self.kind, p[6], p[7], p[8], p[9], p[10], self.folded is not None) + p[16:]
+
+    @property
+    def channels(self) -> int:
+        """The input's channels (all groups')."""
+        return self.spec.c * self.spec.groups
+
+
+#: The most groups a super-group holds: its products are that many times the layer's.
+MAX_GROUPS_PER_SUPER = 8
+
+
+def grouped_supers(spec: ConvSpec) -> Optional[tuple[int, int, int]]:
+    """(groups per super-group m, its input channels gc, its channel pairs gkq) where the
+    bf16 kernels take grouped ``spec`` (``groups`` > 1, c and k one group's), else None:
+    m groups make a multiple of 32 output channels; the groups divide into super-groups;
+    gc channels split into equal even reduction steps of at most 32 (the input is not
+    padded between super-groups); m at most MAX_GROUPS_PER_SUPER."""
+    import math
+    m = 32 // math.gcd(spec.k, 32)
+    if spec.groups < 2 or spec.groups % m or m > MAX_GROUPS_PER_SUPER:
+        return None
+    gc = m * spec.c
+    steps = -(-gc // 32)
+    if gc % (2 * steps):
+        return None
+    return m, gc, m * spec.k // 32
 
 
 @functools.lru_cache(maxsize=512)
@@ -156,17 +191,29 @@ def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
     The reduction step kc: AMX takes up to 32 channels a step (a tile row is 64 bytes);
     the channels are split into equal even steps, so that few are padding (144 channels:
     5 steps of 30, not 160 in steps of 32). The dot-product kernel steps by pairs."""
-    fold = spec.c < FOLD_BELOW_CHANNELS and spec.s > 1
+    supers = grouped_supers(spec) if spec.groups > 1 else None
+    if spec.groups > 1 and supers is None:
+        raise ValueError(f"the bf16 kernels do not take {spec}")
+    fold = supers is None and spec.c < FOLD_BELOW_CHANNELS and spec.s > 1
     reduced = spec.c * spec.s if fold else spec.c
     even = reduced + (reduced & 1)
-    if kind is KernelKind.AMX:
+    if supers is not None:   # the whole input; a super-group's steps
+        _, gc, gkq = supers
+        steps = gc // 32 + (gc % 32 > 0)
+        kc, cp = gc // steps, gc * (spec.groups // supers[0])
+        if kind is KernelKind.DOT_BF16:
+            kc = 2
+        kp, k = spec.k * spec.groups, spec.k * spec.groups
+        grouped = (gc, gkq)
+    elif kind is KernelKind.AMX:
         steps = -(-even // 32)
         kc = -(-even // steps)
         kc += kc & 1
         cp = kc * steps
     else:
         kc, cp = 2, even
-    kp = -(-spec.k // 32) * 32
+    if supers is None:
+        kp, k, grouped = -(-spec.k // 32) * 32, spec.k, ()
     ho, wo = spec.ho, spec.wo
     hp = max(spec.pad_top + spec.h, (ho - 1) * spec.stride_h + (spec.r - 1) * spec.dilation_h + 1)
     if fold:
@@ -175,12 +222,12 @@ def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
         return Bf16Packing(kind, spec, problem, (spec.s, spec.stride_w, spec.dilation_w))
     if spec.stride_h == spec.stride_w == 2 and spec.dilation_h == spec.dilation_w == 1:
         # phase planes: a tile's 16 rows are 16 outputs across output rows, as at stride 1
-        problem = (spec.n, ho, wo, spec.k, ho + (spec.r - 1) // 2, wo + (spec.s - 1) // 2,
-                   cp, kc, kp, spec.r, spec.s, 2, 2, 1, 1, 1)
+        problem = (spec.n, ho, wo, k, ho + (spec.r - 1) // 2, wo + (spec.s - 1) // 2,
+                   cp, kc, kp, spec.r, spec.s, 2, 2, 1, 1, 1) + grouped
         return Bf16Packing(kind, spec, problem, None)
     wp = max(spec.pad_left + spec.w, (wo - 1) * spec.stride_w + (spec.s - 1) * spec.dilation_w + 1)
-    problem = (spec.n, ho, wo, spec.k, hp, wp, cp, kc, kp, spec.r, spec.s, spec.stride_h,
-               spec.stride_w, spec.dilation_h, spec.dilation_w, 0)
+    problem = (spec.n, ho, wo, k, hp, wp, cp, kc, kp, spec.r, spec.s, spec.stride_h,
+               spec.stride_w, spec.dilation_h, spec.dilation_w, 0) + grouped
     return Bf16Packing(kind, spec, problem, None)
 
 
@@ -195,9 +242,32 @@ def pack_weights(weights: np.ndarray, layout: str, pack: Bf16Packing,
     if pack.folded is not None:   # the filter's columns as channels: c' = s c + c
         r, s, c, k = w.shape
         w = w.reshape(r, 1, s * c, k)
-    packed = _kernels.bf16_pack_weights(w, pack.problem, threads)
+    if len(pack.problem) > 16:
+        packed = _grouped_weights(w, pack, threads)
+    else:
+        packed = _kernels.bf16_pack_weights(w, pack.problem, threads)
     packed.flags.writeable = False
     return packed
+
+
+def _grouped_weights(w: np.ndarray, pack: Bf16Packing, threads: int) -> np.ndarray:
+    """A grouped layer's RSCK weights (R, S, cg, K) packed super-group by super-group,
+    each a dense problem of gc channels whose weights are its groups' on the diagonal."""
+    spec = pack.spec
+    m, gc, gkq = grouped_supers(spec)
+    r, s, cg, kg = spec.r, spec.s, spec.c, spec.k
+    supers = spec.groups // m
+    # (R, S, cg, supers, m, kg) -> (supers, R, S, m, cg, kg), then each group's block on
+    # the diagonal of its super-group's (m cg) x (m kg) matrix
+    by_group = w.reshape(r, s, cg, supers, m, kg).transpose(3, 0, 1, 4, 2, 5)
+    dense = np.zeros((supers, r, s, m, cg, m, kg), dtype=FLOAT32)
+    for i in range(m):
+        dense[:, :, :, i, :, i, :] = by_group[:, :, :, i]
+    dense = dense.reshape(supers, r, s, gc, m * kg)
+    sub = pack.problem[:3] + (32 * gkq,) + pack.problem[4:6] + (gc, pack.problem[7],
+                                                               32 * gkq) + pack.problem[9:16]
+    return np.concatenate([_kernels.bf16_pack_weights(np.ascontiguousarray(d), sub, threads)
+                           for d in dense])
 
 
 def run(pack: Bf16Packing, x: np.ndarray, nchw: bool, wb: np.ndarray, y: np.ndarray,
@@ -207,7 +277,7 @@ def run(pack: Bf16Packing, x: np.ndarray, nchw: bool, wb: np.ndarray, y: np.ndar
     NHWC) into y (NHWC, fp32 or bf16 bits; ``residual`` of y's type and shape; with
     ``y_nchw``, fp32 NCHW: see :func:`writes_nchw`)."""
     spec = pack.spec
-    _kernels.conv2d_bf16(x, nchw, wb, y, pack.problem, spec.c, spec.h, spec.w,
+    _kernels.conv2d_bf16(x, nchw, wb, y, pack.problem, pack.channels, spec.h, spec.w,
                          spec.pad_top, spec.pad_left, _KERNEL_CODES[pack.kind], threads,
                          bias=bias, residual=residual, activation=activation, slope=slope,
                          folded=pack.folded, xb=_input_buffer(pack), y_nchw=y_nchw)
@@ -266,9 +336,21 @@ def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
                           degraded=f"no bf16 kernel: {missing}" if isa is Isa.AVX512F
                           else "")
     if groups != 1:
-        return Bf16Choice(None, None, "bf16 requested: fp32 kernels on bf16-rounded input "
-                                      "and weights (no bf16 kernel for grouped and "
-                                      "depthwise convolutions)")
+        whole = replace(spec, groups=groups)
+        supers = grouped_supers(whole) if spec.c > 1 or spec.k > 1 else None
+        if supers is None:
+            what = "depthwise convolutions" if spec.c == 1 and spec.k == 1 else \
+                f"grouped convolutions of {spec.c} -> {spec.k} channels a group: they make " \
+                f"no super-groups of 32 output channels of at most " \
+                f"{MAX_GROUPS_PER_SUPER} groups"
+            return Bf16Choice(None, None, f"bf16 requested: fp32 kernels on bf16-rounded "
+                                          f"input and weights (no bf16 kernel for {what})")
+        pack = packing(whole, kind)
+        how = "AMX tiles" if kind is KernelKind.AMX else "AVX512_BF16 dot products"
+        degraded = _AMX_REFUSED if kind is KernelKind.DOT_BF16 and \
+            _kernels.cpu_has_amx_bf16() else ""
+        return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation, {supers[0]} groups "
+                                      f"a super-group (block-diagonal weights)", degraded)
     pack = packing(spec, kind)
     how = "AMX tiles" if kind is KernelKind.AMX else "AVX512_BF16 dot products"
     folded = ", the filter's columns folded into channels" if pack.folded else ""
@@ -418,7 +500,7 @@ class Bf16Bound:
         self.bits = bits
         spec = pack.spec
         xb = _kernels.empty_aligned_bits((_kernels.bf16_input_elems(pack.problem),))
-        args = (pack.problem, spec.c, spec.h, spec.w, spec.pad_top, spec.pad_left,
+        args = (pack.problem, pack.channels, spec.h, spec.w, spec.pad_top, spec.pad_left,
                 _KERNEL_CODES[pack.kind], nthreads)
         options = dict(bias=fused.bias, activation=fused.activation.code,
                        slope=fused.negative_slope, folded=pack.folded, xb=xb)

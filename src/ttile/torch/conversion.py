@@ -88,7 +88,8 @@ def convert(model: nn.Module, *, inplace: bool = False, threads: Optional[int] =
             poolings stay bf16 (half the bytes; a residual read from them is rounded too,
             as in OpenVINO's bf16). Fused inverted residual
             blocks run their 1x1 stages on AMX where it may run (else their fp32 kernel on
-            bf16-rounded weights and input), and depthwise and grouped layers fp32
+            bf16-rounded weights and input), grouped layers the bf16 kernels in
+            super-groups (see ``ttile.runtime.bf16``), and depthwise layers fp32
             kernels on rounded values.
     """
     precision = precision_of(precision)
