@@ -352,8 +352,9 @@ def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
         how = "AMX tiles" if kind is KernelKind.AMX else "AVX512_BF16 dot products"
         degraded = _AMX_REFUSED if kind is KernelKind.DOT_BF16 and \
             _kernels.cpu_has_amx_bf16() else ""
-        return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation, {supers[0]} groups "
-                                      f"a super-group (block-diagonal weights)", degraded)
+        held = "one group a super-group" if supers[0] == 1 else \
+            f"{supers[0]} groups a super-group (block-diagonal weights)"
+        return Bf16Choice(kind, pack, f"bf16 {how}, fp32 accumulation, {held}", degraded)
     pack = packing(spec, kind)
     how = "AMX tiles" if kind is KernelKind.AMX else "AVX512_BF16 dot products"
     folded = ", the filter's columns folded into channels" if pack.folded else ""
