@@ -296,6 +296,9 @@ GROUPED_SHAPES = [
     (1, 13, 13, 2, 48, 128, 5, 1, 2),   # AlexNet's: 4 channel pairs a super-group, steps of 24
     (1, 10, 10, 8, 24, 12, 1, 1, 0),    # ShuffleNet's 1x1: 12 channels a group, 8 groups
     (1, 9, 9, 4, 6, 16, 3, 1, 1),       # 2 groups of 6 channels: one step of 12
+    (1, 9, 10, 3, 80, 20, 1, 1, 0),     # ShuffleNet's 3 groups of 20: one super-group, 60 of 64
+    (1, 9, 9, 3, 20, 80, 1, 1, 0),      # and of 80: 240 of 256 channels
+    (2, 8, 9, 3, 10, 6, 3, 2, 1),       # one super-group of 18 channels, stride 2
 ]
 
 
@@ -357,10 +360,12 @@ def test_grouped_conv2d_and_layer_on_bf16_kernels(layout):
 
 
 def test_grouped_and_depthwise_are_served_on_rounded_values():
+    """Depthwise layers, and groups that make no super-group (3 groups of 3 channels: 9,
+    an odd reduction), run the fp32 kernels on rounded values."""
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((1, 8, 10, 10)).astype(np.float32)
-    for groups, w in ((2, rng.standard_normal((12, 4, 3, 3))),
+    for groups, w in ((3, rng.standard_normal((12, 3, 3, 3))),
                       (8, rng.standard_normal((8, 1, 3, 3)))):
+        x = rng.standard_normal((1, w.shape[1] * groups, 10, 10)).astype(np.float32)
         w = w.astype(np.float32)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)

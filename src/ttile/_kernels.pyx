@@ -1576,10 +1576,10 @@ cdef int _bf16_problem(ttile_bf16_problem *p, tuple fields) except -1:
      p.dil_h, p.dil_w, p.phases) = fields[:16]
     p.gc, p.gkq = fields[16:] if len(fields) == 18 else (0, 0)
     if (p.gc or p.gkq) and (p.gc < p.kc or p.gc % p.kc or p.cp % p.gc or p.gkq < 1
-                            or p.k != p.kp or (p.cp // p.gc) * 32 * p.gkq != p.kp):
+                            or (p.cp // p.gc) * 32 * p.gkq != p.kp):
         raise ValueError(f"bad grouped bf16 problem {fields}: super-groups of gc channels "
                          f"(a multiple of kc dividing cp) and 32 gkq output channels, as "
-                         f"many as cp / gc, covering k")
+                         f"many as cp / gc")
     if min(p.n, p.ho, p.wo, p.k, p.r, p.s, p.stride_h, p.stride_w, p.dil_h, p.dil_w) < 1:
         raise ValueError(f"bad bf16 problem {fields}")
     if p.kc < 2 or p.kc > 32 or p.kc % 2 or p.cp < p.kc or p.cp % p.kc \

@@ -171,19 +171,26 @@ MAX_GROUPS_PER_SUPER = 8
 
 def grouped_supers(spec: ConvSpec) -> Optional[tuple[int, int, int]]:
     """(groups per super-group m, its input channels gc, its channel pairs gkq) where the
-    bf16 kernels take grouped ``spec`` (``groups`` > 1, c and k one group's), else None:
-    m groups make a multiple of 32 output channels; the groups divide into super-groups;
-    gc channels split into equal even reduction steps of at most 32 (the input is not
-    padded between super-groups); m at most MAX_GROUPS_PER_SUPER."""
+    bf16 kernels take grouped ``spec`` (``groups`` > 1, c and k one group's), else None.
+    The super-groups of m groups make a multiple of 32 output channels each; where the
+    groups do not divide into such (ShuffleNet's 3 groups of 20 channels), all of them
+    make one, its output channels padded to a multiple of 32 (a channel pair's output
+    channels are 32 kq on, so only the last may be padded). m is at most
+    MAX_GROUPS_PER_SUPER; gc channels split into equal even reduction steps of at most
+    32 (the input is not padded between super-groups)."""
     import math
     m = 32 // math.gcd(spec.k, 32)
-    if spec.groups < 2 or spec.groups % m or m > MAX_GROUPS_PER_SUPER:
+    if spec.groups < 2:
+        return None
+    if spec.groups % m:
+        m = spec.groups   # one super-group
+    if m > MAX_GROUPS_PER_SUPER:
         return None
     gc = m * spec.c
     steps = -(-gc // 32)
     if gc % (2 * steps):
         return None
-    return m, gc, m * spec.k // 32
+    return m, gc, -(-m * spec.k // 32)
 
 
 @functools.lru_cache(maxsize=512)
@@ -206,7 +213,7 @@ def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
         kc, cp = gc // steps, gc * (spec.groups // supers[0])
         if kind is KernelKind.DOT_BF16:
             kc = 2
-        kp, k = spec.k * spec.groups, spec.k * spec.groups
+        kp, k = 32 * gkq * (spec.groups // supers[0]), spec.k * spec.groups
         grouped = (gc, gkq)
     elif kind is KernelKind.AMX:
         steps = -(-even // 32)
@@ -267,8 +274,8 @@ def _grouped_weights(w: np.ndarray, pack: Bf16Packing, threads: int) -> np.ndarr
     for i in range(m):
         dense[:, :, :, i, :, i, :] = by_group[:, :, :, i]
     dense = dense.reshape(supers, r, s, gc, m * kg)
-    sub = pack.problem[:3] + (32 * gkq,) + pack.problem[4:6] + (gc, pack.problem[7],
-                                                               32 * gkq) + pack.problem[9:16]
+    sub = pack.problem[:3] + (m * kg,) + pack.problem[4:6] + (gc, pack.problem[7],
+                                                             32 * gkq) + pack.problem[9:16]
     return np.concatenate([_kernels.bf16_pack_weights(np.ascontiguousarray(d), sub, threads)
                            for d in dense])
 
