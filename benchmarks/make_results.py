@@ -18,7 +18,7 @@ import results  # noqa: E402
 
 PAGE = results.HERE / "README.md"
 ORDER = ["conv-sets-off", "conv-sets-on", "conv-sets-off-tuning-now", "conv-avx2",
-         "depthwise", "networks", "grouped", "first-call"]
+         "depthwise", "networks", "grouped", "grouped-bf16", "first-call"]
 
 INTRO = """# Results
 
