@@ -4,10 +4,12 @@
  * of ResNet-50's 57 at 1 thread on a Xeon model 167, its input fresh from the stem
  * convolution: a call into torch after a kernel meets cold caches).
  *
- * Plain C: the channel loops are contiguous and vectorize as they are, in one clone
- * per vector family that the loader picks for the CPU (target_clones; the baseline
- * clone's 4-lane max took 317 us on ResNet-50's 112x112x64 at 1 thread, Xeon model
- * 167). Threads split output rows (max) or channel chunks (average). */
+ * The max pooling runs pool_avx512.c's windows-in-registers loop where the caller says
+ * AVX-512F (isa, as for the layout conversions); otherwise plain C, whose channel loops are contiguous and vectorize as
+ * they are, in one clone per vector family that the loader picks for the CPU
+ * (target_clones; the baseline clone's 4-lane max took 317 us on ResNet-50's
+ * 112x112x64 at 1 thread, Xeon model 167). Threads split output rows (max) or channel
+ * chunks (average). */
 #include <stdint.h>
 #include <string.h>
 #include "ttile_runtime.h"
@@ -41,12 +43,25 @@
 /* as torch: a NaN in the window is the window's maximum */
 #define F32_GT(v, o) ((v) > (o) || (v) != (v))
 
-POOL_CLONES void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h,
-                                    int64_t w, int64_t c, int64_t kh, int64_t kw,
-                                    int64_t sh, int64_t sw, int64_t ph, int64_t pw,
-                                    int64_t ho, int64_t wo, int nthreads)
+POOL_CLONES static void maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h,
+                                     int64_t w, int64_t c, int64_t kh, int64_t kw,
+                                     int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                                     int64_t ho, int64_t wo, int nthreads)
 {
     MAXPOOL_BODY(float, F32_GT)
+}
+
+void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
+                        int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                        int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads,
+                        int isa)
+{
+    if (isa == TTILE_LAYOUT_AVX512) {   /* pool_avx512.c */
+        ttile_maxpool_nhwc_avx512(x, y, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo,
+                                  nthreads);
+        return;
+    }
+    maxpool_nhwc(x, y, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo, nthreads);
 }
 
 /* The same on bf16 bits: rounding to bf16 keeps the order of values, so the maximum of
@@ -63,12 +78,25 @@ static inline float pool_widen(uint16_t bits)
 }
 #define BF16_GT(v, o) F32_GT(pool_widen(v), pool_widen(o))
 
-POOL_CLONES void ttile_maxpool_nhwc_bf16(const uint16_t *x, uint16_t *y, int64_t n,
-                                         int64_t h, int64_t w, int64_t c, int64_t kh,
-                                         int64_t kw, int64_t sh, int64_t sw, int64_t ph,
-                                         int64_t pw, int64_t ho, int64_t wo, int nthreads)
+POOL_CLONES static void maxpool_nhwc_bf16(const uint16_t *x, uint16_t *y, int64_t n,
+                                          int64_t h, int64_t w, int64_t c, int64_t kh,
+                                          int64_t kw, int64_t sh, int64_t sw, int64_t ph,
+                                          int64_t pw, int64_t ho, int64_t wo, int nthreads)
 {
     MAXPOOL_BODY(uint16_t, BF16_GT)
+}
+
+void ttile_maxpool_nhwc_bf16(const uint16_t *x, uint16_t *y, int64_t n, int64_t h,
+                             int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
+                             int64_t sw, int64_t ph, int64_t pw, int64_t ho, int64_t wo,
+                             int nthreads, int isa)
+{
+    if (isa == TTILE_LAYOUT_AVX512) {   /* pool_avx512.c */
+        ttile_maxpool_nhwc_bf16_avx512(x, y, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo,
+                                       nthreads);
+        return;
+    }
+    maxpool_nhwc_bf16(x, y, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo, nthreads);
 }
 
 /* Channels summed in chunks of this many floats per task: a chunk's sums stay in

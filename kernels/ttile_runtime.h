@@ -242,15 +242,25 @@ int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
  * (pool_nhwc.c). */
 void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
                         int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
-                        int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads);
+                        int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads,
+                        int isa);
 /* The same max pooling on bf16 bits (exact: the maximum of rounded values is the
- * rounded maximum). */
+ * rounded maximum). isa: TTILE_LAYOUT_AVX512 for pool_avx512.c's loop (on a CPU that
+ * has it), else the plain C one. */
 void ttile_maxpool_nhwc_bf16(const uint16_t *x, uint16_t *y, int64_t n, int64_t h,
                              int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
                              int64_t sw, int64_t ph, int64_t pw, int64_t ho, int64_t wo,
-                             int nthreads);
+                             int nthreads, int isa);
 void ttile_global_avgpool_nhwc(const float *x, float *y, int64_t n, int64_t hw,
                                int64_t c, int nthreads);
+/* The two max poolings with AVX-512F (pool_avx512.c), which those call on such CPUs. */
+void ttile_maxpool_nhwc_avx512(const float *x, float *y, int64_t n, int64_t h, int64_t w,
+                               int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                               int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads);
+void ttile_maxpool_nhwc_bf16_avx512(const uint16_t *x, uint16_t *y, int64_t n, int64_t h,
+                                    int64_t w, int64_t c, int64_t kh, int64_t kw,
+                                    int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                                    int64_t ho, int64_t wo, int nthreads);
 /* 1 when RSCK weights hold bit for bit what their panels packed by ttile_pack_weights
  * hold, else 0 (parallel, reading only; isa as for the layout conversions below;
  * pack_weights.c). */

@@ -1,5 +1,6 @@
-"""The NHWC pooling kernels a converted network's sequence runs (kernels/pool_nhwc.c)
-against torch's max_pool2d and adaptive_avg_pool2d, and their refusals."""
+"""The NHWC pooling kernels a converted network's sequence runs (kernels/pool_nhwc.c, and
+pool_avx512.c's max pooling on AVX-512 CPUs) against torch's max_pool2d and
+adaptive_avg_pool2d, and their refusals."""
 import numpy as np
 import pytest
 
@@ -14,20 +15,29 @@ MAX_CASES = [  # (n, h, w, c), kernel, stride, padding
     ((1, 8, 8, 16), (2, 2), (2, 2), (0, 0)),
     ((1, 5, 6, 3), (3, 2), (1, 2), (1, 1)),         # unequal kernel and stride
     ((3, 4, 4, 33), (4, 4), (1, 1), (2, 2)),        # padding of half the window
+    ((1, 10, 11, 150), (3, 3), (2, 2), (1, 1)),     # 8 vectors, then 2 with an even tail
+    ((2, 7, 6, 37), (3, 3), (1, 1), (1, 1)),        # an odd tail after 2 vectors
+    ((1, 9, 9, 24), (3, 3), (2, 2), (1, 1)),        # a vector and a tail of 8
 ]
+
+
+#: The max pooling's loops: the default (AVX-512's windows in registers on CPUs with it),
+#: and the plain C one every CPU runs.
+ISAS = [pytest.param(None, id="default"), pytest.param(_kernels.ISA_PORTABLE, id="plain C")]
 
 
 def nhwc(tensor):
     return tensor.permute(0, 2, 3, 1).numpy()
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape, kernel, stride, padding", MAX_CASES)
-def test_max_pooling_is_torchs(shape, kernel, stride, padding, threads):
+def test_max_pooling_is_torchs(shape, kernel, stride, padding, threads, isa):
     x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
     x[0, 0, 0, 0] = np.nan   # a NaN in a window is that window's maximum, as in torch
     x[-1, -1, -1, -1] = -np.inf
-    got = _kernels.maxpool_nhwc(x, *kernel, *stride, *padding, threads)
+    got = _kernels.maxpool_nhwc(x, *kernel, *stride, *padding, threads, isa=isa)
     expected = nhwc(F.max_pool2d(torch.from_numpy(x).permute(0, 3, 1, 2), kernel, stride,
                                  padding))
     assert got.shape == expected.shape
@@ -35,10 +45,11 @@ def test_max_pooling_is_torchs(shape, kernel, stride, padding, threads):
     assert got.ctypes.data % 64 == 0
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape, kernel, stride, padding", MAX_CASES)
 def test_max_pooling_of_bf16_bits_is_torchs_on_their_values(shape, kernel, stride,
-                                                             padding, threads):
+                                                             padding, threads, isa):
     """On bf16 bits (uint16) the pooling's maximum is torch's on the values they hold,
     NaN and -inf included, returned as bits of the same values."""
     from ttile.runtime.bf16 import round_to_bf16
@@ -47,14 +58,15 @@ def test_max_pooling_of_bf16_bits_is_torchs_on_their_values(shape, kernel, strid
     x[-1, -1, -1, -1] = -np.inf
     values = round_to_bf16(x)
     bits = (values.view(np.uint32) >> 16).astype(np.uint16)
-    got = _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads)
+    got = _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads, isa=isa)
     assert got.dtype == np.uint16 and got.ctypes.data % 64 == 0
     expected = nhwc(F.max_pool2d(torch.from_numpy(values).permute(0, 3, 1, 2), kernel,
                                  stride, padding))
     assert np.array_equal((got.astype(np.uint32) << 16).view(np.float32), expected,
                           equal_nan=True)
     out = np.zeros_like(got)
-    assert _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads, out=out) is out
+    assert _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads, out=out,
+                                 isa=isa) is out
     assert np.array_equal(out, got)
     with pytest.raises(TypeError, match="uint16"):   # bits in, bits out
         _kernels.maxpool_nhwc(bits, *kernel, *stride, *padding, threads,

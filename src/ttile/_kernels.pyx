@@ -113,11 +113,12 @@ cdef extern from "ttile_runtime.h" nogil:
     int ttile_same_bytes(const void *a, const void *b, int64_t nbytes, int nthreads)
     void ttile_maxpool_nhwc(const float *x, float *y, int64_t n, int64_t h, int64_t w,
                             int64_t c, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
-                            int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads)
+                            int64_t ph, int64_t pw, int64_t ho, int64_t wo, int nthreads,
+                            int isa)
     void ttile_maxpool_nhwc_bf16(const unsigned short *x, unsigned short *y, int64_t n,
                                  int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
                                  int64_t sh, int64_t sw, int64_t ph, int64_t pw,
-                                 int64_t ho, int64_t wo, int nthreads)
+                                 int64_t ho, int64_t wo, int nthreads, int isa)
     void ttile_global_avgpool_nhwc(const float *x, float *y, int64_t n, int64_t hw,
                                    int64_t c, int nthreads)
     int ttile_packed_matches(const void *w, int64_t rsc, int64_t k, int64_t panel,
@@ -1175,11 +1176,13 @@ def pack_weights(cnp.ndarray w, int64_t panel, int nthreads=1, out=None):
 
 
 def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
-                 int64_t ph, int64_t pw, int nthreads=1, out=None):
+                 int64_t ph, int64_t pw, int nthreads=1, out=None, isa=None):
     """``torch.nn.functional.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw))`` of an NHWC
     float32 array, or of bf16 bits (uint16: the maximum of the bf16 values, exactly), no
     dilation, floor rounding, into a new NHWC array of x's type on a cache line (or
-    ``out``, which must not overlap x); a NaN in a window is its maximum, as in torch."""
+    ``out``, which must not overlap x); a NaN in a window is its maximum, as in torch.
+    ``isa`` as for the layout conversions: AVX-512F (the default where the CPU has it)
+    runs the windows in registers, any other the plain C loop."""
     cdef bint bits = cnp.PyArray_TYPE(x) == cnp.NPY_UINT16
     if bits:
         if cnp.PyArray_NDIM(x) != 4 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
@@ -1199,6 +1202,7 @@ def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
         raise ValueError(f"a {kh}x{kw} window does not fit a {xs[1]}x{xs[2]} input "
                          f"padded by ({ph}, {pw})")
     cdef int64_t n = xs[0], h = xs[1], w = xs[2], c = xs[3]
+    cdef int flag = _layout_isa(isa)
     cdef cnp.ndarray y
     cdef tuple shape = (xs[0], ho, wo, xs[3])
     if bits:
@@ -1214,13 +1218,13 @@ def maxpool_nhwc(cnp.ndarray x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
         with nogil:
             ttile_maxpool_nhwc_bf16(<const unsigned short *>cnp.PyArray_DATA(x),
                                     <unsigned short *>cnp.PyArray_DATA(y), n, h, w, c, kh,
-                                    kw, sh, sw, ph, pw, ho, wo, nthreads)
+                                    kw, sh, sw, ph, pw, ho, wo, nthreads, flag)
         return y
     y = _output(out, shape, "out")
     cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
     cdef float *yp = <float *>cnp.PyArray_DATA(y)
     with nogil:
-        ttile_maxpool_nhwc(xp, yp, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo, nthreads)
+        ttile_maxpool_nhwc(xp, yp, n, h, w, c, kh, kw, sh, sw, ph, pw, ho, wo, nthreads, flag)
     return y
 
 

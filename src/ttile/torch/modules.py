@@ -20,6 +20,7 @@ from ..core.kinds import Activation, Precision
 from ..runtime.arguments import as_pair
 from ..runtime.bf16 import bf16_bits, is_bfloat16
 from ..runtime.scratch import aligned_empty
+from ..runtime.settings import layout_isa
 from ..runtime import dispatch as _dispatch
 from ..runtime.epilogue import describe as _describe_epilogue
 from ..runtime.inverted_residual import (BlockPlan, BlockVerdict, InvertedResidual,
@@ -369,8 +370,9 @@ class TTilePool2d(nn.Module):
             (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
             if is_bfloat16(x):
                 return _kernels.maxpool_nhwc(bf16_bits(x), kh, kw, sh, sw, ph, pw,
-                                             threads).view(x.dtype)
-            return _kernels.maxpool_nhwc(x, kh, kw, sh, sw, ph, pw, threads)
+                                             threads, isa=layout_isa()).view(x.dtype)
+            return _kernels.maxpool_nhwc(x, kh, kw, sh, sw, ph, pw, threads,
+                                         isa=layout_isa())
         return _kernels.global_avgpool_nhwc(x, threads)
 
     def bound_call(self, x_shape: tuple, threads: int) -> tuple:
@@ -382,10 +384,10 @@ class TTilePool2d(nn.Module):
         if self.kind is PoolKind.MAX:
             (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
             out_shape = (n, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1, c)
-            maxpool = _kernels.maxpool_nhwc
+            maxpool, isa = _kernels.maxpool_nhwc, layout_isa()
 
             def call(x, y, _residual):
-                maxpool(x, kh, kw, sh, sw, ph, pw, threads, out=y)
+                maxpool(x, kh, kw, sh, sw, ph, pw, threads, out=y, isa=isa)
             return call, out_shape
         average = _kernels.global_avgpool_nhwc
 
