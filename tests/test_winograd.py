@@ -172,6 +172,8 @@ def test_the_avx512_kernel_is_refused_without_avx512():
     ((1, 32, 14, 14), (8, 32, 3, 3), {"padding": 1}, 0, False),    # too few outputs
     ((1, 32, 5, 5), (32, 32, 3, 3), {}, 0, False),                 # output under one tile
     ((1, 32, 14, 14), (32, 32, 5, 5), {"padding": 2}, 0, False),
+    ((3, 16, 14, 14), (16, 16, 3, 3), {"padding": 2}, 4, False),   # windows of padding...
+    ((3, 16, 1, 1), (16, 16, 3, 3), {"padding": 3}, 0, False),     # ...alone: exact zeros
 ])
 def test_which_calls_it_serves(x_shape, w_shape, kwargs, served, packed_only):
     for prepacked in (False, True):

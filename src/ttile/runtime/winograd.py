@@ -93,10 +93,14 @@ def serves(spec: ConvSpec, isa: Isa, groups: int = 1) -> bool:
     MIN_CHANNELS input and MIN_OUTPUTS output channels, an output at least 4 pixels wide
     and tall with at least MIN_TILES tiles of 4x4 (F(4x4, 3x3)) or F2_MIN_TILES of 2x2
     (F(2x2, 3x3), with at most F2_MAX_WEIGHT_BYTES of transformed weights) in all, and
-    the Winograd kernel switched on (``ttile.use_winograd``)."""
+    the Winograd kernel switched on (``ttile.use_winograd``). No padding wider than 2
+    (the filter less one): an output whose window holds padding alone is exactly 0, and
+    a Winograd tile would give it the rounding of its transforms of the tile's other
+    inputs instead (4.5e-8 on a 1x1 input padded by 3, found by the random shapes)."""
     return (settings.winograd_on() and isa in FAMILIES and groups == 1
             and spec.r == 3 and spec.s == 3 and spec.stride_h == 1 and spec.stride_w == 1
             and spec.dilation_h == 1 and spec.dilation_w == 1
+            and max(spec.pad_top, spec.pad_bottom, spec.pad_left, spec.pad_right) <= 2
             and spec.c >= MIN_CHANNELS and spec.k >= MIN_OUTPUTS
             and spec.ho >= 4 and spec.wo >= 4
             and (tiles(spec, 4) >= MIN_TILES or f2_serves(spec)))
