@@ -30,6 +30,7 @@ bf16-rounded inputs (``round_to_bf16``).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -178,7 +179,6 @@ def grouped_supers(spec: ConvSpec) -> Optional[tuple[int, int, int]]:
     channels are 32 kq on, so only the last may be padded). m is at most
     MAX_GROUPS_PER_SUPER; gc channels split into equal even reduction steps of at most
     32 (the input is not padded between super-groups)."""
-    import math
     m = 32 // math.gcd(spec.k, 32)
     if spec.groups < 2:
         return None
@@ -195,8 +195,9 @@ def grouped_supers(spec: ConvSpec) -> Optional[tuple[int, int, int]]:
 
 @functools.lru_cache(maxsize=512)
 def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
-    """The packing of ``spec`` (one group, groups 1) for bf16 kernel ``kind`` (a pure
-    function of the two, kept for the shapes a process calls again: per-call conv2d).
+    """The packing of ``spec`` (a dense problem, or a grouped one that ``grouped_supers``
+    takes) for bf16 kernel ``kind`` (a pure function of the two, kept for the shapes a
+    process calls again: per-call conv2d).
 
     The reduction step kc: AMX takes up to 32 channels a step (a tile row is 64 bytes);
     the channels are split into equal even steps, so that few are padding (144 channels:
