@@ -312,7 +312,10 @@ def test_grouped_kernel_against_reference(kind, shape):
     bias = rng.standard_normal(kg * groups).astype(np.float32)
     spec = ConvSpec(n=n, k=kg, c=cg, h=h, w=w, r=r, s=r, stride_h=st, stride_w=st,
                     pad_top=pad, pad_bottom=pad, pad_left=pad, pad_right=pad, groups=groups)
-    assert bf16.grouped_supers(spec) is not None
+    if bf16.grouped_supers(spec, kind) is None:
+        assert kind is KernelKind.DOT_BF16   # more groups a super-group than it takes
+        pytest.skip("the dot-product kernel takes at most "
+                    f"{bf16.MAX_GROUPS_PER_SUPER[kind]} groups a super-group")
     pack = bf16.packing(spec, kind)
     assert pack.folded is None and len(pack.problem) == 18
     for layout, w_in, threads in (("NHWC", wt, 2), ("NCHW", wt.transpose(3, 2, 0, 1), 1)):

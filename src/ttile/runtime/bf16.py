@@ -163,28 +163,33 @@ class Bf16Packing:
         return self.spec.c * self.spec.groups
 
 
-#: The most groups a super-group holds: its products are that many times the layer's. At
-#: 8 (ResNeXt's groups of 4) the AMX kernel ran 3.0-3.5x faster than the fp32 kernels on
-#: rounded values, at 1-4 (its other stages, AlexNet's) 2.6-4.8x (1 and 2 threads, Xeon
-#: model 207, bf16 arrays, interleaved); more groups a super-group were not measured.
-MAX_GROUPS_PER_SUPER = 8
+#: The most groups a super-group holds, per kernel: its products are that many times the
+#: layer's. AMX: at 8 (ResNeXt's groups of 4) it ran 3.0-3.5x faster than the fp32
+#: kernels on rounded values, at 1-4 (its other stages, AlexNet's) 2.6-4.8x (1 and 2
+#: threads, Xeon model 207, bf16 arrays, interleaved); more were not measured. The
+#: dot-product kernel serves where vdpbf16ps does at most about twice fp32 FMA's flops
+#: (Zen 4: 235 against 117 GFLOP/s a core); on the Xeon (86 against 173) it ran ResNeXt's
+#: grouped layers at 0.45x the fp32 kernels with one group a super-group, 0.31 with 2,
+#: 0.33 with 4, 0.23 with 8: scaled by the fourfold ratio, 2 is the most that can gain,
+#: an estimate until measured on a Zen.
+MAX_GROUPS_PER_SUPER = {KernelKind.AMX: 8, KernelKind.DOT_BF16: 2}
 
 
-def grouped_supers(spec: ConvSpec) -> Optional[tuple[int, int, int]]:
-    """(groups per super-group m, its input channels gc, its channel pairs gkq) where the
-    bf16 kernels take grouped ``spec`` (``groups`` > 1, c and k one group's), else None.
+def grouped_supers(spec: ConvSpec, kind: KernelKind) -> Optional[tuple[int, int, int]]:
+    """(groups per super-group m, its input channels gc, its channel pairs gkq) where bf16
+    kernel ``kind`` takes grouped ``spec`` (``groups`` > 1, c and k one group's), else None.
     The super-groups of m groups make a multiple of 32 output channels each; where the
     groups do not divide into such (ShuffleNet's 3 groups of 20 channels), all of them
     make one, its output channels padded to a multiple of 32 (a channel pair's output
     channels are 32 kq on, so only the last may be padded). m is at most
-    MAX_GROUPS_PER_SUPER; gc channels split into equal even reduction steps of at most
-    32 (the input is not padded between super-groups)."""
+    MAX_GROUPS_PER_SUPER[kind]; gc channels split into equal even reduction steps of at
+    most 32 (the input is not padded between super-groups)."""
     m = 32 // math.gcd(spec.k, 32)
     if spec.groups < 2:
         return None
     if spec.groups % m:
         m = spec.groups   # one super-group
-    if m > MAX_GROUPS_PER_SUPER:
+    if m > MAX_GROUPS_PER_SUPER[kind]:
         return None
     gc = m * spec.c
     steps = -(-gc // 32)
@@ -202,7 +207,7 @@ def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
     The reduction step kc: AMX takes up to 32 channels a step (a tile row is 64 bytes);
     the channels are split into equal even steps, so that few are padding (144 channels:
     5 steps of 30, not 160 in steps of 32). The dot-product kernel steps by pairs."""
-    supers = grouped_supers(spec) if spec.groups > 1 else None
+    supers = grouped_supers(spec, kind) if spec.groups > 1 else None
     if spec.groups > 1 and supers is None:
         raise ValueError(f"the bf16 kernels do not take {spec}")
     fold = supers is None and spec.c < FOLD_BELOW_CHANNELS and spec.s > 1
@@ -265,7 +270,7 @@ def _grouped_weights(w: np.ndarray, pack: Bf16Packing, threads: int) -> np.ndarr
     """A grouped layer's RSCK weights (R, S, cg, K) packed super-group by super-group,
     each a dense problem of gc channels whose weights are its groups' on the diagonal."""
     spec = pack.spec
-    m, gc, gkq = grouped_supers(spec)
+    m, gc, gkq = grouped_supers(spec, pack.kind)
     r, s, cg, kg = spec.r, spec.s, spec.c, spec.k
     supers = spec.groups // m
     # (R, S, cg, supers, m, kg) -> (supers, R, S, m, cg, kg), then each group's block on
@@ -348,12 +353,12 @@ def choose(spec: ConvSpec, groups: int, isa: Isa) -> Bf16Choice:
                           else "")
     if groups != 1:
         whole = replace(spec, groups=groups)
-        supers = grouped_supers(whole) if spec.c > 1 or spec.k > 1 else None
+        supers = grouped_supers(whole, kind) if spec.c > 1 or spec.k > 1 else None
         if supers is None:
             what = "depthwise convolutions" if spec.c == 1 and spec.k == 1 else \
                 f"grouped convolutions of {spec.c} -> {spec.k} channels a group: they make " \
                 f"no super-groups of 32 output channels of at most " \
-                f"{MAX_GROUPS_PER_SUPER} groups"
+                f"{MAX_GROUPS_PER_SUPER[kind]} groups"
             return Bf16Choice(None, None, f"bf16 requested: fp32 kernels on bf16-rounded "
                                           f"input and weights (no bf16 kernel for {what})")
         pack = packing(whole, kind)
