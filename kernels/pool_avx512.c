@@ -12,6 +12,7 @@
  * and the maximum, one of them, is stored back as its bits. */
 #include <immintrin.h>
 #include <stdint.h>
+#include "pool_window.h"
 #include "ttile_runtime.h"
 
 static inline __m512 pool_select(__m512 acc, __m512 v)
@@ -71,36 +72,25 @@ static inline void pool_narrow16(uint16_t *p, __m512 v, int64_t m)
             STORE(out + k + 16 * j, acc[j], j == NB - 1 ? m : 16);                       \
     }
 
-/* The window loop of both element types: LOAD(pointer, lanes) a vector of fp32 values,
- * STORE(pointer, vector, lanes), BLOCK the POOL_BLOCK functions' common name. */
+/* The window loop of both element types: BLOCK the POOL_BLOCK functions' common name. */
 #define MAXPOOL_AVX512(T, BLOCK)                                                         \
-    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
-    for (int64_t b = 0; b < n; b++)                                                      \
-        for (int64_t oh = 0; oh < ho; oh++) {                                            \
-            const int64_t r0 = oh * sh - ph;                                             \
-            const int64_t r_lo = r0 < 0 ? 0 : r0, r_hi = r0 + kh > h ? h : r0 + kh;      \
-            for (int64_t ow = 0; ow < wo; ow++) {                                        \
-                const int64_t s0 = ow * sw - pw;                                         \
-                const int64_t s_lo = s0 < 0 ? 0 : s0, s_hi = s0 + kw > w ? w : s0 + kw;  \
-                T *out = y + ((b * ho + oh) * wo + ow) * c;                              \
-                /* the window holds at least one pixel (padding <= half the kernel) */   \
-                const T *first = x + ((b * h + r_lo) * w + s_lo) * c;                    \
-                for (int64_t k = 0; k < c;) {                                            \
-                    const int64_t vectors = (c - k + 15) / 16;                           \
-                    const int nb = vectors >= 8 ? 8 : vectors >= 4 ? 4 : vectors >= 2 ? 2 : 1; \
-                    const int64_t m = nb == vectors ? c - k - 16 * (nb - 1) : 16;        \
-                    if (nb == 8)                                                         \
-                        BLOCK##8(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);  \
-                    else if (nb == 4)                                                    \
-                        BLOCK##4(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);  \
-                    else if (nb == 2)                                                    \
-                        BLOCK##2(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);  \
-                    else                                                                 \
-                        BLOCK##1(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);  \
-                    k += 16 * nb;                                                        \
-                }                                                                        \
-            }                                                                            \
-        }
+    POOL_FOR_EACH_WINDOW(                                                                \
+        T *out = y + ((b * ho + oh) * wo + ow) * c;                                      \
+        const T *first = x + ((b * h + r_lo) * w + s_lo) * c;                            \
+        for (int64_t k = 0; k < c;) {                                                    \
+            const int64_t vectors = (c - k + 15) / 16;                                   \
+            const int nb = vectors >= 8 ? 8 : vectors >= 4 ? 4 : vectors >= 2 ? 2 : 1;   \
+            const int64_t m = nb == vectors ? c - k - 16 * (nb - 1) : 16;                \
+            if (nb == 8)                                                                 \
+                BLOCK##8(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);          \
+            else if (nb == 4)                                                            \
+                BLOCK##4(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);          \
+            else if (nb == 2)                                                            \
+                BLOCK##2(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);          \
+            else                                                                         \
+                BLOCK##1(first, out, k, m, r_hi - r_lo, s_hi - s_lo, w * c, c);          \
+            k += 16 * nb;                                                                \
+        })
 
 static inline __m512 load_f32(const float *p, int64_t m)
 {

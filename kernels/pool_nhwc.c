@@ -12,33 +12,24 @@
  * chunks (average). */
 #include <stdint.h>
 #include <string.h>
+#include "pool_window.h"
 #include "ttile_runtime.h"
 
 #define POOL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 /* The window loop of both element types: T the element, GT(v, o) "v replaces o". */
 #define MAXPOOL_BODY(T, GT)                                                              \
-    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)") \
-    for (int64_t b = 0; b < n; b++)                                                      \
-        for (int64_t oh = 0; oh < ho; oh++) {                                            \
-            const int64_t r0 = oh * sh - ph;                                             \
-            const int64_t r_lo = r0 < 0 ? 0 : r0, r_hi = r0 + kh > h ? h : r0 + kh;      \
-            for (int64_t ow = 0; ow < wo; ow++) {                                        \
-                const int64_t s0 = ow * sw - pw;                                         \
-                const int64_t s_lo = s0 < 0 ? 0 : s0, s_hi = s0 + kw > w ? w : s0 + kw;  \
-                T *restrict out = y + ((b * ho + oh) * wo + ow) * c;                     \
-                /* the window holds at least one pixel (padding <= half the kernel) */   \
-                memcpy(out, x + ((b * h + r_lo) * w + s_lo) * c, (size_t)c * sizeof(T)); \
-                for (int64_t r = r_lo; r < r_hi; r++)                                    \
-                    for (int64_t s = (r == r_lo ? s_lo + 1 : s_lo); s < s_hi; s++) {     \
-                        const T *restrict in = x + ((b * h + r) * w + s) * c;            \
-                        for (int64_t k = 0; k < c; k++) {                                \
-                            const T v = in[k], o = out[k];                               \
-                            out[k] = GT(v, o) ? v : o;                                   \
-                        }                                                                \
-                    }                                                                    \
-            }                                                                            \
-        }
+    POOL_FOR_EACH_WINDOW(                                                                \
+        T *restrict out = y + ((b * ho + oh) * wo + ow) * c;                             \
+        memcpy(out, x + ((b * h + r_lo) * w + s_lo) * c, (size_t)c * sizeof(T));         \
+        for (int64_t r = r_lo; r < r_hi; r++)                                            \
+            for (int64_t s = (r == r_lo ? s_lo + 1 : s_lo); s < s_hi; s++) {             \
+                const T *restrict in = x + ((b * h + r) * w + s) * c;                    \
+                for (int64_t k = 0; k < c; k++) {                                        \
+                    const T v = in[k], o = out[k];                                       \
+                    out[k] = GT(v, o) ? v : o;                                           \
+                }                                                                        \
+            })
 
 /* as torch: a NaN in the window is the window's maximum */
 #define F32_GT(v, o) ((v) > (o) || (v) != (v))

@@ -215,8 +215,7 @@ def packing(spec: ConvSpec, kind: KernelKind) -> Bf16Packing:
     even = reduced + (reduced & 1)
     if supers is not None:   # the whole input; a super-group's steps
         _, gc, gkq = supers
-        steps = gc // 32 + (gc % 32 > 0)
-        kc, cp = gc // steps, gc * (spec.groups // supers[0])
+        kc, cp = gc // -(-gc // 32), gc * (spec.groups // supers[0])
         if kind is KernelKind.DOT_BF16:
             kc = 2
         kp, k = 32 * gkq * (spec.groups // supers[0]), spec.k * spec.groups
